@@ -1,0 +1,145 @@
+"""One loader for policies, tokenizers and reward models, shared by train_ppo.py, scripts/ and notebooks.
+
+    from model.loader import load_policy
+    policy, tok = load_policy(weights="out/full_sft_128.pth", hidden_size=128, num_hidden_layers=4)
+    policy, tok = load_policy(hf_path="path/to/any/hf/causal-lm")
+
+Native MiniMind weights need the shape flags (the file holds tensors only); an HF directory
+carries its own config, tokenizer and chat template. Nothing is ever downloaded: paths must be
+local, and remote code runs only with `trust_remote_code=True` (the `--trust_remote_code` flag).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+from .config import MiniMindConfig
+from .modeling import MiniMindForCausalLM
+from .weights import WeightsError, load_native_weights, read_state_dict
+
+DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parent  # model/ ships tokenizer.json + config
+
+hf_logging.disable_progress_bar()
+
+
+def _local_dir(path: str | os.PathLike, flag: str) -> Path:
+    p = Path(path)
+    if not p.is_dir():
+        raise WeightsError(f"{flag} {path}: not a local directory (nothing is downloaded; give a saved Hugging Face folder)")
+    return p
+
+
+def load_tokenizer(path: str | os.PathLike | None = None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """A tokenizer directory (ours in model/, a MiniMind one, or an HF model's); pad defaults to eos."""
+    p = _local_dir(path or DEFAULT_TOKENIZER_DIR, "--tokenizer_path")
+    tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token  # needed for left-padded batches; masked out everywhere
+    return tok
+
+
+def detect_arch(state_dict: dict[str, torch.Tensor]) -> str:
+    """q_norm weights exist only in the current (qwen3) architecture."""
+    return "qwen3" if any(k.endswith("self_attn.q_norm.weight") for k in state_dict) else "llama"
+
+
+def build_minimind(
+    hidden_size: int = 512,
+    num_hidden_layers: int = 8,
+    use_moe: bool = False,
+    arch: str = "qwen3",
+    vocab_size: int = 6400,
+    **overrides,
+) -> MiniMindForCausalLM:
+    """A randomly initialised MiniMind model of the given shape (seed torch first for repeatability)."""
+    config = MiniMindConfig(
+        hidden_size=hidden_size, num_hidden_layers=num_hidden_layers, use_moe=use_moe, arch=arch,
+        vocab_size=vocab_size, **overrides,
+    )
+    return MiniMindForCausalLM(config)
+
+
+def load_policy(
+    *,
+    weights: str | os.PathLike | None = None,
+    hf_path: str | os.PathLike | None = None,
+    hidden_size: int = 512,
+    num_hidden_layers: int = 8,
+    use_moe: bool = False,
+    arch: str = "auto",
+    tokenizer_path: str | os.PathLike | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+) -> tuple[nn.Module, PreTrainedTokenizerBase]:
+    """Policy + tokenizer from a native `.pth` (with shape flags) or a local HF directory.
+
+    weights=None and hf_path=None builds a random MiniMind model (benchmarks, tests).
+    arch="auto" reads the architecture off the weights file (q_norm present -> qwen3).
+    """
+    if weights is not None and hf_path is not None:
+        raise ValueError("give either native weights (--from_weight) or an HF directory (--actor_path), not both")
+    if hf_path is not None:
+        d = _local_dir(hf_path, "--actor_path")
+        model = AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype, trust_remote_code=trust_remote_code)
+        tok = load_tokenizer(tokenizer_path or d, trust_remote_code=trust_remote_code)
+    else:
+        tok = load_tokenizer(tokenizer_path)
+        state = read_state_dict(weights) if weights is not None else None
+        if arch == "auto":
+            arch = detect_arch(state) if state is not None else "qwen3"
+        vocab = len(tok)
+        if state is not None and "model.embed_tokens.weight" in state:
+            vocab = state["model.embed_tokens.weight"].shape[0]
+        if vocab < len(tok):
+            raise WeightsError(
+                f"tokenizer has {len(tok)} tokens but the model's vocabulary is {vocab}: "
+                "use the tokenizer the weights were trained with (--tokenizer_path)"
+            )
+        model = build_minimind(hidden_size, num_hidden_layers, use_moe, arch, vocab_size=vocab)
+        if weights is not None:
+            load_native_weights(model, weights)
+        model = model.to(dtype)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model.to(device), tok
+
+
+def load_reward_model(
+    path: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+) -> tuple[nn.Module, PreTrainedTokenizerBase]:
+    """A frozen external reward model and its own tokenizer.
+
+    Any local `AutoModelForSequenceClassification` directory; with trust_remote_code, a
+    model exposing `get_score(tokenizer, messages)` (InternLM2-Reward style) loaded via AutoModel.
+    """
+    d = _local_dir(path, "--reward_model_path")
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(str(d), dtype=dtype, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError) as e:
+        if not trust_remote_code:
+            raise WeightsError(
+                f"--reward_model_path {path}: not a sequence-classification model ({str(e).splitlines()[0]}); "
+                "for a get_score() remote-code reward model add --trust_remote_code 1"
+            ) from None
+        from transformers import AutoModel
+
+        model = AutoModel.from_pretrained(str(d), dtype=dtype, trust_remote_code=True)
+    tok = AutoTokenizer.from_pretrained(str(d), trust_remote_code=trust_remote_code)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = tok.pad_token_id  # the classifier reads the last non-pad token
+    model.eval().requires_grad_(False)
+    return model.to(device), tok
+
+
+__all__ = ["load_policy", "load_tokenizer", "load_reward_model", "build_minimind", "detect_arch", "read_state_dict"]
