@@ -1,0 +1,163 @@
+"""Evaluate a policy on held-out RLAIF prompts: format rate, answer accuracy, RM score, length, EOS rate.
+
+    python scripts/eval_policy.py --weights out/full_sft_128.pth --hidden_size 128 --num_hidden_layers 4
+    python scripts/eval_policy.py --weights out/ppo_actor_128.pth --hidden_size 128 --num_hidden_layers 4 \\
+        --ref_weights out/full_sft_128.pth --temperature 0.8 --json out/eval_ppo.json
+    python scripts/eval_policy.py --hf_path path/to/hf_model --reward_model_path none
+
+Prints a table (overall and per task when the data rows carry a "task" key) and writes the
+figures, plus a few example replies, as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from dataset.rlaif import DataError, read_rlaif_jsonl  # noqa: E402
+from model.loader import load_policy, load_reward_model  # noqa: E402
+from model.weights import WeightsError  # noqa: E402
+from trainer.evaluate import evaluate_policy  # noqa: E402
+from trainer.rewards import RewardModelScorer  # noqa: E402
+
+DEFAULT_RM = "out/demo_rm"
+
+
+def read_tasks(path: str | Path, records: list) -> list[str | None] | None:
+    """The optional "task" key of each record's source line (records remember "path:lineno")."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    tasks = []
+    for rec in records:
+        lineno = int(rec.where.rsplit(":", 1)[1])
+        task = json.loads(lines[lineno - 1]).get("task")
+        tasks.append(task if isinstance(task, str) else None)
+    return tasks if any(t is not None for t in tasks) else None
+
+
+def _fmt(v: float | None, pct: bool = False) -> str:
+    if v is None:
+        return "-"
+    return f"{100 * v:.1f}%" if pct else f"{v:.3f}"
+
+
+def print_table(m: dict, label: str) -> None:
+    print(f"\n{label}")
+    print(f"  n                 {m['n']}")
+    print(f"  format rate       {_fmt(m['format_rate'], True)}")
+    print(f"  accuracy          {_fmt(m['accuracy'], True)}   (of {m['n_with_reference']} with a reference; "
+          f"in format {_fmt(m['accuracy_formatted'], True)}, plain {_fmt(m['accuracy_unformatted'], True)})")
+    print(f"  RM score mean     {_fmt(m['rm_score_mean'])}")
+    print(f"  mean length       {m['mean_response_len']:.1f} tokens (incl. EOS)")
+    print(f"  EOS rate          {_fmt(m['eos_rate'], True)}")
+    if m.get("kl_ref") is not None:
+        print(f"  KL to reference   {m['kl_ref']:.3f} nats/sequence")
+    if m.get("by_task"):
+        print(f"  {'task':<8} {'n':>5} {'format':>8} {'accuracy':>9}")
+        for task, t in m["by_task"].items():
+            print(f"  {task:<8} {t['n']:>5} {_fmt(t['format_rate'], True):>8} {_fmt(t['accuracy'], True):>9}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    src = p.add_argument_group("policy (one of)")
+    src.add_argument("--weights", default=None, help="native MiniMind .pth (needs the shape flags)")
+    src.add_argument("--hf_path", default=None, help="local Hugging Face causal-LM directory")
+    p.add_argument("--hidden_size", type=int, default=128)
+    p.add_argument("--num_hidden_layers", type=int, default=4)
+    p.add_argument("--use_moe", type=int, default=0, choices=(0, 1))
+    p.add_argument("--arch", default="auto", choices=("auto", "qwen3", "llama"))
+    p.add_argument("--tokenizer_path", default=None)
+    p.add_argument("--reward_model_path", default=None,
+                   help=f"sequence-classification RM directory (default {DEFAULT_RM} if it exists; 'none' to skip)")
+    p.add_argument("--ref_weights", default=None, help="native .pth of a reference policy: also report KL to it")
+    p.add_argument("--data_path", default="dataset/demo_eval.jsonl")
+    p.add_argument("--n", type=int, default=0, help="evaluate the first n prompts (0 = all)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--max_prompt_len", type=int, default=256)
+    p.add_argument("--thinking_ratio", type=float, default=1.0)
+    p.add_argument("--batch_size", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num_threads", type=int, default=0, help="torch threads (0 = all cores)")
+    p.add_argument("--json", default="out/eval.json", help="write the figures here ('' to skip)")
+    p.add_argument("--examples", type=int, default=8, help="example replies to print and keep in the JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if (args.weights is None) == (args.hf_path is None):
+        raise SystemExit("give exactly one of --weights PATH (native .pth) or --hf_path DIR")
+    if args.num_threads > 0:
+        torch.set_num_threads(args.num_threads)
+    t0 = time.time()
+    try:
+        policy, tokenizer = load_policy(
+            weights=args.weights, hf_path=args.hf_path, hidden_size=args.hidden_size,
+            num_hidden_layers=args.num_hidden_layers, use_moe=bool(args.use_moe), arch=args.arch,
+            tokenizer_path=args.tokenizer_path,
+        )
+        ref_policy = None
+        if args.ref_weights:
+            ref_policy, _ = load_policy(
+                weights=args.ref_weights, hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
+                use_moe=bool(args.use_moe), arch=args.arch, tokenizer_path=args.tokenizer_path,
+            )
+            ref_policy.eval().requires_grad_(False)
+        rm_path = args.reward_model_path
+        if rm_path is None:
+            rm_path = DEFAULT_RM if Path(DEFAULT_RM).is_dir() else "none"
+        scorer = None
+        if rm_path.lower() != "none":
+            rm, rm_tok = load_reward_model(rm_path)
+            scorer = RewardModelScorer(rm, rm_tok)
+        records, _ = read_rlaif_jsonl(args.data_path)
+    except (WeightsError, DataError) as e:
+        raise SystemExit(str(e)) from None
+    if args.n > 0:
+        records = records[: args.n]
+    tasks = read_tasks(args.data_path, records)
+    policy.eval()
+
+    metrics = evaluate_policy(
+        policy, tokenizer, records, rm_scorer=scorer, ref_policy=ref_policy, batch_size=args.batch_size,
+        max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_p=args.top_p, seed=args.seed, thinking_ratio=args.thinking_ratio, tasks=tasks, return_rows=True,
+    )
+    rows = metrics.pop("rows")
+    elapsed = time.time() - t0
+    source = args.weights or args.hf_path
+    mode = "greedy" if args.temperature == 0 else f"T={args.temperature:g}, top_p={args.top_p:g}"
+    print_table(metrics, f"{source} on {args.data_path} ({mode}, max {args.max_new_tokens} new tokens, "
+                         f"RM {rm_path}) in {elapsed:.0f} s")
+    for row in rows[: args.examples]:
+        mark = "ok " if row["correct"] else "bad" if row["correct"] is not None else "   "
+        user = row["prompt"].rsplit("<|im_start|>user\n", 1)[-1].split("<|im_end|>")[0]
+        print(f"  [{mark}|{'fmt' if row['format_ok'] else '   '}] {user!r} -> {row['reply']!r}")
+
+    result = {
+        "source": source, "data_path": args.data_path, "temperature": args.temperature, "top_p": args.top_p,
+        "max_new_tokens": args.max_new_tokens, "seed": args.seed, "reward_model_path": rm_path,
+        "ref_weights": args.ref_weights, "seconds": round(elapsed, 1), **metrics,
+        "examples": rows[: args.examples],
+    }
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""Train the demo's small reward model: a stock `Qwen3ForSequenceClassification` (num_labels=1)
+fitted with the Bradley-Terry loss -logsigmoid(r_chosen - r_rejected) on preference pairs.
+
+Rebuild the shipped artifact (from the repository root; a few minutes on a 2-core CPU):
+
+    python scripts/train_reward_model.py     # -> out/demo_rm/ (config.json, model.safetensors, tokenizer)
+
+Pairs file rows: {"conversations": [user...], "chosen": reply, "rejected": reply, "kind": ...}.
+Each side is scored on the conversation + {"role": "assistant", "content": reply}, rendered with the
+tokenizer's chat template without a generation prompt and tokenised exactly as
+trainer.rewards.RewardModelScorer does at PPO time, so training and use see the same tokens.
+The output directory loads with `AutoModelForSequenceClassification.from_pretrained(dir)` (no
+remote code) and with `model.loader.load_reward_model(dir)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from transformers import Qwen3Config, Qwen3ForSequenceClassification  # noqa: E402
+
+from model.loader import load_reward_model, load_tokenizer  # noqa: E402
+from trainer.rewards import RewardModelScorer  # noqa: E402
+
+
+def encode_conversation(tokenizer: Any, conversation: list[dict], max_length: int) -> list[int]:
+    """Token ids of a chat ending with the assistant reply, as RewardModelScorer encodes it
+    (chat template without generation prompt, no extra special tokens, keep the last max_length)."""
+    text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])[-max_length:]
+
+
+def read_pairs(path: str | Path, tokenizer: Any, max_length: int) -> tuple[list[list[int]], list[list[int]], list[str]]:
+    """(chosen ids, rejected ids, kind) per line of a pairs jsonl."""
+    path = Path(path)
+    if not path.is_file():
+        raise SystemExit(f"{path}: no such file (build it with: python scripts/make_demo_data.py)")
+    chosen, rejected, kinds = [], [], []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                conv = [{"role": m["role"], "content": m["content"]} for m in row["conversations"]]
+                good, bad = row["chosen"], row["rejected"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise SystemExit(f"{path}:{lineno}: expected {{'conversations': [...], 'chosen': str, 'rejected': str}} "
+                                 f"({type(e).__name__}: {e})") from None
+            if not isinstance(good, str) or not isinstance(bad, str):
+                raise SystemExit(f"{path}:{lineno}: 'chosen' and 'rejected' must be strings (the assistant replies)")
+            chosen.append(encode_conversation(tokenizer, conv + [{"role": "assistant", "content": good}], max_length))
+            rejected.append(encode_conversation(tokenizer, conv + [{"role": "assistant", "content": bad}], max_length))
+            kinds.append(str(row.get("kind", "all")))
+    if not chosen:
+        raise SystemExit(f"{path}: no pairs")
+    return chosen, rejected, kinds
+
+
+def collate(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded input_ids [N, T] and attention_mask [N, T] (the scorer's default padding side)."""
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        input_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        attention_mask[i, : len(r)] = 1
+    return input_ids, attention_mask
+
+
+def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Tensor:
+    """-log sigmoid(r_chosen - r_rejected), averaged over pairs."""
+    return -F.logsigmoid(r_chosen - r_rejected).mean()
+
+
+def rewards_of(model: torch.nn.Module, rows: list[list[int]], pad_id: int) -> torch.Tensor:
+    """Scalar reward per row [N] (fp32)."""
+    input_ids, attention_mask = collate(rows, pad_id)
+    return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0].float()
+
+
+def pair_accuracy(margins: torch.Tensor, kinds: list[str]) -> dict[str, float]:
+    """Share of pairs with r_chosen > r_rejected, overall ("all") and per kind."""
+    wins = (margins > 0).tolist()
+    groups: dict[str, list[bool]] = defaultdict(list)
+    for w, k in zip(wins, kinds):
+        groups[k].append(w)
+    out = {"all": sum(wins) / len(wins)}
+    out.update({k: sum(v) / len(v) for k, v in sorted(groups.items())})
+    return out
+
+
+def lr_at(step: int, total_steps: int, warmup_steps: int, base_lr: float, min_lr_ratio: float) -> float:
+    if step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return base_lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def build_reward_model(tokenizer: Any, hidden_size: int, num_hidden_layers: int, num_heads: int,
+                       max_length: int) -> Qwen3ForSequenceClassification:
+    """A randomly initialised stock Qwen3 classifier sized for the demo (seed torch first)."""
+    if hidden_size % num_heads:
+        raise SystemExit(f"--hidden_size {hidden_size} is not divisible by --num_attention_heads {num_heads}")
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=math.ceil(hidden_size * math.pi / 64) * 64,  # MiniMind's FFN width rule
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max(512, max_length),
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        tie_word_embeddings=False,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,  # the classifier reads the last non-pad token
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        use_cache=False,
+    )
+    return Qwen3ForSequenceClassification(config)
+
+
+@torch.no_grad()
+def evaluate_pairs(model: torch.nn.Module, chosen: list[list[int]], rejected: list[list[int]], kinds: list[str],
+                   pad_id: int, batch_size: int = 256) -> dict[str, float]:
+    was_training = model.training
+    model.eval()
+    margins = []
+    for s in range(0, len(chosen), batch_size):
+        r = rewards_of(model, chosen[s : s + batch_size] + rejected[s : s + batch_size], pad_id)
+        k = len(chosen[s : s + batch_size])
+        margins.append(r[:k] - r[k:])
+    model.train(was_training)
+    return pair_accuracy(torch.cat(margins), kinds)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Train the demo reward model (Bradley-Terry, CPU, bf16 autocast).")
+    p.add_argument("--data_path", default="dataset/demo_pairs.jsonl")
+    p.add_argument("--eval_data_path", default="dataset/demo_pairs_eval.jsonl")
+    p.add_argument("--tokenizer_path", default=None, help="tokenizer directory (default: model/)")
+    p.add_argument("--save_path", default="out/demo_rm", help="output Hugging Face directory")
+    p.add_argument("--hidden_size", type=int, default=128)
+    p.add_argument("--num_hidden_layers", type=int, default=4)
+    p.add_argument("--num_attention_heads", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--max_steps", type=int, default=900, help="stop after this many optimizer steps (0 = all epochs)")
+    p.add_argument("--batch_size", type=int, default=32, help="pairs per step")
+    p.add_argument("--learning_rate", type=float, default=2e-3)
+    p.add_argument("--min_lr_ratio", type=float, default=0.05)
+    p.add_argument("--warmup_steps", type=int, default=50)
+    p.add_argument("--weight_decay", type=float, default=0.01)
+    p.add_argument("--grad_clip", type=float, default=1.0)
+    p.add_argument("--max_length", type=int, default=512, help="tokens per scored conversation (end kept)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="autocast dtype on CPU")
+    p.add_argument("--num_threads", type=int, default=0, help="torch threads (0 = all cores)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--log_interval", type=int, default=50)
+    p.add_argument("--eval_interval", type=int, default=300)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.num_threads > 0:
+        torch.set_num_threads(args.num_threads)
+    torch.manual_seed(args.seed)
+    t0 = time.time()
+    tokenizer = load_tokenizer(args.tokenizer_path)
+    pad_id = tokenizer.pad_token_id
+    chosen, rejected, kinds = read_pairs(args.data_path, tokenizer, args.max_length)
+    ev_chosen, ev_rejected, ev_kinds = read_pairs(args.eval_data_path, tokenizer, args.max_length)
+    n = len(chosen)
+    steps_per_epoch = n // args.batch_size
+    if steps_per_epoch == 0:
+        raise SystemExit(f"--batch_size {args.batch_size} is larger than the {n} pairs in {args.data_path}")
+    total_steps = args.epochs * steps_per_epoch
+    if args.max_steps > 0:
+        total_steps = min(total_steps, args.max_steps)
+
+    model = build_reward_model(tokenizer, args.hidden_size, args.num_hidden_layers, args.num_attention_heads, args.max_length)
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    decay = [p for name, p in model.named_parameters() if p.ndim >= 2 and "embed_tokens" not in name]
+    no_decay = [p for name, p in model.named_parameters() if not (p.ndim >= 2 and "embed_tokens" not in name)]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.learning_rate, betas=(0.9, 0.95),
+    )
+    use_amp = args.dtype == "bfloat16"
+    print(f"RM: {n} train pairs, {len(ev_chosen)} eval pairs, {n_params / 1e6:.2f}M parameters, {total_steps} steps "
+          f"of {args.batch_size} pairs ({total_steps * args.batch_size / n:.2f} epochs), lr {args.learning_rate}")
+
+    step, running, running_acc, t_train = 0, 0.0, 0.0, time.time()
+    for epoch in range(args.epochs):
+        order = np.random.default_rng([args.seed, epoch]).permutation(n)
+        for b in range(steps_per_epoch):
+            if step >= total_steps:
+                break
+            idx = order[b * args.batch_size : (b + 1) * args.batch_size]
+            lr = lr_at(step, total_steps, args.warmup_steps, args.learning_rate, args.min_lr_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_amp):
+                # Both sides in one forward: one padded batch [2B, T] is cheaper than two.
+                r = rewards_of(model, [chosen[i] for i in idx] + [rejected[i] for i in idx], pad_id)
+            r_chosen, r_rejected = r[: len(idx)], r[len(idx) :]
+            loss = bradley_terry_loss(r_chosen, r_rejected)
+            if not torch.isfinite(loss):
+                raise SystemExit(f"non-finite loss at step {step}: lower --learning_rate")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if args.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            optimizer.step()
+            running += loss.item()
+            running_acc += (r_chosen > r_rejected).float().mean().item()
+            step += 1
+            if step % args.log_interval == 0:
+                elapsed = time.time() - t_train
+                print(f"step {step:5d}/{total_steps}  loss {running / args.log_interval:.4f}  "
+                      f"train acc {running_acc / args.log_interval:.3f}  lr {lr:.2e}  {elapsed / step:.3f} s/step", flush=True)
+                running = running_acc = 0.0
+            if args.eval_interval > 0 and step % args.eval_interval == 0 and step < total_steps:
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_amp):
+                    acc = evaluate_pairs(model, ev_chosen, ev_rejected, ev_kinds, pad_id)
+                print(f"  held-out pair accuracy {acc['all']:.3f}", flush=True)
+    train_time = time.time() - t_train
+
+    save = Path(args.save_path)
+    save.mkdir(parents=True, exist_ok=True)
+    model.eval()
+    model.save_pretrained(save)
+    tokenizer.save_pretrained(save)
+
+    # Held-out accuracy through the exact PPO path: reload from disk, score with RewardModelScorer.
+    rm, rm_tok = load_reward_model(save)
+    scorer = RewardModelScorer(rm, rm_tok, max_length=args.max_length, batch_size=256)
+    ev_rows = [json.loads(line) for line in Path(args.eval_data_path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    convs = [[{"role": m["role"], "content": m["content"]} for m in row["conversations"]] for row in ev_rows]
+    s_chosen = scorer.score([c + [{"role": "assistant", "content": row["chosen"]}] for c, row in zip(convs, ev_rows)])
+    s_rejected = scorer.score([c + [{"role": "assistant", "content": row["rejected"]}] for c, row in zip(convs, ev_rows)])
+    # Scores are clipped at +-clip: a tie at the clip bound counts as a miss, as PPO could not tell them apart.
+    acc = pair_accuracy(s_chosen - s_rejected, [str(r.get("kind", "all")) for r in ev_rows])
+    size_mb = sum(f.stat().st_size for f in save.iterdir()) / 1e6
+    print(f"held-out pair accuracy (reloaded, RewardModelScorer, fp32): {acc['all']:.3f}  "
+          + "  ".join(f"{k} {v:.3f}" for k, v in acc.items() if k != "all"))
+    print(f"scores: chosen mean {s_chosen.mean():.2f}, rejected mean {s_rejected.mean():.2f} (clip +-{scorer.clip:g})")
+    print(f"saved {save}/ ({size_mb:.1f} MB) ; train {train_time:.0f} s, total {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Full-parameter SFT of a small MiniMind model from random init: the demo's starting policy.
+
+Rebuild the shipped artifact (from the repository root; ~5 minutes on a 2-core CPU):
+
+    python scripts/train_sft.py          # -> out/full_sft_128.pth (MiniMind native format, fp16)
+
+The defaults are the shipped recipe (hidden 128 x 4 layers, batch 64, 700 steps, lr 3e-3, seed 42).
+`dataset/demo_sft.jsonl` mixes full reasoning replies and plain answers 50/50, so the policy
+starts using the reasoning format on about half of the prompts with middling accuracy: room
+for PPO to win on both.
+
+Tokenisation matches PPO's generation prompts exactly: the prompt part is the chat template with
+add_generation_prompt=True and open_thinking=True (ending in "<think>\\n"), tokenised on its own
+like dataset/rlaif.py does; the target is the assistant content after that "<think>\\n" prefix plus
+the `<|im_end|>` EOS token. Loss is taken on target tokens only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from dataset.rlaif import render_prompt  # noqa: E402
+from model.loader import build_minimind, load_tokenizer  # noqa: E402
+from model.weights import native_weight_path, save_native_weights  # noqa: E402
+
+IGNORE_INDEX = -100
+THINK_PREFIX = "<think>\n"
+
+
+def encode_sft_example(tokenizer: Any, conversations: list[dict], where: str = "") -> tuple[list[int], list[int]]:
+    """(input_ids, labels) for one conversation ending with the assistant turn to learn.
+
+    input_ids = prompt tokens (as PPO renders them, ending in "<think>\\n") + target tokens + EOS;
+    labels are IGNORE_INDEX on the prompt so only the reply (and its EOS) is learned.
+    """
+    if not conversations or conversations[-1].get("role") != "assistant":
+        raise ValueError(f"{where}: the conversation must end with the assistant reply to learn")
+    reply = conversations[-1].get("content")
+    if not isinstance(reply, str) or not reply.startswith(THINK_PREFIX):
+        raise ValueError(
+            f"{where}: the assistant content must start with {THINK_PREFIX!r} (the prefix the chat "
+            "template forces with open_thinking); regenerate the data with scripts/make_demo_data.py"
+        )
+    messages = [{"role": m["role"], "content": m["content"]} for m in conversations[:-1]]
+    prompt = render_prompt(tokenizer, messages, open_thinking=True)
+    if not prompt.endswith(THINK_PREFIX):
+        raise ValueError(f"the tokenizer's chat template does not end generation prompts with {THINK_PREFIX!r}; "
+                         "use the project tokenizer (model/)")
+    prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+    target_ids = list(tokenizer.encode(reply[len(THINK_PREFIX):], add_special_tokens=False)) + [tokenizer.eos_token_id]
+    return prompt_ids + target_ids, [IGNORE_INDEX] * len(prompt_ids) + target_ids
+
+
+def read_sft_jsonl(path: str | Path, tokenizer: Any, max_seq_len: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Encode every line of an SFT jsonl ({"conversations": [...]}); too-long rows are an error."""
+    path = Path(path)
+    if not path.is_file():
+        raise SystemExit(f"--data_path {path}: no such file (build it with: python scripts/make_demo_data.py)")
+    inputs, labels = [], []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                conv = json.loads(line)["conversations"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise SystemExit(f"{where}: not a JSON object with 'conversations' ({type(e).__name__})") from None
+            try:
+                ids, labs = encode_sft_example(tokenizer, conv, where)
+            except ValueError as e:
+                raise SystemExit(str(e)) from None
+            if len(ids) > max_seq_len:
+                # Cutting would drop the EOS the policy must learn to emit: refuse instead.
+                raise SystemExit(f"{where}: {len(ids)} tokens > --max_seq_len {max_seq_len}; raise --max_seq_len")
+            inputs.append(ids)
+            labels.append(labs)
+    if not inputs:
+        raise SystemExit(f"--data_path {path}: no conversations")
+    return inputs, labels
+
+
+def collate_right_pad(inputs: list[list[int]], labels: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad to the longest row: input_ids [B, T] (pad_id), labels [B, T] (IGNORE_INDEX).
+
+    Right pads come after every real token, so causal attention needs no padding mask."""
+    width = max(len(x) for x in inputs)
+    input_ids = torch.full((len(inputs), width), pad_id, dtype=torch.long)
+    target = torch.full((len(inputs), width), IGNORE_INDEX, dtype=torch.long)
+    for row, (ids, labs) in enumerate(zip(inputs, labels)):
+        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        target[row, : len(labs)] = torch.tensor(labs, dtype=torch.long)
+    return input_ids, target
+
+
+def lr_at(step: int, total_steps: int, warmup_steps: int, base_lr: float, min_lr_ratio: float) -> float:
+    """Linear warmup to base_lr, then cosine decay to base_lr * min_lr_ratio at total_steps."""
+    if step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return base_lr * (min_lr_ratio + (1.0 - min_lr_ratio) * cosine)
+
+
+def sft_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over target tokens; logits only where a target exists."""
+    hidden = model.model(input_ids=input_ids).last_hidden_state  # [B, T, H]
+    targets = labels[:, 1:]  # [B, T-1]: position t predicts token t+1
+    keep = targets != IGNORE_INDEX
+    # Prompt positions need no vocabulary projection: skipping them saves most of the head's FLOPs.
+    logits = model.lm_head(hidden[:, :-1][keep])  # [N, V]
+    return F.cross_entropy(logits.float(), targets[keep])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Full SFT of a MiniMind model on the demo data (CPU, bf16 autocast).")
+    p.add_argument("--data_path", default="dataset/demo_sft.jsonl")
+    p.add_argument("--tokenizer_path", default=None, help="tokenizer directory (default: model/)")
+    p.add_argument("--save_dir", default="out")
+    p.add_argument("--save_weight", default="full_sft", help="file prefix: <save_dir>/<save_weight>_<hidden>.pth")
+    p.add_argument("--hidden_size", type=int, default=128)
+    p.add_argument("--num_hidden_layers", type=int, default=4)
+    p.add_argument("--use_moe", type=int, default=0, choices=(0, 1))
+    p.add_argument("--arch", default="qwen3", choices=("qwen3", "llama"))
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--max_steps", type=int, default=700, help="stop after this many optimizer steps (0 = all epochs)")
+    p.add_argument("--batch_size", type=int, default=64)
+    p.add_argument("--learning_rate", type=float, default=3e-3)
+    p.add_argument("--min_lr_ratio", type=float, default=0.1, help="cosine floor as a share of --learning_rate")
+    p.add_argument("--warmup_steps", type=int, default=50)
+    p.add_argument("--weight_decay", type=float, default=0.01)
+    p.add_argument("--grad_clip", type=float, default=1.0)
+    p.add_argument("--max_seq_len", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="autocast dtype on CPU")
+    p.add_argument("--num_threads", type=int, default=0, help="torch threads (0 = all cores)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--log_interval", type=int, default=50)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    for flag in ("batch_size", "epochs", "hidden_size", "num_hidden_layers", "max_seq_len"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag} must be >= 1")
+    if args.num_threads > 0:
+        torch.set_num_threads(args.num_threads)
+    torch.manual_seed(args.seed)
+    t0 = time.time()
+
+    tokenizer = load_tokenizer(args.tokenizer_path)
+    inputs, labels = read_sft_jsonl(args.data_path, tokenizer, args.max_seq_len)
+    n = len(inputs)
+    steps_per_epoch = n // args.batch_size  # drop the ragged last batch: every step sees batch_size rows
+    if steps_per_epoch == 0:
+        raise SystemExit(f"--batch_size {args.batch_size} is larger than the {n} conversations in {args.data_path}")
+    total_steps = args.epochs * steps_per_epoch
+    if args.max_steps > 0:
+        total_steps = min(total_steps, args.max_steps)
+
+    model = build_minimind(args.hidden_size, args.num_hidden_layers, bool(args.use_moe), args.arch,
+                           vocab_size=len(tokenizer))
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    # No weight decay on norms and embeddings (1-D gains; the tied embedding is also the head).
+    decay = [p for name, p in model.named_parameters() if p.ndim >= 2 and "embed_tokens" not in name]
+    no_decay = [p for name, p in model.named_parameters() if not (p.ndim >= 2 and "embed_tokens" not in name)]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.learning_rate, betas=(0.9, 0.95),
+    )
+    amp_dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
+    print(f"SFT: {n} conversations, {n_params / 1e6:.2f}M parameters, {total_steps} steps of {args.batch_size} "
+          f"({total_steps * args.batch_size / n:.2f} epochs), lr {args.learning_rate}, {torch.get_num_threads()} threads")
+
+    step, running, t_train = 0, 0.0, time.time()
+    for epoch in range(args.epochs):
+        order = np.random.default_rng([args.seed, epoch]).permutation(n)
+        for b in range(steps_per_epoch):
+            if step >= total_steps:
+                break
+            idx = order[b * args.batch_size : (b + 1) * args.batch_size]
+            input_ids, target = collate_right_pad([inputs[i] for i in idx], [labels[i] for i in idx], tokenizer.pad_token_id)
+            lr = lr_at(step, total_steps, args.warmup_steps, args.learning_rate, args.min_lr_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp_dtype is not None):
+                loss = sft_loss(model, input_ids, target)
+            if not torch.isfinite(loss):
+                raise SystemExit(f"non-finite loss at step {step}: lower --learning_rate")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if args.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            optimizer.step()
+            running += loss.item()
+            step += 1
+            if step % args.log_interval == 0 or step == total_steps:
+                k = args.log_interval if step % args.log_interval == 0 else step % args.log_interval
+                elapsed = time.time() - t_train
+                print(f"step {step:5d}/{total_steps}  epoch {epoch + 1}  loss {running / k:.4f}  lr {lr:.2e}  "
+                      f"{elapsed / step:.3f} s/step  eta {(total_steps - step) * elapsed / step:.0f} s", flush=True)
+                running = 0.0
+
+    path = native_weight_path(args.save_dir, args.save_weight, args.hidden_size, bool(args.use_moe))
+    model.eval()
+    save_native_weights(model, path)
+    print(f"saved {path} ({path.stat().st_size / 1e6:.1f} MB) after {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+import math
+
+import pytest
+import torch
+
+from dataset.rlaif import PromptRecord
+from model.generation import Samples
+from model.loader import build_minimind, load_tokenizer
+from trainer import evaluate as ev
+from trainer.evaluate import evaluate_policy, response_logprobs, score_replies
+
+FULL_7 = "<think>\n3+4=7\n</think>\n<answer>\n7\n</answer>"
+FULL_8 = "<think>\n3+4=8\n</think>\n<answer>\n8\n</answer>"
+PLAIN_7 = "<think>\n\n</think>\n7"
+
+EXPECTED_KEYS = {"n", "format_rate", "accuracy", "n_with_reference", "accuracy_formatted", "accuracy_unformatted",
+                 "mean_response_len", "eos_rate", "rm_score_mean", "kl_ref"}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+def tiny_model(tok, seed: int = 0):
+    torch.manual_seed(seed)
+    return build_minimind(32, 1, vocab_size=len(tok)).eval()
+
+
+def records(n: int = 5) -> list[PromptRecord]:
+    out = []
+    for i in range(n):
+        ref = None if i == n - 1 else str(i + 3)
+        out.append(PromptRecord(messages=[{"role": "user", "content": f"What is {i} + 3?"}], reference=ref,
+                                where=f"mem:{i + 1}"))
+    return out
+
+
+def test_score_replies_hand_counted():
+    replies = [FULL_7, PLAIN_7, FULL_8, "no idea", FULL_7]
+    refs = ["7", "7", "7", "7", None]
+    tasks = ["add", "add", "mul", "mul", "mul"]
+    s = score_replies(replies, refs, tasks)
+    assert s["n"] == 5
+    assert s["format_ok"] == [True, False, True, False, True]
+    assert s["correct"] == [True, True, False, False, None]
+    assert s["format_rate"] == pytest.approx(3 / 5)
+    assert s["n_with_reference"] == 4
+    assert s["accuracy"] == pytest.approx(2 / 4)
+    assert s["accuracy_formatted"] == pytest.approx(1 / 2)  # FULL_7 right, FULL_8 wrong
+    assert s["accuracy_unformatted"] == pytest.approx(1 / 2)  # PLAIN_7 right, "no idea" wrong
+    assert s["by_task"] == {
+        "add": {"n": 2, "format_rate": 0.5, "accuracy": 1.0},
+        "mul": {"n": 3, "format_rate": pytest.approx(2 / 3), "accuracy": 0.0},
+    }
+
+
+def test_score_replies_without_references_gives_none_not_nan():
+    s = score_replies([FULL_7], [None])
+    assert s["accuracy"] is None and s["accuracy_formatted"] is None and s["n_with_reference"] == 0
+    with pytest.raises(ValueError, match="2 replies but 1 references"):
+        score_replies([FULL_7, FULL_7], ["7"])
+
+
+def test_evaluate_policy_on_random_model_is_in_range_and_deterministic(tok):
+    policy = tiny_model(tok)
+    kwargs = dict(batch_size=2, max_new_tokens=6, temperature=1.0, seed=3)
+    m = evaluate_policy(policy, tok, records(), ref_policy=tiny_model(tok, seed=1), **kwargs)
+    assert EXPECTED_KEYS <= set(m)
+    assert m["n"] == 5 and m["n_with_reference"] == 4
+    for key in ("format_rate", "accuracy", "eos_rate"):
+        assert 0.0 <= m[key] <= 1.0
+    assert 1.0 <= m["mean_response_len"] <= 6.0
+    assert m["rm_score_mean"] is None
+    assert math.isfinite(m["kl_ref"])
+    # Same seed -> same samples; the caller's RNG is left untouched.
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    again = evaluate_policy(policy, tok, records(), ref_policy=tiny_model(tok, seed=1), **kwargs)
+    assert again == m
+    assert torch.equal(torch.rand(1), before)
+
+
+def test_kl_to_itself_is_zero_and_logprobs_match_full_forward(tok):
+    policy = tiny_model(tok)
+    m = evaluate_policy(policy, tok, records(3), ref_policy=policy, batch_size=3, max_new_tokens=4, temperature=1.0)
+    assert m["kl_ref"] == pytest.approx(0.0, abs=1e-6)
+    # Left padding must not change a row's log-probs (positions follow the mask).
+    seq = torch.tensor([[5, 6, 7, 8, 9]])
+    alone = response_logprobs(policy, seq, torch.ones_like(seq), prompt_len=3)
+    padded = torch.tensor([[0, 0, 5, 6, 7, 8, 9]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1]])
+    with_pads = response_logprobs(policy, padded, mask, prompt_len=5)
+    assert torch.allclose(alone, with_pads, atol=1e-5)
+    logits = policy(input_ids=seq).logits[0].float()
+    expected = torch.log_softmax(logits, -1)[[2, 3], [8, 9]]
+    assert torch.allclose(alone[0], expected, atol=1e-5)
+
+
+class FakeScorer:
+    """Scores a conversation by the length of its final assistant reply; records what it saw."""
+
+    def __init__(self):
+        self.seen = []
+
+    def score(self, conversations):
+        self.seen += conversations
+        return torch.tensor([float(len(c[-1]["content"])) for c in conversations])
+
+
+def test_bookkeeping_with_a_scripted_sampler(tok, monkeypatch):
+    """The sampler returns known tokens: replies, lengths, EOS and RM inputs are checked by hand."""
+    texts = ["3+4=7\n</think>\n<answer>\n3\n</answer>", "\n</think>\n4", "\n</think>\n9"]  # right, right, wrong
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    bodies = [tok.encode(t, add_special_tokens=False) for t in texts]
+    has_eos = [True, True, False]
+
+    def fake_sample(model, input_ids, attention_mask, **kw):
+        B, P = input_ids.shape
+        rows = [b + [eos] if e else b for b, e in zip(bodies[:B], has_eos[:B])]
+        R = max(len(r) for r in rows) + 2  # trailing pads after EOS, as generate() leaves them
+        resp = torch.full((B, R), pad, dtype=torch.long)
+        mask = torch.zeros((B, R), dtype=torch.long)
+        for i, r in enumerate(rows):
+            resp[i, : len(r)] = torch.tensor(r)
+            mask[i, : len(r)] = 1
+        return Samples(sequences=torch.cat([input_ids, resp], 1), response_mask=mask, has_eos=torch.tensor(has_eos[:B]))
+
+    monkeypatch.setattr(ev, "sample", fake_sample)
+    scorer = FakeScorer()
+    m = evaluate_policy(tiny_model(tok), tok, records(3), rm_scorer=scorer, batch_size=8, return_rows=True)
+    replies = ["<think>\n" + t for t in texts]
+    assert [r["reply"] for r in m["rows"]] == replies
+    assert m["format_rate"] == pytest.approx(1 / 3)
+    assert m["accuracy"] == pytest.approx(2 / 3)  # references are "3", "4", "5"
+    assert m["accuracy_formatted"] == 1.0 and m["accuracy_unformatted"] == 0.5
+    lengths = [len(b) + e for b, e in zip(bodies, has_eos)]
+    assert m["mean_response_len"] == pytest.approx(sum(lengths) / 3)
+    assert m["eos_rate"] == pytest.approx(2 / 3)
+    assert m["rm_score_mean"] == pytest.approx(sum(len(r) for r in replies) / 3)
+    assert scorer.seen[1] == [{"role": "user", "content": "What is 1 + 3?"}, {"role": "assistant", "content": replies[1]}]
+
+
+def test_bad_arguments_fail_clearly(tok):
+    with pytest.raises(ValueError, match="no records"):
+        evaluate_policy(tiny_model(tok), tok, [])
+    with pytest.raises(ValueError, match="temperature"):
+        evaluate_policy(tiny_model(tok), tok, records(1), temperature=-1.0)

@@ -1,0 +1,249 @@
+"""Sampling from left-padded prompts: cache == no cache, padding invariance, masks after EOS, knobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.generation import Samples, response_mask_from_tokens, sample
+from model.loader import build_minimind
+
+EOS, PAD = 2, 0
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """What the trainer does: pads do not count, pad slots get position 0."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _left_pad(prompts: list[list[int]], pad: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
+    P = max(map(len, prompts))
+    ids = torch.full((len(prompts), P), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), P), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):] = torch.tensor(p)
+        mask[i, P - len(p):] = 1
+    return ids, mask
+
+
+def _scramble(m: torch.nn.Module, seed: int, std: float = 0.2) -> torch.nn.Module:
+    """Large random weights: at the default init (std 0.02) a tiny model just repeats its last token."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g) if p.ndim == 1 else std * torch.randn(p.shape, generator=g))
+    return m
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return _scramble(build_minimind(64, 2, vocab_size=256), seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def lm8():
+    """Vocabulary of 8: sampled rows hit EOS (id 2) at varied steps."""
+    torch.manual_seed(0)
+    return build_minimind(64, 2, vocab_size=8).eval()
+
+
+PROMPTS = [[17, 45, 99], [5, 6, 7, 8, 9, 10, 11], [200, 13, 13, 4, 180]]
+
+
+# ---------------------------------------------------------------- response_mask_from_tokens
+
+
+def test_response_mask_from_tokens_hand_written():
+    responses = torch.tensor([
+        [5, 6, 2, 7, 8],  # EOS mid-row
+        [2, 5, 6, 7, 8],  # EOS first
+        [5, 6, 7, 8, 9],  # no EOS
+        [5, 2, 2, 0, 0],  # two EOS: the first one ends the response
+    ])
+    mask, has_eos = response_mask_from_tokens(responses, EOS)
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert has_eos.tolist() == [True, True, False, True]
+
+
+def test_response_mask_with_several_eos_ids():
+    responses = torch.tensor([[5, 9, 6, 2], [5, 6, 7, 8]])
+    mask, has_eos = response_mask_from_tokens(responses, [2, 9])
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert has_eos.tolist() == [True, False]
+
+
+# ---------------------------------------------------------------- forward: padding invariance
+
+
+def test_padded_logits_equal_unpadded(lm):
+    ids, mask = _left_pad(PROMPTS)
+    with torch.no_grad():
+        batch = lm(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)).logits
+        for i, p in enumerate(PROMPTS):
+            alone = lm(input_ids=torch.tensor([p])).logits[0]  # [len, V]
+            got = batch[i, ids.shape[1] - len(p):]
+            assert torch.allclose(got, alone, atol=1e-5), (i, (got - alone).abs().max())
+            # The same prompt, padded on its own (batch of one with pads).
+            pad = 4
+            ids1 = torch.tensor([[PAD] * pad + p])
+            mask1 = torch.tensor([[0] * pad + [1] * len(p)])
+            one = lm(input_ids=ids1, attention_mask=mask1, position_ids=_positions(mask1)).logits[0, pad:]
+            assert torch.allclose(one, alone, atol=1e-5)
+
+
+def test_padding_without_attention_mask_would_differ(lm):
+    """Guard on the test above: the pads are really there, only the mask hides them."""
+    p = PROMPTS[0]
+    ids = torch.tensor([[PAD] * 4 + p])
+    with torch.no_grad():
+        alone = lm(input_ids=torch.tensor([p])).logits[0]
+        unmasked = lm(input_ids=ids).logits[0, 4:]
+    assert not torch.allclose(unmasked, alone, atol=1e-3)
+
+
+# ---------------------------------------------------------------- greedy: cache == no cache == manual loop
+
+
+def _manual_greedy(lm, ids: torch.Tensor, mask: torch.Tensor, n: int) -> torch.Tensor:
+    """Full forward every step (no KV cache), argmax of the last position."""
+    out = []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = lm(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=False).logits
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        out.append(nxt)
+        ids = torch.cat([ids, nxt], 1)
+        mask = torch.cat([mask, torch.ones_like(nxt)], 1)
+    return torch.cat(out, 1)
+
+
+def test_greedy_with_cache_equals_without(lm):
+    ids, mask = _left_pad(PROMPTS)
+    n = 12
+    s = sample(lm, ids, mask, max_new_tokens=n, eos_token_id=EOS, pad_token_id=PAD, greedy=True, suppress_eos=True)
+    assert torch.equal(s.sequences[:, : ids.shape[1]], ids)
+    cached = s.sequences[:, ids.shape[1]:]
+    assert cached.shape == (3, n)
+    assert len(set(cached.flatten().tolist())) > 3  # a non-trivial continuation
+
+    manual = _manual_greedy(lm, ids, mask, n)
+    assert torch.equal(cached, manual)
+    with torch.no_grad():
+        no_cache = lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                               use_cache=False, pad_token_id=PAD, eos_token_id=None, suppress_tokens=[EOS])
+    assert torch.equal(no_cache[:, ids.shape[1]:], cached)
+
+
+def test_greedy_prompt_alone_equals_inside_left_padded_batch(lm):
+    ids, mask = _left_pad(PROMPTS)
+    batch = sample(lm, ids, mask, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD, greedy=True, suppress_eos=True)
+    for i, p in enumerate(PROMPTS):
+        one = sample(lm, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long), max_new_tokens=8,
+                     eos_token_id=EOS, pad_token_id=PAD, greedy=True, suppress_eos=True)
+        assert torch.equal(batch.sequences[i, ids.shape[1]:], one.sequences[0, len(p):]), i
+
+
+# ---------------------------------------------------------------- sample(): masks, EOS, pads
+
+
+def _check_samples(s: Samples, P: int, max_new: int) -> None:
+    responses = s.sequences[:, P:]
+    R = responses.shape[1]
+    assert 1 <= R <= max_new
+    assert s.response_mask.shape == responses.shape and s.response_mask.dtype == torch.long
+    for b in range(responses.shape[0]):
+        row = responses[b].tolist()
+        if EOS in row:
+            first = row.index(EOS)
+            assert s.has_eos[b]
+            assert s.response_mask[b].tolist() == [1] * (first + 1) + [0] * (R - first - 1)
+            assert row[first + 1:] == [PAD] * (R - first - 1)  # pads after EOS
+        else:
+            assert not s.has_eos[b]
+            assert R == max_new  # a row without EOS was cut at the limit
+            assert s.response_mask[b].tolist() == [1] * R
+
+
+def test_sample_masks_eos_and_pads(lm8):
+    prompts = [[5, 6, 7], [3, 4, 5, 6, 7, 3], [4, 4, 4, 4, 5]]
+    ids, mask = _left_pad(prompts)
+    max_new = 10
+    seen_mid, seen_first, seen_none = False, False, False
+    for seed in range(6):
+        torch.manual_seed(seed)
+        s = sample(lm8, ids, mask, max_new_tokens=max_new, eos_token_id=EOS, pad_token_id=PAD)
+        assert torch.equal(s.sequences[:, : ids.shape[1]], ids)
+        _check_samples(s, ids.shape[1], max_new)
+        for row in s.sequences[:, ids.shape[1]:].tolist():
+            if EOS in row:
+                seen_first |= row.index(EOS) == 0
+                seen_mid |= row.index(EOS) > 0
+            else:
+                seen_none = True
+    # The seeds cover every case the checks distinguish.
+    assert seen_mid and seen_first and seen_none
+
+
+def test_suppress_eos_gives_full_length(lm8):
+    ids, mask = _left_pad([[5, 6, 7], [3, 4, 5, 6, 7, 3]])
+    for seed in range(3):
+        torch.manual_seed(seed)
+        s = sample(lm8, ids, mask, max_new_tokens=16, eos_token_id=EOS, pad_token_id=PAD, suppress_eos=True)
+        responses = s.sequences[:, ids.shape[1]:]
+        assert responses.shape == (2, 16)
+        assert not (responses == EOS).any()
+        assert s.response_mask.eq(1).all()
+        assert not s.has_eos.any()
+
+
+def test_sample_is_deterministic_under_seed(lm8):
+    ids, mask = _left_pad([[5, 6, 7], [3, 4, 5, 6, 7, 3]])
+    kw = dict(max_new_tokens=12, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, top_p=0.95)
+    torch.manual_seed(42)
+    a = sample(lm8, ids, mask, **kw)
+    torch.manual_seed(42)
+    b = sample(lm8, ids, mask, **kw)
+    assert torch.equal(a.sequences, b.sequences) and torch.equal(a.response_mask, b.response_mask)
+    assert torch.equal(a.has_eos, b.has_eos)
+    outs = set()
+    for seed in range(5):
+        torch.manual_seed(seed)
+        outs.add(tuple(sample(lm8, ids, mask, **kw).sequences.flatten().tolist()))
+    assert len(outs) > 1  # and it does sample
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(lm):
+    ids, mask = _left_pad(PROMPTS)
+    kw = dict(max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD, suppress_eos=True)
+    greedy = sample(lm, ids, mask, greedy=True, **kw).sequences
+    torch.manual_seed(0)
+    assert torch.equal(sample(lm, ids, mask, top_k=1, temperature=1.5, **kw).sequences, greedy)
+    torch.manual_seed(0)
+    assert torch.equal(sample(lm, ids, mask, top_p=1e-4, **kw).sequences, greedy)
+
+
+def test_top_k_restricts_sampled_tokens(lm):
+    ids, mask = _left_pad(PROMPTS)
+    P = ids.shape[1]
+    torch.manual_seed(3)
+    s = sample(lm, ids, mask, max_new_tokens=10, eos_token_id=EOS, pad_token_id=PAD,
+               temperature=5.0, top_k=3, top_p=0.99)
+    full_mask = torch.cat([mask, s.response_mask], 1)
+    with torch.no_grad():
+        logits = lm(input_ids=s.sequences, attention_mask=full_mask, position_ids=_positions(full_mask)).logits
+    top3 = logits[:, P - 1 : -1].topk(3, dim=-1).indices  # [B, R, 3] predictors of each response token
+    responses = s.sequences[:, P:]
+    ok = (top3 == responses.unsqueeze(-1)).any(-1)
+    assert ok[s.response_mask.bool()].all()
+    # With temperature 5 over the top 3, not every token is the argmax.
+    assert (responses != top3[..., 0])[s.response_mask.bool()].any()
+
+
+def test_sample_restores_training_mode(lm8):
+    lm8.train()
+    try:
+        ids, mask = _left_pad([[5, 6, 7]])
+        sample(lm8, ids, mask, max_new_tokens=3, eos_token_id=EOS, pad_token_id=PAD)
+        assert lm8.training
+    finally:
+        lm8.eval()

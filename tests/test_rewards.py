@@ -1,0 +1,380 @@
+"""Reward components on crafted English/Chinese replies, plus a tiny local reward model."""
+
+import math
+import textwrap
+
+import pytest
+import torch
+
+from trainer.rewards import (
+    FORMAT_PATTERN,
+    RewardModelScorer,
+    accuracy_reward,
+    answers_match,
+    compute_rewards,
+    eos_reward,
+    extract_answer,
+    format_reward,
+    load_reward_fn,
+    tag_reward,
+)
+
+ZH = "<think>\n3加4等于7\n</think>\n<answer>\n7\n</answer>"
+EN = "<think>\nthree plus four is seven\n</think>\n\n<answer>\n7\n</answer>"  # one blank line: allowed
+
+
+# ------------------------------------------------------------------ format / tags
+
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        (ZH, 0.5),
+        (EN, 0.5),
+        ("<think>\n三加四\n</think>\n\n<answer>\n七\n</answer>", 0.5),
+        ("  \n" + ZH + "\n\n", 0.5),  # surrounding whitespace is stripped
+        ("<think>\n\n</think>\n\n<answer>\n7\n</answer>", 0.5),  # empty thinking (closed-think prompt)
+        ("<think>\nmulti\nline\n</think>\n<answer>\nA\nB\n</answer>", 0.5),
+        ("<think>\n3加4\n</think>\n\n\n<answer>\n7\n</answer>", 0.0),  # two blank lines
+        ("<think>3加4\n</think>\n<answer>\n7\n</answer>", 0.0),  # no newline after <think>
+        ("<think>\n3+4\n</think><answer>\n7\n</answer>", 0.0),  # no newline after </think>
+        (ZH + " extra", 0.0),  # text after </answer>
+        ("<answer>\n7\n</answer>", 0.0),  # no thinking block
+        ("7", 0.0),
+    ],
+)
+def test_format_reward(reply, expected):
+    assert format_reward(reply) == expected
+
+
+def test_format_pattern_is_usable_with_re():
+    import re
+
+    assert re.match(FORMAT_PATTERN, ZH)
+    assert FORMAT_PATTERN.fullmatch(EN)
+
+
+def test_tag_reward_counts_tags_present_exactly_once():
+    assert tag_reward(ZH) == 1.0
+    assert tag_reward(EN) == 1.0
+    assert tag_reward("<think>\n想一想") == 0.25
+    assert tag_reward("plain answer 7") == 0.0
+    dup = "<think>\na\n</think>\n<think>\nb\n</think>\n<answer>\n1\n</answer>"
+    # <think> and </think> twice -> only the two answer tags score
+    assert tag_reward(dup) == 0.5
+    assert format_reward(dup) == 0.0  # a repeated think block is not the reasoning format
+    assert tag_reward("<answer>1</answer><answer>2</answer>") == 0.0
+
+
+# ------------------------------------------------------------------ answers
+
+def test_extract_answer():
+    assert extract_answer(ZH) == "7"
+    assert extract_answer("<answer>1</answer> then <answer> 2 </answer>") == "2"  # last one
+    assert extract_answer("<think>\n想\n</think>\n\n答案是 12") == "答案是 12"  # after </think>
+    assert extract_answer("  just 5 ") == "just 5"
+    assert extract_answer("<think>\nx\n</think>\n<answer>\n \n</answer>") is None
+    assert extract_answer("   ") is None
+
+
+@pytest.mark.parametrize(
+    "pred, ref",
+    [
+        ("７", "7"),  # full-width digit
+        ("－３", "-3"),  # full-width minus
+        ("−3", "-3"),  # U+2212 MINUS SIGN
+        ("3.0", "3"),
+        ("3.", "3"),
+        ("7。", "7"),
+        ("1,000", "1000"),
+        ("1，000", "1000"),  # full-width comma as thousands separator
+        ("-0.50", "-.5"),
+        ("Paris", "paris"),
+        ("七", "七。"),
+        ("3", "<answer>3</answer>"),
+        ("42", "<think>\n6乘7\n</think>\n<answer>\n42\n</answer>"),  # reference is a full reply
+    ],
+)
+def test_answers_match_true(pred, ref):
+    assert answers_match(pred, ref)
+
+
+@pytest.mark.parametrize(
+    "pred, ref",
+    [("3", "4"), ("1,2", "12"), ("-3", "3"), ("7", "七"), (None, "3"), ("3", None), ("", "3"), ("3", "  ")],
+)
+def test_answers_match_false(pred, ref):
+    assert not answers_match(pred, ref)
+
+
+def test_accuracy_and_eos_rewards():
+    assert accuracy_reward(ZH, "7") == 1.0
+    assert accuracy_reward(ZH, "８") == 0.0
+    assert accuracy_reward(ZH, None) is None
+    assert accuracy_reward("<think>\n6*7\n</think>\n\n<answer>\n42.0\n</answer>", "42") == 1.0
+    assert eos_reward(True, 0.5) == 0.0
+    assert eos_reward(False, 0.5) == -0.5
+
+
+# ------------------------------------------------------------------ custom reward functions
+
+def _write(tmp_path, name, body):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body), encoding="utf-8")
+    return path
+
+
+def test_load_reward_fn_from_file_and_module(tmp_path, monkeypatch):
+    path = _write(
+        tmp_path,
+        "my_reward.py",
+        """
+        def length_bonus(prompt, reply, reference):
+            return len(reply) / 10
+        """,
+    )
+    fn = load_reward_fn(f"{path}:length_bonus")
+    assert fn("p", "abcde", None) == 0.5
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn2 = load_reward_fn("my_reward:length_bonus")
+    assert fn2("p", "ab", "x") == pytest.approx(0.2)
+
+
+def test_load_reward_fn_errors_name_the_flag(tmp_path):
+    path = _write(
+        tmp_path,
+        "bad_reward.py",
+        """
+        NOT_A_FUNCTION = 3
+        def one_arg(reply):
+            return 0.0
+        """,
+    )
+    broken = _write(tmp_path, "broken_reward.py", "raise RuntimeError('boom')\n")
+    specs = [
+        "no_colon_here",
+        ":fn",
+        f"{path}:",
+        "no_such_module_minippo_xyz:fn",
+        f"{tmp_path / 'missing.py'}:fn",
+        f"{path}:missing_attr",
+        f"{path}:NOT_A_FUNCTION",
+        f"{path}:one_arg",
+        f"{broken}:fn",
+    ]
+    for spec in specs:
+        with pytest.raises(ValueError, match="--reward_fn"):
+            load_reward_fn(spec)
+
+
+# ------------------------------------------------------------------ tiny local reward model
+
+def _tiny_tokenizer(padding_side="right", chat_template=None):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(["user assistant: what is 3 plus 4? 3加4等于几 <think> </think> <answer> 7"], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", padding_side=padding_side)
+    if chat_template:
+        fast.chat_template = chat_template
+    return fast
+
+
+def _tiny_rm(seed=0):
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, intermediate_size=64, num_labels=1,
+    )
+    model = Qwen3ForSequenceClassification(cfg)
+    with torch.no_grad():
+        model.score.weight.mul_(20.0)  # spread scores so clipping has something to do
+    return model
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+)
+
+
+def _conversations():
+    q = [{"role": "user", "content": "what is 3 plus 4?"}]
+    q_zh = [{"role": "user", "content": "3加4等于几"}]
+    return [
+        q + [{"role": "assistant", "content": "7"}],
+        q_zh + [{"role": "assistant", "content": ZH}],
+        q + [{"role": "assistant", "content": "<think>\nthree plus four\n</think>\n<answer>\n7\n</answer>"}],
+        q_zh + [{"role": "assistant", "content": "八"}],
+        [{"role": "system", "content": "be brief"}] + q + [{"role": "assistant", "content": "seven"}],
+    ]
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+@pytest.mark.parametrize("template", [None, CHATML])
+def test_rm_batch_scores_equal_one_by_one(padding_side, template):
+    model = _tiny_rm()
+    tok = _tiny_tokenizer(padding_side, template)
+    assert model.config.pad_token_id is None and tok.pad_token is None
+    convs = _conversations()
+    batched = RewardModelScorer(model, tok, max_length=512, batch_size=4, clip=100.0).score(convs)
+    # the scorer filled the missing pad token / config pad id
+    assert tok.pad_token == "<|im_end|>" and model.config.pad_token_id == tok.pad_token_id
+    single = RewardModelScorer(model, tok, max_length=512, batch_size=1, clip=100.0).score(convs)
+    assert batched.shape == (5,) and batched.dtype == torch.float32
+    torch.testing.assert_close(batched, single, atol=1e-5, rtol=1e-5)
+    assert batched.std() > 1e-3  # different conversations score differently
+
+
+def test_rm_scores_match_a_direct_forward_and_truncation_keeps_the_end():
+    model = _tiny_rm()
+    tok = _tiny_tokenizer("right", CHATML)
+    conv = _conversations()[1]
+    ids = tok(tok.apply_chat_template(conv, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert len(ids) > 8
+    scorer = RewardModelScorer(model, tok, max_length=8, clip=100.0)
+    with torch.no_grad():
+        full = model(input_ids=torch.tensor([ids])).logits[0, 0]
+        tail = model(input_ids=torch.tensor([ids[-8:]])).logits[0, 0]
+    torch.testing.assert_close(scorer.score([conv])[0], tail)
+    scorer_long = RewardModelScorer(model, tok, max_length=512, clip=100.0)
+    torch.testing.assert_close(scorer_long.score([conv])[0], full)
+
+
+def test_rm_clipping():
+    model = _tiny_rm()
+    tok = _tiny_tokenizer()
+    convs = _conversations()
+    raw = RewardModelScorer(model, tok, clip=100.0).score(convs)
+    c = float(raw.abs().median())  # about half the scores exceed this
+    clipped = RewardModelScorer(model, tok, clip=c).score(convs)
+    assert (raw.abs() > c + 1e-6).any()
+    torch.testing.assert_close(clipped, raw.clamp(-c, c))
+    assert clipped.abs().max() <= c + 1e-6
+
+
+class FakeGetScoreRM:
+    """InternLM2-Reward style: get_score(tokenizer, messages) -> float."""
+
+    def __init__(self):
+        self.calls = []
+
+    def get_score(self, tokenizer, messages):
+        self.calls.append((tokenizer, messages))
+        return len(messages[-1]["content"]) / 10.0
+
+
+def test_rm_get_score_path():
+    fake = FakeGetScoreRM()
+    tok = object()
+    scorer = RewardModelScorer(fake, tok, clip=3.0)
+    convs = [
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "abcde"}],  # 0.5
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x" * 50}],  # 5.0 -> 3.0
+    ]
+    scores = scorer.score(convs)
+    torch.testing.assert_close(scores, torch.tensor([0.5, 3.0]))
+    assert [m for _, m in fake.calls] == convs and all(t is tok for t, _ in fake.calls)
+
+
+# ------------------------------------------------------------------ compute_rewards
+
+R0 = ZH  # right answer, formatted
+R1 = "<think>\nthe sum is 9\n</think>\n\n<answer>\n8\n</answer>"  # formatted, wrong
+R2 = "<think>\nlet me think"  # cut at max length, no reference
+
+
+def _batch():
+    msgs = [[{"role": "user", "content": "3加4?"}], [{"role": "user", "content": "4+5?"}],
+            [{"role": "user", "content": "hi"}]]
+    return dict(
+        prompts=["3加4?", "4+5?", "hi"],
+        messages=msgs,
+        replies=[R0, R1, R2],
+        references=["7", "9", None],
+        has_eos=[True, True, False],
+    )
+
+
+def test_compute_rewards_weighting_and_nan_accuracy():
+    def has_seven(prompt, reply, reference):
+        return 1.0 if "7" in reply else 0.0
+
+    weights = {"format": 1.0, "tags": 0.5, "accuracy": 2.0, "eos": 0.3}
+    total, comps = compute_rewards(
+        **_batch(), weights=weights, rm=None, reasoning=True, custom_fns={"seven": has_seven}
+    )
+    assert total.dtype == torch.float32
+    torch.testing.assert_close(comps["format"], torch.tensor([0.5, 0.5, 0.0]))
+    torch.testing.assert_close(comps["tags"], torch.tensor([1.0, 1.0, 0.25]))
+    torch.testing.assert_close(comps["eos"], torch.tensor([0.0, 0.0, -1.0]))
+    torch.testing.assert_close(comps["custom/seven"], torch.tensor([1.0, 0.0, 0.0]))
+    acc = comps["accuracy"]
+    assert acc[0] == 1.0 and acc[1] == 0.0 and math.isnan(acc[2])
+    assert "rm" not in comps
+    # row 0: 1*0.5 + 0.5*1.0 + 2*1 + 0.3*0 + 1*1 (custom default weight) = 4.0
+    # row 1: 0.5 + 0.5 + 0 + 0 + 0 = 1.0
+    # row 2: 0 + 0.5*0.25 + 0 (no reference) + 0.3*(-1) + 0 = -0.175
+    torch.testing.assert_close(total, torch.tensor([4.0, 1.0, -0.175]))
+
+    # zero / explicit custom weight; missing built-in weights count as 0
+    total2, _ = compute_rewards(
+        **_batch(), weights={"accuracy": 1.0, "custom/seven": 0.0}, rm=None, reasoning=True,
+        custom_fns={"seven": has_seven},
+    )
+    torch.testing.assert_close(total2, torch.tensor([1.0, 0.0, 0.0]))
+
+
+def test_compute_rewards_reward_model_mix_and_skip():
+    fake = FakeGetScoreRM()
+    rm = RewardModelScorer(fake, None, clip=100.0)
+    b = _batch()
+    total, comps = compute_rewards(**b, weights={"rm": 2.0}, rm=rm, reasoning=True, custom_fns={})
+    # reasoning: 0.4 * score(whole reply) + 0.6 * score(<answer> content, or whole reply if none)
+    # fake score = len(content) / 10; answers: "7", "8", and R2 has no tags -> whole reply
+    expected = torch.tensor([
+        0.4 * len(R0) / 10 + 0.6 * 0.1,
+        0.4 * len(R1) / 10 + 0.6 * 0.1,
+        len(R2) / 10,
+    ])
+    torch.testing.assert_close(comps["rm"], expected)
+    torch.testing.assert_close(total, 2.0 * expected)
+    # the RM saw the prompt messages followed by the assistant reply
+    assert fake.calls[0][1] == b["messages"][0] + [{"role": "assistant", "content": R0}]
+    assert fake.calls[3][1] == b["messages"][0] + [{"role": "assistant", "content": "7"}]
+
+    fake.calls.clear()
+    _, comps = compute_rewards(**b, weights={"rm": 1.0}, rm=rm, reasoning=False, custom_fns={})
+    torch.testing.assert_close(comps["rm"], torch.tensor([len(R0), len(R1), len(R2)]) / 10.0)
+    assert len(fake.calls) == 3
+
+    fake.calls.clear()
+    _, comps = compute_rewards(**b, weights={"rm": 0.0, "format": 1.0}, rm=rm, reasoning=True, custom_fns={})
+    assert fake.calls == [] and "rm" not in comps
+    _, comps = compute_rewards(**b, weights={"rm": 1.0}, rm=None, reasoning=True, custom_fns={})
+    assert "rm" not in comps
+
+
+def test_compute_rewards_bad_input():
+    b = _batch()
+    with pytest.raises(ValueError, match="unknown reward weight"):
+        compute_rewards(**b, weights={"fromat": 1.0}, rm=None, reasoning=False, custom_fns={})
+    b2 = dict(b, has_eos=[True])
+    with pytest.raises(ValueError, match="has_eos"):
+        compute_rewards(**b2, weights={}, rm=None, reasoning=False, custom_fns={})
+
+    def nan_fn(prompt, reply, reference):
+        return float("nan")
+
+    # A non-finite custom reward is passed through (the trainer skips and counts such steps).
+    total, comps = compute_rewards(**b, weights={}, rm=None, reasoning=False, custom_fns={"nan_fn": nan_fn})
+    assert torch.isnan(comps["custom/nan_fn"]).all() and torch.isnan(total).all()

@@ -1,0 +1,82 @@
+"""Pure parts of scripts/train_sft.py and scripts/train_reward_model.py (no training here)."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from dataset.rlaif import PromptRecord, RLAIFDataset
+from model.loader import load_tokenizer
+from trainer.rewards import RewardModelScorer
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+sft = _load("train_sft")
+rm_script = _load("train_reward_model")
+
+USER = {"role": "user", "content": "What is 12 + 7?"}
+FULL = "<think>\nones: 2+7=9\ntens: 1\n</think>\n<answer>\n19\n</answer>"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+def test_sft_prompt_tokens_are_exactly_the_ppo_prompt(tok):
+    ids, labels = sft.encode_sft_example(tok, [USER, {"role": "assistant", "content": FULL}])
+    ppo = RLAIFDataset([PromptRecord([USER], None, "mem:1")], tok, max_prompt_len=256)[0]["input_ids"]
+    n = len(ppo)
+    assert ids[:n] == ppo  # the policy learns to continue exactly where PPO's prompts end
+    assert labels[:n] == [sft.IGNORE_INDEX] * n
+    assert labels[n:] == ids[n:]
+    assert ids[-1] == tok.eos_token_id
+    # The learned text is the reply after the "<think>\n" the prompt already holds.
+    assert tok.decode(ids[n:-1]) == FULL[len("<think>\n"):]
+
+
+def test_sft_rejects_replies_without_the_think_prefix(tok):
+    with pytest.raises(ValueError, match="must start with"):
+        sft.encode_sft_example(tok, [USER, {"role": "assistant", "content": "19"}], "f.jsonl:3")
+    with pytest.raises(ValueError, match="end with the assistant"):
+        sft.encode_sft_example(tok, [USER], "f.jsonl:4")
+
+
+def test_sft_collate_and_loss_mask():
+    ids, labels = sft.collate_right_pad([[1, 2, 3], [4, 5]], [[-100, 2, 3], [-100, 5]], pad_id=0)
+    assert ids.tolist() == [[1, 2, 3], [4, 5, 0]]
+    assert labels.tolist() == [[-100, 2, 3], [-100, 5, -100]]
+
+
+def test_lr_schedule_warmup_then_cosine_to_floor():
+    lr = lambda s: sft.lr_at(s, total_steps=110, warmup_steps=10, base_lr=1.0, min_lr_ratio=0.1)
+    assert lr(0) == pytest.approx(0.1) and lr(9) == pytest.approx(1.0)
+    assert lr(10) == pytest.approx(1.0)
+    assert lr(60) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the cosine
+    assert lr(110) == pytest.approx(0.1)
+
+
+def test_rm_encoding_matches_the_ppo_scorer(tok):
+    conv = [USER, {"role": "assistant", "content": FULL}]
+    ours = rm_script.encode_conversation(tok, conv, max_length=512)
+    model = rm_script.build_reward_model(tok, hidden_size=16, num_hidden_layers=1, num_heads=2, max_length=64)
+    ids, _ = RewardModelScorer(model, tok)._encode([conv])
+    assert ours == ids[0].tolist()
+    assert rm_script.encode_conversation(tok, conv, max_length=5) == ours[-5:]  # keeps the end
+
+
+def test_bradley_terry_loss_and_pair_accuracy():
+    loss = rm_script.bradley_terry_loss(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.0]))
+    assert loss.item() == pytest.approx((math.log1p(math.exp(-1.0)) + math.log(2.0)) / 2)
+    acc = rm_script.pair_accuracy(torch.tensor([0.5, -0.1, 0.0, 2.0]), ["a", "a", "b", "b"])
+    assert acc == {"all": 0.5, "a": 0.5, "b": 0.5}

@@ -1,0 +1,134 @@
+"""torch.distributed plumbing: torchrun detection, device choice, collective decisions, metric reduction.
+
+`python train_ppo.py` is one process; `torchrun --nproc_per_node N train_ppo.py` sets RANK,
+LOCAL_RANK and WORLD_SIZE, and we initialise from them: NCCL on CUDA, gloo on CPU (so several
+CPU processes work, which is how CI tests DDP here). `LOCAL_RANK` picks the device,
+`RANK`/`WORLD_SIZE` pick the data shard and who logs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def resolve_device(flag: str, local_rank: int = 0) -> torch.device:
+    """`--device auto|cpu|cuda|cuda:N`: auto takes the local GPU when there is one."""
+    if flag == "auto":
+        flag = "cuda" if torch.cuda.is_available() else "cpu"
+    if flag.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {flag}: CUDA is not available on this machine; use --device cpu")
+        if flag == "cuda":
+            return torch.device("cuda", local_rank)
+    return torch.device(flag)
+
+
+def init_distributed(device_flag: str = "auto", timeout_s: int = 1800) -> DistInfo:
+    """Initialise from torchrun's environment, or return a single-process DistInfo."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(device_flag, local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def cleanup(info: DistInfo) -> None:
+    if info.enabled and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        dist.barrier()
+
+
+def any_rank(flag: bool, info: DistInfo) -> bool:
+    """True on every rank if it is true on any: decisions such as early stop or skipping a
+    non-finite step must be taken together, or one rank would wait forever in a collective."""
+    if not info.enabled:
+        return bool(flag)
+    t = torch.tensor([1.0 if flag else 0.0], device=info.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def reduce_mean(values: dict[str, float], info: DistInfo) -> dict[str, float]:
+    """Mean of each scalar over ranks (equal per-rank batches, so this is the global mean).
+    NaN entries (e.g. accuracy with no reference on a rank) are averaged over the ranks that have them."""
+    if not info.enabled or not values:
+        return dict(values)
+    keys = sorted(values)
+    vals = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=info.device)
+    finite = torch.isfinite(vals)
+    stacked = torch.stack([torch.where(finite, vals, torch.zeros_like(vals)), finite.double()])
+    dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
+    means = stacked[0] / stacked[1].clamp(min=1)
+    means = torch.where(stacked[1] > 0, means, torch.full_like(means, float("nan")))
+    return {k: float(v) for k, v in zip(keys, means.tolist())}
+
+
+def all_gather_objects(obj, info: DistInfo) -> list:
+    """Every rank's `obj` (e.g. RNG states for the resume file), in rank order."""
+    if not info.enabled:
+        return [obj]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj, info: DistInfo, src: int = 0):
+    if not info.enabled:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def sum_global(x: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Sum of a scalar tensor over ranks (a copy; the input is untouched)."""
+    x = x.detach().float().clone()
+    if info.enabled:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def masked_whiten_global(x: torch.Tensor, mask: torch.Tensor, info: DistInfo, eps: float = 1e-8) -> torch.Tensor:
+    """Whiten x over the masked tokens of ALL ranks (unbiased variance), so N processes with B/N
+    rows each compute the same advantages as one process with B rows. Pads come out as 0."""
+    m = mask.bool()
+    xf = torch.where(m, x.float(), torch.zeros((), device=x.device))
+    stats = torch.stack([xf.sum(), (xf * xf).sum(), m.sum().float()]).double()
+    if info.enabled:
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM)
+    total, sq, n = stats.tolist()
+    mean = total / max(n, 1.0)
+    var = (sq - n * mean * mean) / max(n - 1.0, 1.0)
+    out = (x.float() - mean) * torch.rsqrt(torch.tensor(max(var, 0.0) + eps))
+    return torch.where(m, out, torch.zeros((), device=x.device))

@@ -1,0 +1,195 @@
+"""Held-out evaluation of a policy: sample replies to RLAIF prompts and score them.
+
+    from trainer.evaluate import evaluate_policy
+    metrics = evaluate_policy(policy, tokenizer, records, rm_scorer=scorer, temperature=0.0)
+    metrics["format_rate"], metrics["accuracy"], metrics["rm_score_mean"], ...
+
+A "reply" is what the reward functions see during PPO: the assistant prefix the chat template
+forced (e.g. "<think>\\n") plus the generated tokens decoded with special tokens skipped, so the
+figures here are the same quantities the trainer optimises.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dataset.rlaif import PromptRecord, RLAIFDataset, collate_left_pad
+from model.generation import sample
+from trainer.rewards import RewardModelScorer, answers_match, extract_answer, format_reward
+
+
+def _rate(hits: Sequence[bool]) -> float | None:
+    """Share of True values; None (not NaN, so it stays valid JSON) when there is nothing to count."""
+    return sum(hits) / len(hits) if hits else None
+
+
+def score_replies(
+    replies: Sequence[str],
+    references: Sequence[str | None],
+    tasks: Sequence[str | None] | None = None,
+) -> dict[str, Any]:
+    """Rule-based bookkeeping for a list of replies.
+
+    Returns n, format_rate (format_reward > 0), accuracy over rows that have a reference
+    (None if none has one), n_with_reference, accuracy split by whether the reply used the
+    reasoning format (accuracy_formatted / accuracy_unformatted; None when that group is empty),
+    the per-row flags `format_ok` and `correct` (None without a reference), and `by_task`
+    ({task: {n, format_rate, accuracy}}) when `tasks` is given.
+    """
+    if len(replies) != len(references):
+        raise ValueError(f"score_replies: {len(replies)} replies but {len(references)} references")
+    if tasks is not None and len(tasks) != len(replies):
+        raise ValueError(f"score_replies: {len(replies)} replies but {len(tasks)} task labels")
+    format_ok = [format_reward(r) > 0 for r in replies]
+    correct: list[bool | None] = [
+        None if ref is None else answers_match(extract_answer(r), ref) for r, ref in zip(replies, references)
+    ]
+    graded = [(f, c) for f, c in zip(format_ok, correct) if c is not None]
+    out: dict[str, Any] = {
+        "n": len(replies),
+        "format_rate": _rate(format_ok),
+        "accuracy": _rate([c for _, c in graded]),
+        "n_with_reference": len(graded),
+        "accuracy_formatted": _rate([c for f, c in graded if f]),
+        "accuracy_unformatted": _rate([c for f, c in graded if not f]),
+        "format_ok": format_ok,
+        "correct": correct,
+    }
+    if tasks is not None:
+        by_task: dict[str, dict[str, Any]] = {}
+        for name in sorted({t for t in tasks if t is not None}):
+            rows = [i for i, t in enumerate(tasks) if t == name]
+            graded_rows = [correct[i] for i in rows if correct[i] is not None]
+            by_task[name] = {
+                "n": len(rows),
+                "format_rate": _rate([format_ok[i] for i in rows]),
+                "accuracy": _rate(graded_rows),
+            }
+        out["by_task"] = by_task
+    return out
+
+
+@torch.no_grad()
+def response_logprobs(model: nn.Module, sequences: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
+    """log p(token) under `model` at temperature 1, in fp32, for every response position [B, R].
+
+    sequences [B, P+R] is left-padded prompt + response; attention_mask [B, P+R] covers both.
+    Position ids follow the mask so left pads do not shift RoPE (as in generation).
+    """
+    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, P+R]
+    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids).logits
+    logits = logits[:, prompt_len - 1 : -1, :].float()  # [B, R, V]: position t predicts token t+1
+    targets = sequences[:, prompt_len:]  # [B, R]
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def evaluate_policy(
+    policy: nn.Module,
+    tokenizer: Any,
+    records: Sequence[PromptRecord],
+    *,
+    rm_scorer: RewardModelScorer | None = None,
+    ref_policy: nn.Module | None = None,
+    batch_size: int = 64,
+    max_prompt_len: int = 256,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    thinking_ratio: float = 1.0,
+    tasks: Sequence[str | None] | None = None,
+    return_rows: bool = False,
+) -> dict[str, Any]:
+    """Sample one reply per record (temperature 0 = greedy) and score it.
+
+    Keys: n, format_rate, accuracy, n_with_reference, accuracy_formatted, accuracy_unformatted,
+    mean_response_len (tokens incl. EOS), eos_rate, rm_score_mean (None without rm_scorer),
+    kl_ref (mean over rows of the summed per-token logp_policy - logp_ref on the sampled tokens,
+    fp32 and temperature 1; None without ref_policy), by_task (when `tasks` gives a task name per
+    record, e.g. the demo files' "task" key), rows (per-row details, when return_rows).
+
+    Deterministic given `seed`: sampling runs under a forked RNG seeded with it, so the caller's
+    random state (e.g. a training run's) is neither used nor advanced.
+    """
+    if not records:
+        raise ValueError("evaluate_policy: no records to evaluate (check --data_path / --n)")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if tasks is not None and len(tasks) != len(records):
+        raise ValueError(f"evaluate_policy: {len(records)} records but {len(tasks)} task labels")
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ValueError(f"batch_size ({batch_size}) and max_new_tokens ({max_new_tokens}) must be >= 1")
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    dataset = RLAIFDataset(list(records), tokenizer, max_prompt_len, thinking_ratio=thinking_ratio, seed=seed)
+    greedy = temperature == 0.0
+    device = next(policy.parameters()).device
+
+    replies: list[str] = []
+    references: list[str | None] = []
+    lengths: list[int] = []
+    eos_flags: list[bool] = []
+    rm_scores: list[float] = []
+    kls: list[float] = []
+    rows: list[dict[str, Any]] = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for start in range(0, len(dataset), batch_size):
+            batch = collate_left_pad([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))], pad_id)
+            input_ids = batch["input_ids"].to(device)  # [B, P]
+            attention_mask = batch["attention_mask"].to(device)  # [B, P]
+            samples = sample(
+                policy, input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_token_id=eos_id,
+                pad_token_id=pad_id, temperature=temperature if not greedy else 1.0, top_p=top_p, greedy=greedy,
+            )
+            responses = samples.sequences[:, input_ids.shape[1]:]  # [B, R]
+            mask = samples.response_mask  # [B, R]
+            texts = tokenizer.batch_decode(
+                [row[m.bool()].tolist() for row, m in zip(responses.cpu(), mask.cpu())], skip_special_tokens=True
+            )
+            batch_replies = [prefix + text for prefix, text in zip(batch["assistant_prefix"], texts)]
+            replies += batch_replies
+            references += batch["reference"]
+            lengths += mask.sum(dim=1).tolist()
+            eos_flags += samples.has_eos.tolist()
+            if rm_scorer is not None:
+                convs = [msgs + [{"role": "assistant", "content": r}] for msgs, r in zip(batch["messages"], batch_replies)]
+                rm_scores += rm_scorer.score(convs).tolist()
+            if ref_policy is not None:
+                full_mask = torch.cat([attention_mask, mask.to(attention_mask.dtype)], dim=1)  # [B, P+R]
+                P = input_ids.shape[1]
+                logprobs = response_logprobs(policy, samples.sequences, full_mask, P)  # [B, R]
+                ref_logprobs = response_logprobs(ref_policy, samples.sequences, full_mask, P)  # [B, R]
+                kls += ((logprobs - ref_logprobs) * mask).sum(dim=1).tolist()
+            if return_rows:
+                rows += [
+                    {"prompt": p, "reply": r, "reference": ref}
+                    for p, r, ref in zip(batch["prompt"], batch_replies, batch["reference"])
+                ]
+
+    scored = score_replies(replies, references, tasks)
+    metrics: dict[str, Any] = {k: v for k, v in scored.items() if k not in ("format_ok", "correct")}
+    metrics["mean_response_len"] = sum(lengths) / len(lengths)
+    metrics["eos_rate"] = sum(eos_flags) / len(eos_flags)
+    metrics["rm_score_mean"] = sum(rm_scores) / len(rm_scores) if rm_scorer is not None else None
+    metrics["kl_ref"] = sum(kls) / len(kls) if ref_policy is not None else None
+    if return_rows:
+        for i, row in enumerate(rows):
+            row.update(format_ok=scored["format_ok"][i], correct=scored["correct"][i], length=lengths[i],
+                       has_eos=eos_flags[i])
+            if rm_scorer is not None:
+                row["rm_score"] = rm_scores[i]
+            if tasks is not None:
+                row["task"] = tasks[i]
+        metrics["rows"] = rows
+    for key in ("mean_response_len", "rm_score_mean", "kl_ref"):
+        if metrics[key] is not None and not math.isfinite(metrics[key]):
+            raise FloatingPointError(f"evaluate_policy: {key} is {metrics[key]} (the model produced non-finite values)")
+    return metrics
+
+
+__all__ = ["evaluate_policy", "score_replies", "response_logprobs"]

@@ -1,0 +1,298 @@
+"""PPO math for RLHF on token sequences, with no model or data code so it can be checked line by line.
+
+References
+- PPO clipped surrogate and clipped value loss: Schulman et al. 2017, "Proximal Policy Optimization
+  Algorithms", eq. (7); value clipping as in the OpenAI baselines implementation of that paper.
+- GAE: Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage
+  Estimation", eq. (16): A_t = sum_l (gamma*lam)^l delta_{t+l}, delta_t = r_t + gamma V_{t+1} - V_t.
+- Per-token KL penalty and adaptive KL coefficient: Ziegler et al. 2019, "Fine-Tuning Language Models
+  from Human Preferences", sec. 2.2.
+- KL estimators k1/k2/k3: John Schulman, "Approximating KL Divergence" (2020 note), with
+  r = p_ref(x) / pi(x) and x ~ pi: k1 = -log r, k2 = (log r)^2 / 2, k3 = (r - 1) - log r.
+
+Shapes: B = batch rows, R = response length. `response_mask` is [B, R], 1/True for real response
+tokens (up to and including EOS), 0/False for the pads after it. Masking uses torch.where rather
+than multiplication so garbage (inf/nan) in pad positions cannot leak into results or gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "kl_penalty",
+    "compute_token_rewards",
+    "compute_gae",
+    "policy_loss",
+    "value_loss",
+    "entropy_from_logits",
+    "explained_variance",
+    "FixedKLController",
+    "AdaptiveKLController",
+]
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def _as_bool(mask: Tensor) -> Tensor:
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def _zero_pads(x: Tensor, mask: Tensor) -> Tensor:
+    return torch.where(_as_bool(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+# ----------------------------------------------------------------------------- masked statistics
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of x over positions where mask is set (over all of them, or along `dim`).
+
+    A slice with no real tokens has mean 0 (count clamped to 1) instead of nan, so per-row means of
+    an empty row do not poison batch statistics.
+    """
+    m = _as_bool(mask)
+    total = _zero_pads(x, m)
+    count = m.to(x.dtype)
+    if dim is None:
+        return total.sum() / count.sum().clamp(min=1)
+    return total.sum(dim) / count.sum(dim).clamp(min=1)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of x over all masked positions (Bessel-corrected when `unbiased`)."""
+    m = _as_bool(mask)
+    n = int(m.sum())
+    if n == 0:
+        raise ValueError("masked_var: the mask selects no tokens (every response is empty)")
+    mean = masked_mean(x, m)
+    var = masked_mean((x - mean) ** 2, m)
+    if unbiased:
+        # With one token the unbiased variance is undefined; 0 makes whitening map it to 0.
+        var = var * (n / (n - 1)) if n > 1 else torch.zeros_like(var)
+    return var
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / std using only the masked tokens' statistics; pads of the result are 0.
+
+    With shift_mean=False the mean is added back (only the scale is normalised), as done for
+    rewards so that their sign is kept.
+    """
+    m = _as_bool(mask)
+    mean = masked_mean(x, m)
+    var = masked_var(x, m)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return _zero_pads(whitened, m)
+
+
+# ----------------------------------------------------------------------------- KL and rewards
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
+    """Per-token estimate of KL(pi || ref) from tokens sampled from pi; shape [B, R].
+
+    k1 is unbiased but can be negative per token; k2 is biased, low variance, >= 0; k3 is unbiased
+    and >= 0 (Schulman's note). Pads are not masked here: callers mask.
+    """
+    log_ratio = ref_logprobs.float() - logprobs.float()  # log r, r = p_ref / pi
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":
+        return torch.expm1(log_ratio) - log_ratio  # expm1: exact near r = 1
+    raise ValueError(
+        f"unknown KL estimator {estimator!r}: --kl_estimator must be one of {', '.join(KL_ESTIMATORS)}"
+    )
+
+
+def _last_token_index(response_mask: Tensor) -> Tensor:
+    m = _as_bool(response_mask)
+    if m.dim() != 2:
+        raise ValueError(f"response_mask must be [B, R], got shape {tuple(m.shape)}")
+    empty = (~m.any(dim=1)).nonzero().flatten()
+    if empty.numel():
+        raise ValueError(
+            f"response rows {empty.tolist()} have no real tokens: every response needs at least "
+            "one token (its EOS) to carry the reward"
+        )
+    positions = torch.arange(m.shape[1], device=m.device).expand_as(m)
+    return torch.where(m, positions, -1).max(dim=1).values
+
+
+def compute_token_rewards(
+    scores: Tensor, kl: Tensor | None, response_mask: Tensor, kl_coef: float
+) -> Tensor:
+    """r_t = -kl_coef * KL_t on every real token, plus the sequence score on the last real token
+    (Ziegler et al. 2019). Pads get 0."""
+    m = _as_bool(response_mask)
+    last = _last_token_index(m)
+    if scores.shape != (m.shape[0],):
+        raise ValueError(f"scores must have shape [B]={m.shape[0]}, got {tuple(scores.shape)}")
+    rewards = torch.zeros(m.shape, dtype=torch.float32, device=m.device)
+    if kl is not None:
+        rewards = _zero_pads(-kl_coef * kl.float(), m)
+    rows = torch.arange(m.shape[0], device=m.device)
+    rewards[rows, last] += scores.to(rewards.dtype)
+    return rewards
+
+
+def compute_gae(
+    token_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over the real tokens of each row.
+
+    Backwards: delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1}, where
+    "t+1" is the next REAL token (pads are skipped) and V/A after the last real token are 0
+    (the episode ends at EOS or at the length cut). Returns (advantages, returns), pads = 0,
+    returns = advantages + values. Advantages are not whitened here.
+    """
+    m = _as_bool(response_mask)
+    rewards = _zero_pads(token_rewards.float(), m)
+    vals = _zero_pads(values.float(), m)
+    B, R = m.shape
+    advantages = torch.zeros(B, R, dtype=torch.float32, device=m.device)
+    next_value = torch.zeros(B, dtype=torch.float32, device=m.device)
+    next_adv = torch.zeros(B, dtype=torch.float32, device=m.device)
+    for t in reversed(range(R)):
+        delta = rewards[:, t] + gamma * next_value - vals[:, t]
+        adv_t = delta + gamma * lam * next_adv
+        real = m[:, t]
+        advantages[:, t] = torch.where(real, adv_t, 0.0)
+        # A pad leaves the carried value/advantage untouched, so it is invisible to the recursion.
+        next_value = torch.where(real, vals[:, t], next_value)
+        next_adv = torch.where(real, adv_t, next_adv)
+    returns = _zero_pads(advantages + vals, m)
+    return advantages, returns
+
+
+# ----------------------------------------------------------------------------- losses
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_eps: float,
+) -> tuple[Tensor, dict[str, float]]:
+    """Token-level PPO clipped surrogate (Schulman et al. 2017, eq. 7), as a loss to minimise:
+    mean over all real tokens of max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))."""
+    m = _as_bool(response_mask)
+    log_ratio = _zero_pads(logprobs - old_logprobs, m)  # 0 at pads: exp() stays finite there
+    ratio = torch.exp(log_ratio)
+    adv = _zero_pads(advantages.detach(), m)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    loss = masked_mean(torch.maximum(unclipped, clipped), m)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": float(masked_mean((clipped > unclipped).float(), m)),
+            # k3 estimate of KL(old || new) from tokens sampled by the old policy.
+            "approx_kl": float(masked_mean((ratio - 1.0) - log_ratio, m)),
+            "ratio": float(masked_mean(ratio, m)),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    response_mask: Tensor,
+    clip_range: float | None,
+) -> tuple[Tensor, dict[str, float]]:
+    """0.5 * masked mean of max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clamp(V - V_old, -c, c).
+    clip_range None or 0 disables clipping."""
+    m = _as_bool(response_mask)
+    v = values.float()
+    ret = returns.detach().float()
+    err = _zero_pads((v - ret) ** 2, m)
+    if not clip_range:
+        return 0.5 * masked_mean(err, m), {"value_clipfrac": 0.0}
+    old = old_values.detach().float()
+    v_clipped = old + torch.clamp(v - old, -clip_range, clip_range)
+    err_clipped = _zero_pads((v_clipped - ret) ** 2, m)
+    loss = 0.5 * masked_mean(torch.maximum(err, err_clipped), m)
+    with torch.no_grad():
+        clipfrac = float(masked_mean((err_clipped > err).float(), m))
+    return loss, {"value_clipfrac": clipfrac}
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) over the last dim, per position, in fp32.
+
+    -inf logits (e.g. a banned token) are raised to the lowest finite float so 0 * log 0 gives 0
+    and gradients stay finite.
+    """
+    z = logits.float().clamp(min=torch.finfo(torch.float32).min)
+    logp = torch.log_softmax(z, dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """1 - Var[R - V] / Var[R] over masked tokens; nan when Var[R] is 0 or there are no tokens."""
+    m = _as_bool(mask)
+    if not bool(m.any()):
+        return math.nan
+    v = values.detach().float()
+    r = returns.detach().float()
+    var_r = float(masked_var(r, m, unbiased=False))
+    if var_r == 0.0 or not math.isfinite(var_r):
+        return math.nan
+    return 1.0 - float(masked_var(r - v, m, unbiased=False)) / var_r
+
+
+# ----------------------------------------------------------------------------- KL controllers
+
+class FixedKLController:
+    """Constant KL coefficient (--kl_coef)."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """Ziegler et al. 2019: steer the KL coefficient so the measured KL approaches `target`.
+
+    e = clip(KL / target - 1, -0.2, 0.2);  value *= 1 + e * n_steps / horizon.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float) -> None:
+        if not target > 0:
+            raise ValueError(f"adaptive KL target must be > 0, got {target}")
+        if not horizon > 0:
+            raise ValueError(f"adaptive KL horizon must be > 0, got {horizon}")
+        self.value = float(init_kl_coef)
+        self.target = float(target)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        current_kl = float(current_kl)
+        if not math.isfinite(current_kl):
+            raise ValueError(f"adaptive KL controller got a non-finite KL ({current_kl}); the rollout diverged")
+        proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + proportional_error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        # Only the coefficient is restored: target/horizon come from the current flags, so a resumed
+        # run may change them deliberately.
+        self.value = float(state["value"])

@@ -1,0 +1,365 @@
+"""Every reward component of the trainer in one place.
+
+A "reply" is the full assistant message: the prefix the chat template forced (e.g. "<think>\\n")
+plus the generated response decoded with special tokens skipped (`<think>`/`</think>` are ordinary
+tokens in the MiniMind tokenizer, so they survive decoding).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import re
+import sys
+from collections.abc import Callable
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "FORMAT_PATTERN",
+    "format_reward",
+    "tag_reward",
+    "extract_answer",
+    "answers_match",
+    "accuracy_reward",
+    "eos_reward",
+    "load_reward_fn",
+    "RewardModelScorer",
+    "compute_rewards",
+]
+
+RewardFn = Callable[[str, str, "str | None"], float]
+
+# One optional blank line between </think> and <answer>: the MiniMind chat template writes
+# "</think>\n\n" before the answer, the R1-style format writes "</think>\n".
+# The reasoning and the answer may not contain the tags themselves: without that, a reply that
+# repeats a <think> block still matches the non-greedy pattern (a cheap reward hack).
+_NO_TAG = r"(?:(?!</?think>|</?answer>).)*?"
+FORMAT_PATTERN = re.compile(rf"^<think>\n{_NO_TAG}\n</think>\n\n?<answer>\n{_NO_TAG}\n</answer>$", re.DOTALL)
+REASONING_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+BUILTIN_COMPONENTS = ("format", "tags", "rm", "accuracy", "eos")
+
+_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# Full-width digits/signs/separators (common in Chinese text) and U+2212 MINUS SIGN -> ASCII.
+_TO_ASCII = str.maketrans(
+    {**{chr(0xFF10 + i): str(i) for i in range(10)},
+     "\uFF0D": "-", "\u2212": "-", "\uFF0B": "+", "\uFF0E": ".", "\uFF0C": ",", "\u3000": " "}
+)
+_THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_NUMBER_RE = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+
+
+# ----------------------------------------------------------------------------- rule-based rewards
+
+def format_reward(reply: str) -> float:
+    """0.5 when the stripped reply is exactly <think>\\n...\\n</think>\\n[\\n]<answer>\\n...\\n</answer>."""
+    return 0.5 if FORMAT_PATTERN.fullmatch(reply.strip()) else 0.0
+
+
+def tag_reward(reply: str) -> float:
+    """+0.25 for each reasoning tag that occurs exactly once (a partial-credit shaping signal)."""
+    return 0.25 * sum(reply.count(tag) == 1 for tag in REASONING_TAGS)
+
+
+def extract_answer(reply: str) -> str | None:
+    """The final answer: last <answer>...</answer> content, else text after the last </think>,
+    else the whole reply; stripped; None when empty."""
+    found = _ANSWER_RE.findall(reply)
+    if found:
+        text = found[-1]
+    elif "</think>" in reply:
+        text = reply.rsplit("</think>", 1)[1]
+    else:
+        text = reply
+    text = text.strip()
+    return text or None
+
+
+def _normalise(text: str) -> str:
+    text = text.strip()
+    # A reference stored as "<answer>7</answer>" or with a dangling tag.
+    text = text.removeprefix("<answer>").removesuffix("</answer>").strip()
+    text = text.translate(_TO_ASCII)
+    text = " ".join(text.split())
+    text = text.rstrip(".。").strip()
+    if _THOUSANDS_RE.fullmatch(text):
+        text = text.replace(",", "")
+    return text
+
+
+def _as_number(text: str) -> Decimal | None:
+    if not _NUMBER_RE.fullmatch(text):
+        return None
+    try:
+        return Decimal(text)  # exact: "3.0" == "3", no float rounding surprises
+    except InvalidOperation:
+        return None
+
+
+def answers_match(pred: str | None, reference: str | None) -> bool:
+    """Numbers compare by value ("3.0" == "3", "７" == "7", "−3" == "-3", "1,000" == "1000"),
+    anything else by case-insensitive string equality. A reference that is itself a reply in
+    reasoning format is reduced to its answer first."""
+    if pred is None or reference is None:
+        return False
+    ref = extract_answer(reference)
+    if ref is None:
+        return False
+    p, r = _normalise(pred), _normalise(ref)
+    if not p or not r:
+        return False
+    pn, rn = _as_number(p), _as_number(r)
+    if pn is not None and rn is not None:
+        return pn == rn
+    return p.casefold() == r.casefold()
+
+
+def accuracy_reward(reply: str, reference: str | None) -> float | None:
+    """1.0 when the reply's answer matches the reference, 0.0 if not, None without a reference."""
+    if reference is None:
+        return None
+    return 1.0 if answers_match(extract_answer(reply), reference) else 0.0
+
+
+def eos_reward(has_eos: bool, penalty: float) -> float:
+    """-penalty for a response cut at the length limit (it never emitted EOS), else 0."""
+    return 0.0 if has_eos or penalty == 0 else -float(penalty)
+
+
+# ----------------------------------------------------------------------------- custom reward functions
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Load `fn(prompt, reply, reference) -> float` from "package.module:function" or
+    "path/to/file.py:function"."""
+    module_part, sep, attr = spec.rpartition(":")
+    if not sep or not module_part or not attr:
+        raise ValueError(
+            f"--reward_fn {spec!r}: expected 'module:function' or 'path/to/file.py:function'"
+        )
+    is_file = module_part.endswith(".py") or "/" in module_part or "\\" in module_part
+    if is_file and not Path(module_part).is_file():
+        raise ValueError(f"--reward_fn {spec!r}: file {module_part!r} does not exist")
+    try:
+        module = _import_file(Path(module_part)) if is_file else importlib.import_module(module_part)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"--reward_fn {spec!r}: cannot import module {module_part!r} ({e})") from None
+    except Exception as e:  # the user's module raised while importing
+        raise ValueError(
+            f"--reward_fn {spec!r}: importing {module_part!r} failed: {type(e).__name__}: {e}"
+        ) from e
+    if not hasattr(module, attr):
+        raise ValueError(f"--reward_fn {spec!r}: module {module_part!r} has no attribute {attr!r}")
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise ValueError(f"--reward_fn {spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
+    try:
+        inspect.signature(fn).bind("prompt", "reply", None)
+    except TypeError:
+        raise ValueError(
+            f"--reward_fn {spec!r}: {attr} must accept (prompt, reply, reference), "
+            f"its signature is {inspect.signature(fn)}"
+        ) from None
+    except ValueError:
+        pass  # builtins without an inspectable signature: trust the user
+    return fn
+
+
+def _import_file(path: Path) -> Any:
+    resolved = path.resolve()
+    # Unique per path so two files with the same stem do not replace each other.
+    name = f"_minippo_reward_{resolved.stem}_{hashlib.sha1(str(resolved).encode()).hexdigest()[:8]}"
+    module_spec = importlib.util.spec_from_file_location(name, resolved)
+    if module_spec is None or module_spec.loader is None:
+        raise ImportError(f"{str(path)!r} is not loadable as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    # Registered before exec as importlib's recipe does (dataclasses/pickle look modules up there).
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+# ----------------------------------------------------------------------------- reward model
+
+class RewardModelScorer:
+    """A frozen external reward model, in one of two forms:
+
+    - a sequence-classification model (e.g. `AutoModelForSequenceClassification`, num_labels=1)
+      with its own tokenizer, which may differ from the policy's;
+    - a remote-code model exposing `get_score(tokenizer, messages) -> float` (InternLM2-Reward).
+
+    Scores are clipped to [-clip, clip].
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        max_length: int = 512,
+        batch_size: int = 16,
+        clip: float = 3.0,
+    ) -> None:
+        if max_length < 1 or batch_size < 1:
+            raise ValueError(
+                f"RewardModelScorer: max_length ({max_length}) and batch_size ({batch_size}) must be >= 1"
+            )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_length = int(max_length)
+        self.batch_size = int(batch_size)
+        self.clip = float(clip)
+        self.uses_get_score = callable(getattr(model, "get_score", None))
+        if hasattr(model, "eval"):
+            model.eval()
+        if hasattr(model, "requires_grad_"):
+            model.requires_grad_(False)
+        if not self.uses_get_score:
+            self._prepare_padding()
+
+    def _prepare_padding(self) -> None:
+        tok = self.tokenizer
+        if tok.pad_token is None:
+            if tok.eos_token is None:
+                raise ValueError(
+                    "reward model tokenizer has neither a pad nor an eos token: give it a pad_token "
+                    "(--reward_model_path tokenizer_config.json)"
+                )
+            tok.pad_token = tok.eos_token
+        config = self.model.config
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        # HF *ForSequenceClassification reads the score at the last token != config.pad_token_id;
+        # without it a padded batch would read it at a pad and batch scores would differ.
+        if getattr(text_config, "pad_token_id", None) is None:
+            text_config.pad_token_id = tok.pad_token_id
+        self.pad_id = int(text_config.pad_token_id)
+
+    def _render(self, conversation: list[dict]) -> tuple[str, bool]:
+        """Text for one conversation and whether the tokenizer should add special tokens."""
+        if getattr(self.tokenizer, "chat_template", None):
+            # The template already writes BOS/role markers; adding special tokens would double BOS.
+            return self.tokenizer.apply_chat_template(conversation, tokenize=False), False
+        return "\n".join(f"{m['role']}: {m['content']}" for m in conversation), True
+
+    def _encode(self, conversations: list[list[dict]]) -> tuple[Tensor, Tensor]:
+        rows = []
+        for conv in conversations:
+            text, add_special = self._render(conv)
+            ids = self.tokenizer(text, add_special_tokens=add_special, verbose=False)["input_ids"]
+            # Keep the END: the classifier reads the last token, and the reply is at the end.
+            rows.append(list(ids)[-self.max_length:])
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        left = getattr(self.tokenizer, "padding_side", "right") == "left"
+        for i, r in enumerate(rows):
+            span = slice(width - len(r), width) if left else slice(0, len(r))
+            input_ids[i, span] = torch.tensor(r, dtype=torch.long)
+            attention_mask[i, span] = 1
+        return input_ids, attention_mask
+
+    @torch.no_grad()
+    def score(self, conversations: list[list[dict]]) -> Tensor:
+        """One clipped fp32 score per conversation (messages ending with the assistant reply)."""
+        if not conversations:
+            return torch.zeros(0, dtype=torch.float32)
+        if self.uses_get_score:
+            raw = [float(self.model.get_score(self.tokenizer, conv)) for conv in conversations]
+            scores = torch.tensor(raw, dtype=torch.float32)
+        else:
+            device = next(self.model.parameters()).device
+            parts = []
+            for start in range(0, len(conversations), self.batch_size):
+                ids, attn = self._encode(conversations[start:start + self.batch_size])
+                out = self.model(input_ids=ids.to(device), attention_mask=attn.to(device))
+                parts.append(out.logits[:, 0].float().cpu())
+            scores = torch.cat(parts)
+        return scores.clamp(-self.clip, self.clip)
+
+
+# ----------------------------------------------------------------------------- combined reward
+
+def _answer_only(reply: str) -> str:
+    found = _ANSWER_RE.findall(reply)
+    return found[-1].strip() if found else reply
+
+
+def compute_rewards(
+    *,
+    prompts: list[str],
+    messages: list[list[dict]],
+    replies: list[str],
+    references: list[str | None],
+    has_eos: list[bool],
+    weights: dict[str, float],
+    rm: RewardModelScorer | None,
+    reasoning: bool,
+    custom_fns: dict[str, RewardFn],
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Total reward [B] (float32) and each component's raw, unweighted value [B].
+
+    Components: "format", "tags", "accuracy" (nan where there is no reference; adds 0 there),
+    "eos" (-1 when cut at the length limit), "rm" (only computed when rm is given and
+    weights["rm"] != 0), and "custom/<name>" per custom function. Built-in weights default to 0
+    when absent, custom ones (key "custom/<name>") to 1.
+    """
+    n = len(replies)
+    lengths = {"prompts": len(prompts), "messages": len(messages), "references": len(references),
+               "has_eos": len(has_eos)}
+    bad = {k: v for k, v in lengths.items() if v != n}
+    if bad:
+        raise ValueError(f"compute_rewards: {n} replies but {bad}")
+    allowed = set(BUILTIN_COMPONENTS) | {f"custom/{name}" for name in custom_fns}
+    unknown = sorted(set(weights) - allowed)
+    if unknown:
+        raise ValueError(f"unknown reward weight(s) {unknown}; valid names: {sorted(allowed)}")
+
+    def col(xs: list[float]) -> Tensor:
+        return torch.tensor(xs, dtype=torch.float32)
+
+    components: dict[str, Tensor] = {
+        "format": col([format_reward(r) for r in replies]),
+        "tags": col([tag_reward(r) for r in replies]),
+        "accuracy": col([
+            math.nan if (a := accuracy_reward(r, ref)) is None else a
+            for r, ref in zip(replies, references)
+        ]),
+        "eos": col([eos_reward(e, 1.0) for e in has_eos]),
+    }
+    if rm is not None and weights.get("rm", 0.0) != 0:
+        full = [m + [{"role": "assistant", "content": r}] for m, r in zip(messages, replies)]
+        if reasoning:
+            answers = [m + [{"role": "assistant", "content": _answer_only(r)}]
+                       for m, r in zip(messages, replies)]
+            scores = rm.score(full + answers)  # one pass over both lists batches better
+            components["rm"] = 0.4 * scores[:n] + 0.6 * scores[n:]
+        else:
+            components["rm"] = rm.score(full)
+    for name, fn in custom_fns.items():
+        vals = []
+        for i, (p, r, ref) in enumerate(zip(prompts, replies, references)):
+            try:
+                v = float(fn(p, r, ref))
+            except Exception as e:
+                raise ValueError(f"--reward_fn {name} failed on row {i}: {type(e).__name__}: {e}") from e
+            # A non-finite value is passed on: the trainer skips that step and counts it.
+            vals.append(v)
+        components[f"custom/{name}"] = col(vals)
+
+    total = torch.zeros(n, dtype=torch.float32)
+    for key, value in components.items():
+        w = weights.get(key, 1.0 if key.startswith("custom/") else 0.0)
+        if w != 0:
+            # nan accuracy means "no reference" and adds nothing; any other nan is real and propagates.
+            v = torch.nan_to_num(value.float(), nan=0.0) if key == "accuracy" else value.float()
+            total = total + float(w) * v
+    return total, components

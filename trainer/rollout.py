@@ -1,0 +1,136 @@
+"""Rollout mechanics: sample responses, then per-token log-probs and values for given sequences.
+
+Positions: a batch is `sequences [B, P+R]` = left-padded prompt [B, P] + response [B, R].
+The token at position P+t is predicted by the logits at position P+t-1, so the response's
+log-probs come from the last R+1 logit positions minus the final one. Only those positions
+are projected onto the vocabulary (`logits_to_keep`), and the log-softmax runs in fp32 chunks
+of rows so no fp32 [B, T, vocab] tensor is ever materialised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.generation import sample
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """RoPE positions that skip left pads: the first real token is position 0 in every row."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, chunk_rows: int = 8, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(token) under softmax(logits / T), in fp32, `chunk_rows` rows at a time.
+
+    logits [B, R, V] (any dtype), tokens [B, R] -> logprobs [B, R] fp32 (and entropy [B, R]).
+    The temperature matches the sampler's, so the ratio's denominator is the policy that sampled.
+    """
+    out, ents = [], []
+    for s in range(0, logits.shape[0], chunk_rows):
+        chunk = logits[s : s + chunk_rows].float()
+        if temperature != 1.0:
+            chunk = chunk / temperature
+        logp = F.log_softmax(chunk, dim=-1)
+        out.append(torch.gather(logp, -1, tokens[s : s + chunk_rows].unsqueeze(-1)).squeeze(-1))
+        if with_entropy:
+            ents.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(out), (torch.cat(ents) if with_entropy else None)
+
+
+def policy_forward(
+    model: nn.Module,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_len: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs [B, R] (and entropy) of the last `response_len` tokens of `sequences`."""
+    out = model(
+        input_ids=sequences,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        logits_to_keep=response_len + 1,
+    )
+    logits = out.logits[:, :-1, :]  # [B, R, V]: position P+t-1 predicts response token t
+    return logprobs_from_logits(logits, sequences[:, -response_len:], temperature, with_entropy=with_entropy)
+
+
+def critic_forward(critic: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int) -> torch.Tensor:
+    """Values [B, R]: V(s_t) read at the position of the token *before* response token t.
+
+    The state before emitting response token t is the prefix ending at position P+t-1, which is
+    where the policy's logits for token t come from; values use the same alignment.
+    """
+    values = critic(
+        sequences, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
+        values_to_keep=response_len + 1,
+    )  # [B, R+1]
+    return values[:, :-1]
+
+
+@dataclass
+class Rollout:
+    """One batch of experience; every [B, R] tensor is aligned with `response_mask`."""
+
+    sequences: torch.Tensor  # [B, P+R]
+    attention_mask: torch.Tensor  # [B, P+R] 1 on real prompt tokens and real response tokens
+    response_mask: torch.Tensor  # [B, R]
+    has_eos: torch.Tensor  # [B]
+    prompt_len: int
+    old_logprobs: torch.Tensor | None = None  # [B, R] policy that sampled (temperature-scaled)
+    ref_logprobs: torch.Tensor | None = None  # [B, R]
+    values: torch.Tensor | None = None  # [B, R] critic at rollout time (old_values in the loss)
+    rewards: torch.Tensor | None = None  # [B] scalar reward per response
+    advantages: torch.Tensor | None = None  # [B, R]
+    returns: torch.Tensor | None = None  # [B, R]
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def response_len(self) -> int:
+        return self.response_mask.shape[1]
+
+    def index(self, idx: torch.Tensor) -> "Rollout":
+        """A minibatch view (rows `idx`) of every tensor field."""
+        pick = lambda t: t[idx] if isinstance(t, torch.Tensor) else t
+        return Rollout(**{k: pick(v) for k, v in self.__dict__.items() if k != "extras"}, extras=self.extras)
+
+
+@torch.no_grad()
+def generate_rollout(
+    policy: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    eos_token_id: int | list[int],
+    pad_token_id: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    greedy: bool = False,
+    suppress_eos: bool = False,
+    num_generations: int = 1,
+) -> Rollout:
+    """Sample `num_generations` responses per prompt; with N > 1 the prompt batch is repeated
+    row-wise (prompt i's samples are rows i*N .. i*N+N-1) and generated in one call."""
+    if num_generations > 1:
+        input_ids = input_ids.repeat_interleave(num_generations, dim=0)
+        attention_mask = attention_mask.repeat_interleave(num_generations, dim=0)
+    s = sample(
+        policy, input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
+        suppress_eos=suppress_eos,
+    )
+    full_mask = torch.cat([attention_mask, s.response_mask.to(attention_mask.dtype)], dim=1)  # [B, P+R]
+    return Rollout(
+        sequences=s.sequences, attention_mask=full_mask, response_mask=s.response_mask.float(),
+        has_eos=s.has_eos, prompt_len=input_ids.shape[1],
+    )
