@@ -192,6 +192,13 @@ def wrap_and_save(tokenizer, out_dir: Path):
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_tokenizer.save_pretrained(str(out_dir))
+    # transformers 5 records its new class name "TokenizersBackend"; "PreTrainedTokenizerFast"
+    # is the same class in 5.x (an alias) and also loads in 4.x, as MiniMind's own file does.
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n",
+                           encoding="utf-8")
     return hf_tokenizer
 
 
