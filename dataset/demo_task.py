@@ -146,6 +146,45 @@ def render_prompt(problem: Problem) -> str:
     return template.format(a=ops[0], b=ops[1])
 
 
+def _prompt_regex(template: str) -> re.Pattern:
+    fields = {"{a}": r"(?P<a>\d+)", "{b}": r"(?P<b>\d+)", "{t}": r"(?P<t>.+?)",
+              "{items}": r"(?P<items>.+?)"}
+    pattern = re.escape(template)
+    for field, group in fields.items():
+        pattern = pattern.replace(re.escape(field), group)
+    return re.compile(pattern)
+
+
+_PROMPT_PATTERNS = tuple((group, lang, index, _prompt_regex(template))
+                         for (group, lang), templates in _PROMPTS.items()
+                         for index, template in enumerate(templates))
+_SYMBOL_IDS = {lang: {names[col]: i for i, names in enumerate(SYMBOLS)}
+               for col, lang in enumerate(LANGS)}
+
+
+def parse_prompt(prompt: str) -> Problem | None:
+    """Invert `render_prompt`: the Problem behind a demo prompt, or None if it is not one.
+    Lets an evaluator (or a test) recompute answers from the prompt text alone."""
+    for group, lang, index, pattern in _PROMPT_PATTERNS:
+        match = pattern.fullmatch(prompt)
+        if match is not None:
+            if group == "count":
+                ids = _SYMBOL_IDS[lang]
+                names = [match["t"], *match["items"].split(_WORDING[lang]["list"])]
+                if not all(name in ids for name in names):
+                    continue
+                problem = Problem("count", lang, tuple(ids[name] for name in names), index)
+            else:
+                a, b = int(match["a"]), int(match["b"])
+                if group.startswith("cmp"):
+                    problem = Problem("cmp", lang, (a, b, int(group == "cmp_min")), index)
+                else:
+                    problem = Problem(group, lang, (a, b), index)
+            if render_prompt(problem) == prompt:
+                return problem
+    return None
+
+
 def reference_answer(task: str, operands: tuple[int, ...]) -> str:
     """The exact answer string, computed directly (not through the trace)."""
     if task == "add":
@@ -196,7 +235,8 @@ def solve(problem: Problem, slip: bool = False) -> tuple[str, str]:
     return "\n".join(lines), str(answer)
 
 
-def _solve_add(ops, w, slip, lang):
+def _solve_add(ops: tuple[int, ...], w: dict[str, str], slip: bool,
+               lang: str) -> tuple[list[str], int]:
     a, b = ops
     if a < 10 and b < 10:
         s = a + b + (1 if slip else 0)
@@ -215,7 +255,8 @@ def _solve_add(ops, w, slip, lang):
     return [ones, tens], tens_sum * 10 + s0 % 10
 
 
-def _solve_sub(ops, w, slip, lang):
+def _solve_sub(ops: tuple[int, ...], w: dict[str, str], slip: bool,
+               lang: str) -> tuple[list[str], int]:
     a, b = ops
     if a < 10:
         d = a - b
@@ -234,7 +275,8 @@ def _solve_sub(ops, w, slip, lang):
     return [ones, tens], d1 * 10 + d0
 
 
-def _solve_mul(ops, w, slip, lang):
+def _solve_mul(ops: tuple[int, ...], w: dict[str, str], slip: bool,
+               lang: str) -> tuple[list[str], int]:
     a, b = ops
     if a < 10:
         p = a * b + (1 if slip else 0)
@@ -259,7 +301,8 @@ def _rel(x: int, y: int, flip: bool) -> str:
     return ">" if (x > y) != flip else "<"
 
 
-def _solve_cmp(ops, w, slip, lang):
+def _solve_cmp(ops: tuple[int, ...], w: dict[str, str], slip: bool,
+               lang: str) -> tuple[list[str], int]:
     a, b, want = ops
     (a1, a0), (b1, b0) = divmod(a, 10), divmod(b, 10)
     lines = [f"{w['tens']}{a1}{_rel(a1, b1, slip)}{b1}"]
@@ -270,7 +313,8 @@ def _solve_cmp(ops, w, slip, lang):
     return lines, smaller if want else larger
 
 
-def _solve_count(ops, w, slip, lang):
+def _solve_count(ops: tuple[int, ...], w: dict[str, str], slip: bool,
+                 lang: str) -> tuple[list[str], int]:
     target, items = ops[0], ops[1:]
     hits = [i for i, item in enumerate(items) if item == target]
     if slip:
@@ -382,12 +426,16 @@ def _sample(rng: random.Random, task: str, lang: str, want_eval: bool,
 
 
 def _balanced(n: int, *axes: tuple[str, ...]) -> list[tuple[str, ...]]:
-    """n combinations cycling through the product of the axes, so each combination gets an
-    equal share (up to rounding)."""
-    combos: list[tuple[str, ...]] = [()]
-    for axis in axes:
-        combos = [c + (v,) for c in combos for v in axis]
-    return [combos[i % len(combos)] for i in range(n)]
+    """n combinations cycling through the product of the axes, first axis fastest, so every
+    prefix of the list is balanced over the first axes (and, after a full cycle, over all)."""
+    combos = []
+    for i in range(n):
+        combo = []
+        for axis in axes:
+            i, position = divmod(i, len(axis))
+            combo.append(axis[position])
+        combos.append(tuple(combo))
+    return combos
 
 
 def _rlaif_row(problem: Problem) -> dict:
@@ -448,7 +496,9 @@ def make_pair(problem: Problem, kind: str, rng: random.Random) -> tuple[str, str
 
 
 def make_pairs(rng: random.Random, n: int, want_eval: bool) -> list[dict]:
-    kinds = tuple(k for k, share in PAIR_KINDS for _ in range(share))
+    # Spread each kind's slots evenly over the cycle so that short runs still mix all kinds.
+    slots = sorted(((j + 0.5) / share, k) for k, share in PAIR_KINDS for j in range(share))
+    kinds = tuple(k for _, k in slots)
     rows = []
     for task, lang, kind in _balanced(n, TASKS, LANGS, kinds):
         problem = _sample(rng, task, lang, want_eval)

@@ -27,10 +27,10 @@ def tiny_model(tok, seed: int = 0):
     return build_minimind(32, 1, vocab_size=len(tok)).eval()
 
 
-def records(n: int = 5) -> list[PromptRecord]:
+def records(n: int = 5, last_has_reference: bool = False) -> list[PromptRecord]:
     out = []
     for i in range(n):
-        ref = None if i == n - 1 else str(i + 3)
+        ref = None if i == n - 1 and not last_has_reference else str(i + 3)
         out.append(PromptRecord(messages=[{"role": "user", "content": f"What is {i} + 3?"}], reference=ref,
                                 where=f"mem:{i + 1}"))
     return out
@@ -63,9 +63,9 @@ def test_score_replies_without_references_gives_none_not_nan():
 
 
 def test_evaluate_policy_on_random_model_is_in_range_and_deterministic(tok):
-    policy = tiny_model(tok)
-    kwargs = dict(batch_size=2, max_new_tokens=6, temperature=1.0, seed=3)
-    m = evaluate_policy(policy, tok, records(), ref_policy=tiny_model(tok, seed=1), **kwargs)
+    policy, ref_policy = tiny_model(tok), tiny_model(tok, seed=1)
+    kwargs = dict(ref_policy=ref_policy, batch_size=2, max_new_tokens=6, temperature=1.0, seed=3)
+    m = evaluate_policy(policy, tok, records(), **kwargs)
     assert EXPECTED_KEYS <= set(m)
     assert m["n"] == 5 and m["n_with_reference"] == 4
     for key in ("format_rate", "accuracy", "eos_rate"):
@@ -77,7 +77,7 @@ def test_evaluate_policy_on_random_model_is_in_range_and_deterministic(tok):
     torch.manual_seed(123)
     before = torch.rand(1)
     torch.manual_seed(123)
-    again = evaluate_policy(policy, tok, records(), ref_policy=tiny_model(tok, seed=1), **kwargs)
+    again = evaluate_policy(policy, tok, records(), **kwargs)
     assert again == m
     assert torch.equal(torch.rand(1), before)
 
@@ -129,7 +129,8 @@ def test_bookkeeping_with_a_scripted_sampler(tok, monkeypatch):
 
     monkeypatch.setattr(ev, "sample", fake_sample)
     scorer = FakeScorer()
-    m = evaluate_policy(tiny_model(tok), tok, records(3), rm_scorer=scorer, batch_size=8, return_rows=True)
+    m = evaluate_policy(tiny_model(tok), tok, records(3, last_has_reference=True), rm_scorer=scorer, batch_size=8,
+                       return_rows=True)
     replies = ["<think>\n" + t for t in texts]
     assert [r["reply"] for r in m["rows"]] == replies
     assert m["format_rate"] == pytest.approx(1 / 3)

@@ -134,6 +134,19 @@ def test_greedy_with_cache_equals_without(lm):
     assert torch.equal(no_cache[:, ids.shape[1]:], cached)
 
 
+@pytest.mark.parametrize("arch, use_moe", [("llama", False), ("qwen3", True)])
+def test_greedy_cache_and_padding_other_archs(arch, use_moe):
+    m = _scramble(build_minimind(64, 2, arch=arch, use_moe=use_moe, vocab_size=256), seed=1).eval()
+    ids, mask = _left_pad(PROMPTS)
+    s = sample(m, ids, mask, max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD, greedy=True, suppress_eos=True)
+    assert torch.equal(s.sequences[:, ids.shape[1]:], _manual_greedy(m, ids, mask, 6))
+    p = PROMPTS[1]
+    with torch.no_grad():
+        alone = m(input_ids=torch.tensor([p])).logits[0]
+        batch = m(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)).logits[1, ids.shape[1] - len(p):]
+    assert torch.allclose(batch, alone, atol=1e-5)
+
+
 def test_greedy_prompt_alone_equals_inside_left_padded_batch(lm):
     ids, mask = _left_pad(PROMPTS)
     batch = sample(lm, ids, mask, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD, greedy=True, suppress_eos=True)
@@ -205,8 +218,8 @@ def test_sample_is_deterministic_under_seed(lm8):
     b = sample(lm8, ids, mask, **kw)
     assert torch.equal(a.sequences, b.sequences) and torch.equal(a.response_mask, b.response_mask)
     assert torch.equal(a.has_eos, b.has_eos)
-    outs = set()
-    for seed in range(5):
+    outs = {tuple(a.sequences.flatten().tolist())}
+    for seed in range(2):
         torch.manual_seed(seed)
         outs.add(tuple(sample(lm8, ids, mask, **kw).sequences.flatten().tolist()))
     assert len(outs) > 1  # and it does sample
@@ -247,3 +260,42 @@ def test_sample_restores_training_mode(lm8):
         assert lm8.training
     finally:
         lm8.eval()
+
+
+def _ranks_of_sampled(lm, s: Samples, mask: torch.Tensor, P: int) -> torch.Tensor:
+    """Rank (0 = argmax) of every real response token under the model's own logits."""
+    full_mask = torch.cat([mask, s.response_mask], 1)
+    with torch.no_grad():
+        logits = lm(input_ids=s.sequences, attention_mask=full_mask, position_ids=_positions(full_mask)).logits
+    pred = logits[:, P - 1 : -1]  # [B, R, V]
+    tok_logit = pred.gather(-1, s.sequences[:, P:].unsqueeze(-1))
+    ranks = (pred > tok_logit).sum(-1)  # [B, R]
+    return ranks[s.response_mask.bool()]
+
+
+def test_top_k_zero_samples_from_the_full_vocabulary(lm):
+    """top_k=0 / top_p=1.0 mean "no truncation": PPO's log-probs are taken over the full softmax, so
+    the sampler must not silently apply transformers' default top_k=50 (filled in for unset values)."""
+    ids, mask = _left_pad(PROMPTS)
+    torch.manual_seed(0)
+    # Temperature 50 makes the distribution near-uniform over 256 tokens: ~80% of draws rank >= 50.
+    s = sample(lm, ids, mask, max_new_tokens=10, eos_token_id=EOS, pad_token_id=PAD, temperature=50.0,
+               top_k=0, top_p=1.0, suppress_eos=True)
+    ranks = _ranks_of_sampled(lm, s, mask, ids.shape[1])
+    assert (ranks >= 50).any(), f"all {ranks.numel()} sampled tokens are in the top 50: max rank {ranks.max()}"
+
+
+def test_model_generation_config_does_not_override_sample_arguments(lm):
+    """A local HF folder may ship generation_config.json (e.g. top_k=20, repetition_penalty=1.05);
+    sample()'s own arguments must decide the sampling distribution, not the folder's defaults."""
+    ids, mask = _left_pad(PROMPTS)
+    saved = lm.generation_config.top_k
+    lm.generation_config.top_k = 1  # would make every draw the argmax
+    try:
+        torch.manual_seed(0)
+        s = sample(lm, ids, mask, max_new_tokens=10, eos_token_id=EOS, pad_token_id=PAD, temperature=50.0,
+                   suppress_eos=True)
+    finally:
+        lm.generation_config.top_k = saved
+    ranks = _ranks_of_sampled(lm, s, mask, ids.shape[1])
+    assert (ranks > 0).any()

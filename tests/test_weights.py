@@ -19,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 from model.loader import build_minimind
 from model.weights import (
     WeightsError,
+    atomic_torch_save,
     load_native_weights,
     native_weight_path,
     read_state_dict,
@@ -241,6 +242,16 @@ def test_moe_per_expert_weights_mean_what_minimind_means(tmp_path):
             for t, j in enumerate(chosen.tolist())
         ])
     assert torch.allclose(got.reshape(5, HIDDEN), want, atol=1e-5)
+
+
+def test_failed_save_keeps_the_old_file_and_leaves_no_temp(tmp_path):
+    path = tmp_path / "ppo_actor_64.pth"
+    atomic_torch_save({"a": torch.ones(2)}, path)
+    before = path.read_bytes()
+    with pytest.raises(Exception):
+        atomic_torch_save({"a": torch.zeros(2), "bad": lambda: 0}, path)  # lambdas cannot be pickled
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["ppo_actor_64.pth"]
 
 
 # ---------------------------------------------------------------- clear errors
