@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> None:
     provenance = None
     if info.is_main:
         if resumed:
-            append_resume_record(run_dir, resumed)
+            provenance = append_resume_record(run_dir, resumed)
         else:
             provenance = write_run_json(run_dir, args=flags, world_size=info.world_size, device=str(info.device),
                                         seed=args.seed, data_path=args.data_path,
@@ -548,7 +548,9 @@ def main(argv: list[str] | None = None) -> None:
             if nonfinite_run >= args.max_nonfinite:
                 logger.info(f"stopping: {nonfinite_run} non-finite steps in a row (no optimizer step was taken for them); "
                             f"the last good checkpoint in {args.checkpoint_dir}/ is intact. Lower --learning_rate or check --reward_fn.")
-                logger.finish(plots=False)
+                if info.is_main:
+                    mark_run_end(run_dir, "stopped: non-finite")
+                logger.finish(plots=False, state="aborted")
                 D.cleanup(info)
                 raise SystemExit(2)
             done = step >= total_steps
