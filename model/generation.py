@@ -50,15 +50,18 @@ def sample(
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=not greedy,
-        temperature=temperature if not greedy else None,
-        top_k=(top_k if top_k > 0 else None) if not greedy else None,
-        top_p=(top_p if top_p < 1.0 else None) if not greedy else None,
-        eos_token_id=None if suppress_eos else eos_token_id,
+        # Explicit neutral values: None would be filled from model.generation_config and then
+        # transformers' global defaults (top_k=50), silently truncating the sampling distribution.
+        temperature=temperature if not greedy else 1.0,
+        top_k=top_k if not greedy else 0,
+        top_p=top_p if not greedy else 1.0,
+        min_p=None, typical_p=1.0, repetition_penalty=1.0, no_repeat_ngram_size=0,
+        eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         use_cache=True,
-        # A benchmark needs fixed lengths: forbid EOS instead of stopping at it.
-        suppress_tokens=([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id) if suppress_eos else None,
-        min_new_tokens=None,
+        # A benchmark needs fixed lengths: EOS is masked at every step (min_new_tokens masks all the
+        # EOS ids generate knows, including extra ones from the model's generation_config).
+        min_new_tokens=max_new_tokens if suppress_eos else 0,
     )
     was_training = model.training
     model.eval()

@@ -122,8 +122,11 @@ def load_reward_model(
     model exposing `get_score(tokenizer, messages)` (InternLM2-Reward style) loaded via AutoModel.
     """
     d = _local_dir(path, "--reward_model_path")
+    info = None
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(str(d), dtype=dtype, trust_remote_code=trust_remote_code)
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            str(d), dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True
+        )
     except (ValueError, KeyError) as e:
         if not trust_remote_code:
             raise WeightsError(
@@ -133,6 +136,11 @@ def load_reward_model(
         from transformers import AutoModel
 
         model = AutoModel.from_pretrained(str(d), dtype=dtype, trust_remote_code=True)
+    if info is not None and info["missing_keys"]:
+        raise WeightsError(
+            f"--reward_model_path {path}: no trained reward head ({', '.join(sorted(info['missing_keys'])[:3])} "
+            "missing; transformers would initialise it randomly): give a reward model, not a causal LM"
+        )
     tok = AutoTokenizer.from_pretrained(str(d), trust_remote_code=trust_remote_code)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token

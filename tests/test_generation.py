@@ -299,3 +299,21 @@ def test_model_generation_config_does_not_override_sample_arguments(lm):
         lm.generation_config.top_k = saved
     ranks = _ranks_of_sampled(lm, s, mask, ids.shape[1])
     assert (ranks > 0).any()
+
+
+def test_suppress_eos_ignores_extra_eos_ids_from_the_model_generation_config(lm8):
+    """An HF folder's generation_config may list several EOS ids. With suppress_eos the rows must
+    still run to max_new_tokens; a row that silently stopped on another id would get response_mask
+    = 1 over the pads that follow (trained on as if they were tokens)."""
+    saved = lm8.generation_config.eos_token_id
+    lm8.generation_config.eos_token_id = [EOS, 5]
+    try:
+        ids, mask = _left_pad([[5, 6, 7], [3, 4, 6]])
+        torch.manual_seed(0)
+        s = sample(lm8, ids, mask, max_new_tokens=12, eos_token_id=EOS, pad_token_id=PAD, suppress_eos=True)
+    finally:
+        lm8.generation_config.eos_token_id = saved
+    responses = s.sequences[:, ids.shape[1]:]
+    assert responses.shape == (2, 12) and s.response_mask.eq(1).all()
+    # No row may end in a run of pads after a stop: every position was really generated.
+    assert not any(row[-6:] == [PAD] * 6 for row in responses.tolist()), responses.tolist()

@@ -1,0 +1,335 @@
+"""Distributed training: trainer/distributed.py's collectives, and torchrun DDP runs of train_ppo.py
+on CPU (gloo, 2 processes), which is how CI tests DDP without a GPU.
+
+The end-to-end runs share a module-scoped tiny world and one 2-process run (smoke, equivalence
+and resume all read it), so the file costs ~4 process launches in all.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import ROOT, make_tiny_world, read_metrics, run_train, tiny_flags
+from trainer import distributed as D
+from trainer.ppo import explained_variance, masked_whiten
+
+FIXTURES = ROOT / "tests" / "fixtures"
+SINGLE = D.DistInfo()
+
+# Greedy decoding + deterministic rewards (tiny reward model + low_id_share): the only difference
+# between 2 x B/2 and 1 x B is floating-point summation order. The adaptive KL controller is on
+# (with a short horizon, so the coefficient moves a lot) because it must see the GLOBAL kl_ref.
+EQUIV = dict(device="cpu", greedy=1, learning_rate=1e-3, critic_learning_rate=1e-3, adaptive_kl=1, kl_coef=0.1,
+             kl_horizon=4, reward_fn=f"{FIXTURES / 'toy_rewards.py'}:low_id_share", max_steps=3, save_interval=1,
+             keep_checkpoints=10, save_weight="ddp")
+GLOBAL_BATCH = 4
+# Stated tolerance for "same final weights" (fp32, 3 steps at lr 1e-3, weights move ~4e-3):
+# max |diff| < 5e-5 and mean |diff| < 1e-7. Observed: max ~7e-6, mean ~2e-9; the max comes from
+# Adam turning fp noise in near-zero gradients into lr-sized steps on a few elements.
+MAX_ABS, MEAN_ABS = 5e-5, 1e-7
+
+
+def _resume_files(ckpt_dir: Path) -> list[Path]:
+    return sorted(ckpt_dir.glob("*_resume_step*.pth"))
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _timed_run(flags: list[str], cwd: Path, procs: int = 0, timeout: int = 240):
+    t0 = time.perf_counter()
+    r = run_train(flags, cwd=cwd, torchrun_procs=procs, timeout=timeout)
+    return r, time.perf_counter() - t0
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return make_tiny_world(tmp_path_factory.mktemp("dist_world"))
+
+
+@pytest.fixture(scope="module")
+def two_procs(world, tmp_path_factory):
+    """torchrun --nproc_per_node 2 train_ppo.py --device cpu --max_steps 3, per-rank batch B/2."""
+    tmp = tmp_path_factory.mktemp("two_procs")
+    flags = tiny_flags(world, tmp, **EQUIV, batch_size=GLOBAL_BATCH // 2, mini_batch_size=GLOBAL_BATCH // 2)
+    r, secs = _timed_run(flags, tmp, procs=2)
+    print(f"2-process run: {secs:.1f} s")
+    return {"tmp": tmp, "r": r}
+
+
+@pytest.fixture(scope="module")
+def one_proc(world, tmp_path_factory):
+    """Plain `python train_ppo.py`, one process with the whole global batch B."""
+    tmp = tmp_path_factory.mktemp("one_proc")
+    flags = tiny_flags(world, tmp, **EQUIV, batch_size=GLOBAL_BATCH, mini_batch_size=GLOBAL_BATCH)
+    r, secs = _timed_run(flags, tmp)
+    print(f"1-process run: {secs:.1f} s")
+    return {"tmp": tmp, "r": r}
+
+
+def _dataset(world: dict):
+    from dataset.rlaif import RLAIFDataset, read_rlaif_jsonl
+    from model.loader import load_tokenizer
+
+    records, _ = read_rlaif_jsonl(world["data"])
+    # Same rendering arguments as the runs (tiny_flags: --max_seq_len 64, default ratios, seed 42).
+    return RLAIFDataset(records, load_tokenizer(), max_prompt_len=64, thinking_ratio=1.0, system_prompt_ratio=0.0, seed=42)
+
+
+# ------------------------------------------------------------------ single-process paths (fast)
+def test_single_process_collectives_are_identities():
+    vals = {"reward/total": 0.5, "accuracy": math.nan}
+    out = D.reduce_mean(vals, SINGLE)
+    assert out["reward/total"] == 0.5 and math.isnan(out["accuracy"]) and out is not vals
+    assert D.any_rank(True, SINGLE) is True and D.any_rank(False, SINGLE) is False
+    x = torch.tensor(3.0)
+    s = D.sum_global(x, SINGLE)
+    s += 1
+    assert x.item() == 3.0 and s.item() == 4.0  # a copy
+    assert D.all_gather_objects({"a": 1}, SINGLE) == [{"a": 1}]
+    assert D.broadcast_object("x", SINGLE) == "x"
+    D.barrier(SINGLE)
+    D.cleanup(SINGLE)
+
+
+def test_init_distributed_without_torchrun_is_one_process(monkeypatch):
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    info = D.init_distributed("cpu")
+    assert (info.rank, info.world_size, info.enabled, info.is_main) == (0, 1, False, True)
+    assert info.device == torch.device("cpu") and not torch.distributed.is_initialized()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_flag_without_cuda_is_one_line():
+    with pytest.raises(SystemExit, match="--device cuda: CUDA is not available.*--device cpu"):
+        D.resolve_device("cuda")
+
+
+def test_masked_whiten_global_equals_masked_whiten_single_process():
+    # Hand-computed: tokens [1, 2, 3] -> mean 2, unbiased var 1 -> [-1, 0, 1]; pads (even inf) -> 0.
+    x = torch.tensor([[1.0, 2.0, float("inf")], [3.0, float("nan"), 7.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    out = D.masked_whiten_global(x, mask, SINGLE)
+    s = 1 / math.sqrt(1 + 1e-8)
+    assert torch.allclose(out, torch.tensor([[-s, 0.0, 0.0], [s, 0.0, 0.0]]), atol=1e-7)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 9, generator=g) * 3 + 10  # a large mean: one-pass sums must not cancel
+    mask = (torch.rand(6, 9, generator=g) > 0.3).float()
+    assert torch.allclose(D.masked_whiten_global(x, mask, SINGLE), masked_whiten(x, mask), atol=1e-5)
+
+
+def test_explained_variance_global_matches_single_process():
+    g = torch.Generator().manual_seed(1)
+    returns, values = torch.randn(5, 7, generator=g), torch.randn(5, 7, generator=g)
+    mask = (torch.rand(5, 7, generator=g) > 0.4).float()
+    assert D.explained_variance_global(values, returns, mask, SINGLE) == pytest.approx(
+        explained_variance(values, returns, mask), abs=1e-6)
+    # Perfect critic -> 1; constant returns or no tokens -> nan (not a huge number from rounding).
+    assert D.explained_variance_global(returns, returns, mask, SINGLE) == pytest.approx(1.0)
+    assert math.isnan(D.explained_variance_global(values, torch.full((5, 7), 0.3), mask, SINGLE))
+    assert math.isnan(D.explained_variance_global(values, returns, torch.zeros(5, 7), SINGLE))
+
+
+def test_shard_batches_interleaves_one_global_stream():
+    from train_ppo import shard_batches
+
+    n, seed, batch = 23, 42, 3
+    single = shard_batches(n, seed, 0, 0, 0, 1, 2 * batch)  # one process, global batch 6
+    r0, r1 = (shard_batches(n, seed, 0, 0, r, 2, batch) for r in (0, 1))
+    assert len(single) == len(r0) == len(r1) == 23 // 6  # the uneven tail is dropped on every rank
+    for s, (a, b) in enumerate(zip(r0, r1)):
+        assert a == single[s][0::2] and b == single[s][1::2]  # rank r: every 2nd sample of the step
+    # Resumed at global sample 12 under one process: the same stream continues, nothing repeated.
+    flat = [i for step in single for i in step]
+    cont = shard_batches(n, seed, 0, 12, 0, 1, batch)
+    assert [i for step in cont for i in step] == torch.randperm(n, generator=torch.Generator().manual_seed(
+        seed * 1000003))[12:12 + 3 * len(cont)].tolist()
+    assert set(flat[:12]).isdisjoint(i for step in cont for i in step)
+    # Reseeded per epoch.
+    assert shard_batches(n, seed, 1, 0, 0, 1, 6) != single
+
+
+# ------------------------------------------------------------------ 2 real gloo processes, no trainer
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    info = D.init_distributed("cpu", timeout_s=120)
+    try:
+        x, mask, values = _whiten_data()
+        rows = slice(rank, None, world)  # this rank's share of the global batch
+        res = {
+            "mean": D.reduce_mean({"a": float(rank), "acc": 0.25 if rank == 0 else math.nan, "none": math.nan}, info),
+            "any_one": D.any_rank(rank == 1, info),
+            "any_none": D.any_rank(False, info),
+            "sum": D.sum_global(torch.tensor(float(rank + 1)), info).item(),
+            "whiten": D.masked_whiten_global(x[rows], mask[rows], info),
+            "ev": D.explained_variance_global(values[rows], x[rows], mask[rows], info),
+            "gathered": D.all_gather_objects({"rank": rank}, info),
+            "bcast": D.broadcast_object(f"from {rank}", info),
+        }
+        torch.save(res, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        D.cleanup(info)
+
+
+def _whiten_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 5, generator=g) + 2.0
+    mask = torch.ones(6, 5)
+    mask[0, 3:] = 0  # ranks hold different token counts
+    mask[3, 1:] = 0
+    mask[5, 2:] = 0
+    return x, mask, torch.randn(6, 5, generator=g)
+
+
+def test_collectives_over_two_gloo_processes(tmp_path):
+    import torch.multiprocessing as mp
+
+    ctx = mp.spawn(_gloo_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.terminate()
+            pytest.fail("2-process gloo collectives hung")
+    x, mask, values = _whiten_data()
+    full = masked_whiten(x, mask)
+    for rank in (0, 1):
+        res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        m = res["mean"]
+        assert m["a"] == 0.5 and m["acc"] == 0.25 and math.isnan(m["none"])  # NaN: mean over ranks that have it
+        assert res["any_one"] is True and res["any_none"] is False
+        assert res["sum"] == 3.0
+        # Whitened over both ranks' tokens = one process whitening the whole batch.
+        assert torch.allclose(res["whiten"], full[rank::2], atol=1e-6)
+        assert not torch.allclose(masked_whiten(x[rank::2], mask[rank::2]), full[rank::2], atol=1e-3)  # per-rank would differ
+        assert res["ev"] == pytest.approx(explained_variance(values, x, mask), abs=1e-6)
+        assert res["gathered"] == [{"rank": 0}, {"rank": 1}] and res["bcast"] == "from 0"
+
+
+# ------------------------------------------------------------------ torchrun end to end
+@pytest.mark.slow
+def test_torchrun_two_processes_completes_rank0_writes(two_procs, world):
+    tmp, r = two_procs["tmp"], two_procs["r"]
+    out = r.stdout
+    assert "device cpu x2" in out
+    # Only rank 0 prints, logs and saves: one header, one sample per step, one "done".
+    assert out.count("params |") == 1 and out.count("sample @ step 1 ") == 1 and out.count("done: 3 steps") == 1
+    assert [row["step"] for row in read_metrics(tmp / "run")] == [1, 2, 3]
+    files = _resume_files(tmp / "ckpt")
+    assert [f.name.split("_resume_")[-1] for f in files] == [f"step{i:08d}.pth" for i in (1, 2, 3)]
+    last = _load(files[-1])
+    assert last["world_size"] == 2 and len(last["rng"]) == 2  # every rank's RNG, gathered to rank 0
+    assert (last["step"], last["epoch"], last["consumed"]) == (3, 0, 3 * GLOBAL_BATCH)
+    assert (Path(world["save_dir"]) / f"ddp_{world['hidden']}.pth").is_file()
+
+
+@pytest.mark.slow
+def test_two_procs_half_batch_equal_one_proc_full_batch(two_procs, one_proc, world):
+    """2 processes x B/2 and 1 process x B end with the same actor/critic (tolerance: max |diff| <
+    5e-5, mean |diff| < 1e-7, with the weights having moved > 1e-3), the same adaptive KL
+    coefficient, and the same logged global metrics each step (rel 1e-4)."""
+    assert "device cpu x1" in one_proc["r"].stdout
+    a, b = _load(_resume_files(two_procs["tmp"] / "ckpt")[-1]), _load(_resume_files(one_proc["tmp"] / "ckpt")[-1])
+    assert a["step"] == b["step"] == 3 and a["consumed"] == b["consumed"]
+    start = torch.load(Path(world["save_dir"]) / f"full_sft_{world['hidden']}.pth", weights_only=True)
+    moved = max((a["actor"][k] - start[k].float()).abs().max().item() for k in start if k in a["actor"])
+    assert moved > 1e-3, "weights barely moved: the comparison would prove nothing"
+    for part in ("actor", "critic"):
+        diffs = [(a[part][k] - b[part][k]).abs() for k in a[part]]
+        assert max(d.max().item() for d in diffs) < MAX_ABS, part
+        assert max(d.mean().item() for d in diffs) < MEAN_ABS, part
+    assert a["kl_ctl"]["value"] == pytest.approx(b["kl_ctl"]["value"], rel=1e-5)
+    assert a["kl_ctl"]["value"] != pytest.approx(EQUIV["kl_coef"], rel=1e-3)  # it did adapt
+    ma, mb = read_metrics(two_procs["tmp"] / "run"), read_metrics(one_proc["tmp"] / "run")
+    assert [m["step"] for m in ma] == [m["step"] for m in mb] == [1, 2, 3]
+    for ra, rb in zip(ma, mb):
+        for key in ("reward/total", "reward/rm", "kl_ref", "kl_coef", "ppo/approx_kl", "explained_var", "response/length"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), (ra["step"], key)
+    # The 2-process rank 0 saw exactly rows 0 and 2 of each global step the 1-process run saw.
+    sa = [s for s in _samples(two_procs["tmp"])]
+    sb = [s for s in _samples(one_proc["tmp"])]
+    for step in (1, 2, 3):
+        pa = [s["prompt"] for s in sa if s["step"] == step]
+        pb = [s["prompt"] for s in sb if s["step"] == step]
+        assert pa == pb[0::2], step
+
+
+def _samples(tmp: Path) -> list[dict]:
+    import json
+
+    return [json.loads(l) for l in (tmp / "run" / "samples.jsonl").read_text(encoding="utf-8").splitlines() if l.strip()]
+
+
+@pytest.mark.slow
+def test_resume_written_by_two_procs_continues_under_one(two_procs, world, tmp_path):
+    src = two_procs["tmp"]
+    shutil.copytree(src / "ckpt", tmp_path / "ckpt")
+    shutil.copytree(src / "run", tmp_path / "run")
+    per_rank = GLOBAL_BATCH // 2  # --batch_size is per process and must not change on resume
+    flags = tiny_flags(world, tmp_path, **{**EQUIV, "max_steps": 5}, batch_size=per_rank, mini_batch_size=per_rank,
+                       from_resume=1)
+    r, secs = _timed_run(flags, tmp_path)
+    print(f"resume 2 -> 1 process: {secs:.1f} s")
+    out = r.stdout
+    assert "at step 3 (epoch 0, sample 12)" in out
+    assert "world size changed 2 -> 1: continuing at global sample 12 of epoch 0" in out
+    assert "flag changed on resume: --max_steps: 3 -> 5" in out
+    assert [row["step"] for row in read_metrics(tmp_path / "run")] == [1, 2, 3, 4, 5]
+    last = _load(_resume_files(tmp_path / "ckpt")[-1])
+    assert (last["step"], last["epoch"], last["consumed"], last["world_size"]) == (5, 0, 12 + 2 * per_rank, 1)
+    # The global sample stream continues: steps 4-5 read stream positions 12..15, none seen before.
+    from train_ppo import shard_batches
+
+    ds = _dataset(world)
+    stream = [i for b in shard_batches(len(ds), 42, 0, 0, 0, 1, 1) for i in b]
+    rows = _samples(tmp_path)
+    for step, pos in ((4, 12), (5, 14)):
+        got = [s["prompt"] for s in rows if s["step"] == step]
+        assert got == [ds[stream[pos]]["prompt"][-200:], ds[stream[pos + 1]]["prompt"][-200:]], step
+    for step in (1, 2, 3):  # the 2-process part: rank 0 took global positions 4(s-1) and 4(s-1)+2
+        got = [s["prompt"] for s in rows if s["step"] == step]
+        assert got == [ds[stream[4 * (step - 1) + k]]["prompt"][-200:] for k in (0, 2)], step
+
+
+@pytest.mark.slow
+def test_collective_decisions_do_not_hang(world, tmp_path):
+    """NaN reward on rank 1 only at step 1 -> both ranks skip that step; a tiny --early_stop_kl
+    stops every later update on both ranks; 11 prompts with a global batch of 4 (uneven) over 2
+    epochs -> 2 steps per epoch on every rank, no hang at the epoch ends. A metric of 1.0 (not 0.5)
+    after the mean over ranks shows both ranks took the decision."""
+    lines = Path(world["data"]).read_text(encoding="utf-8").splitlines()[:11]
+    data = tmp_path / "prompts11.jsonl"
+    data.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    flags = tiny_flags(world, tmp_path, device="cpu", data_path=str(data), batch_size=2, mini_batch_size=2, epochs=2,
+                       max_steps=0, early_stop_kl=1e-9, rm_weight=0, save_interval=1, keep_checkpoints=10,
+                       save_weight="collective", reward_fn=f"{FIXTURES / 'dist_rewards.py'}:nan_on_rank1_first_call")
+    r, secs = _timed_run(flags, tmp_path, procs=2, timeout=240)
+    print(f"2-process collective-decisions run: {secs:.1f} s")
+    rows = read_metrics(tmp_path / "run")
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert [row["nonfinite"] for row in rows] == [1.0, 0.0, 0.0, 0.0]
+    assert [row["ppo/early_stopped"] for row in rows[1:]] == [1.0, 1.0, 1.0]
+    files = {(s := _load(f))["step"]: s for f in _resume_files(tmp_path / "ckpt")}
+    start = torch.load(Path(world["save_dir"]) / f"full_sft_{world['hidden']}.pth", weights_only=True)
+    key = "model.layers.0.mlp.up_proj.weight"
+    assert torch.equal(files[1]["actor"][key], start[key].float())  # the skipped step moved nothing
+    assert not torch.equal(files[2]["actor"][key], start[key].float())
+    assert [(files[s]["epoch"], files[s]["consumed"]) for s in (1, 2, 3, 4)] == [(0, 4), (0, 8), (1, 4), (1, 8)]
