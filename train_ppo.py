@@ -38,13 +38,14 @@ sys.path.insert(0, str(ROOT))
 
 from dataset.rlaif import DataError, RLAIFDataset, collate_left_pad, read_rlaif_jsonl  # noqa: E402
 from model.critic import CriticModel  # noqa: E402
-from model.loader import load_policy, load_reward_model  # noqa: E402
+from model.loader import eos_token_ids, load_policy, load_reward_model  # noqa: E402
 from model.weights import WeightsError, native_weight_path, save_native_weights  # noqa: E402
 from trainer import checkpoint as ckpt  # noqa: E402
 from trainer import distributed as D  # noqa: E402
+from trainer.distributed import shard_batches  # noqa: E402  (also imported from here by tests)
 from trainer.logging import RunLogger  # noqa: E402
 from trainer.ppo import (  # noqa: E402
-    AdaptiveKLController, FixedKLController, compute_gae, compute_token_rewards, explained_variance,
+    AdaptiveKLController, FixedKLController, compute_gae, compute_token_rewards,
     kl_penalty, masked_mean, policy_loss, value_loss,
 )
 from trainer.provenance import append_resume_record, mark_run_end, write_run_json  # noqa: E402
@@ -188,20 +189,6 @@ def frozen_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     return m.requires_grad_(False)
 
 
-def shard_batches(n: int, seed: int, epoch: int, start: int, rank: int, world: int, batch: int) -> list[list[int]]:
-    """This rank's batches for one epoch of the global sample stream, from global position `start`.
-
-    Like DistributedSampler (a permutation reseeded per epoch, rank r taking every world-th
-    sample) but resumable at any global position, also under a different world size. The
-    tail that cannot fill a batch on every rank is dropped, so all ranks run the same number of
-    steps and none waits in a collective at the end of an epoch."""
-    g = torch.Generator().manual_seed(seed * 1000003 + epoch)
-    stream = torch.randperm(n, generator=g).tolist()[start:]
-    per_step = batch * world
-    steps = len(stream) // per_step
-    return [stream[s * per_step + rank : (s + 1) * per_step : world] for s in range(steps)]
-
-
 # --------------------------------------------------------------------------------------- one step
 @torch.no_grad()
 def make_experience(args, batch, models, tok, rm_scorer, custom_fns, kl_ctl, info, autocast) -> tuple[Rollout, dict, list[dict]]:
@@ -212,7 +199,7 @@ def make_experience(args, batch, models, tok, rm_scorer, custom_fns, kl_ctl, inf
     with autocast():
         ro = generate_rollout(
             actor, batch["input_ids"].to(dev), batch["attention_mask"].to(dev), max_new_tokens=args.max_gen_len,
-            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, temperature=args.temperature,
+            eos_token_id=models.get("eos_ids") or tok.eos_token_id, pad_token_id=tok.pad_token_id, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, greedy=bool(args.greedy), suppress_eos=bool(args.suppress_eos),
             num_generations=args.num_generations,
         )
@@ -348,7 +335,7 @@ def ppo_update(args, ro: Rollout, models, optims, scheds, step: int, info, autoc
     out = {k: float(np.mean(v)) for k, v in stats.items()}
     out["ppo/early_stopped"] = float(stopped_early)
     out["nonfinite"] = float(nonfinite)
-    out["explained_var"] = explained_variance(ro.values, ro.returns, ro.response_mask)
+    out["explained_var"] = D.explained_variance_global(ro.values, ro.returns, ro.response_mask, info)
     return out
 
 
@@ -414,8 +401,11 @@ def main(argv: list[str] | None = None) -> None:
     old_actor = frozen_copy(actor, frozen_dtype) if args.update_old_actor_freq > 0 else None
     kl_ctl = AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon) if args.adaptive_kl else FixedKLController(args.kl_coef)
 
-    ds = RLAIFDataset(records, tok, max_prompt_len=args.max_seq_len, thinking_ratio=args.thinking_ratio,
-                      system_prompt_ratio=args.system_prompt_ratio, seed=args.seed)
+    try:  # e.g. an --actor_path tokenizer without a chat template: one line, not a traceback
+        ds = RLAIFDataset(records, tok, max_prompt_len=args.max_seq_len, thinking_ratio=args.thinking_ratio,
+                          system_prompt_ratio=args.system_prompt_ratio, seed=args.seed)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
     steps_per_epoch = len(ds) // (args.batch_size * info.world_size)
     if steps_per_epoch == 0:
         raise SystemExit(f"error: --data_path has {len(ds)} prompts, fewer than one global batch "
@@ -436,13 +426,19 @@ def main(argv: list[str] | None = None) -> None:
     prefix = ckpt.resume_prefix(args.save_weight, args.hidden_size, bool(args.use_moe))
     run_dir = Path(args.run_dir or f"runs/{args.save_weight}_{args.hidden_size}{'_moe' if args.use_moe else ''}")
     flags = vars(args).copy()
-    resumed = None
+    resumed, resume_rng = None, None
     if args.from_resume:
+        say = print if info.is_main else (lambda m: None)
         try:
-            found = ckpt.load_latest_resume(args.checkpoint_dir, prefix, info=print if info.is_main else (lambda m: None))
+            found = ckpt.load_latest_resume(args.checkpoint_dir, prefix, info=say)
             if found is not None:
                 state, path = found
-                changes = ckpt.check_compatible(state["args"], flags)
+                changes = ckpt.check_compatible(state["args"], flags, source=str(path))
+            else:
+                # A changed --hidden_size/--use_moe changes the file name: say which flag differs
+                # instead of quietly starting over next to the old run's files.
+                for other in ckpt.other_shape_resume_files(args.checkpoint_dir, args.save_weight, prefix)[:1]:
+                    ckpt.check_compatible(ckpt.read_resume(other)["args"], flags, source=str(other))
         except ckpt.ResumeError as e:
             raise SystemExit(f"error: {e}")
         if found is None:
@@ -460,14 +456,19 @@ def main(argv: list[str] | None = None) -> None:
             step, epoch, consumed, nonfinite_run = state["step"], state["epoch"], state["consumed"], state["nonfinite_run"]
             swan_id = state.get("swanlab_id")
             rngs = state["rng"]
-            ckpt.restore_rng_state(rngs[info.rank] if info.rank < len(rngs) else rngs[0])
+            # Restored just before the loop, after start-up code that draws random numbers
+            # (swanlab.init uses python's `random`), so the next step sees exactly the saved state.
+            resume_rng = rngs[info.rank] if info.rank < len(rngs) else ckpt.seed_rngs(args.seed + info.rank + 1000003 * step)
             resumed = {"path": str(path), "step": step, "world_size": info.world_size,
                        "saved_world_size": state["world_size"], "flag_changes": changes}
             if info.is_main:
                 print(f"resumed from {path} at step {step} (epoch {epoch}, sample {consumed})")
                 if state["world_size"] != info.world_size:
                     print(f"world size changed {state['world_size']} -> {info.world_size}: continuing at global sample "
-                          f"{consumed} of epoch {epoch} (no sample repeated or skipped); RNG streams of new ranks start from rank 0's")
+                          f"{consumed} of epoch {epoch} (no sample repeated or skipped); each process now takes "
+                          f"{args.batch_size} of {args.batch_size * info.world_size} prompts per step")
+                    if info.world_size > len(rngs):
+                        print(f"ranks {len(rngs)}..{info.world_size - 1} have no saved RNG state: seeded from --seed, rank and step")
                 for c in changes:
                     print(f"flag changed on resume: {c}")
 
@@ -479,7 +480,9 @@ def main(argv: list[str] | None = None) -> None:
         actor_train, critic_train = DDP(actor, **ddp_kw), DDP(critic, **ddp_kw)
     if args.use_compile:
         actor_train, critic_train = torch.compile(actor_train), torch.compile(critic_train)
+    # HF chat models may stop on several ids (tokenizer EOS + generation_config.eos_token_id).
     models = {"actor": actor, "critic": critic, "ref": ref, "old_actor": old_actor, "kl_ctl": kl_ctl,
+              "eos_ids": eos_token_ids(actor, tok),
               "actor_train": actor_train, "critic_train": critic_train}
 
     logger = RunLogger(run_dir=run_dir, enabled=info.is_main,
@@ -520,6 +523,8 @@ def main(argv: list[str] | None = None) -> None:
         ckpt.save_resume(state, args.checkpoint_dir, prefix, step, args.keep_checkpoints)
 
     # ---- the loop
+    if resume_rng is not None:
+        ckpt.restore_rng_state(resume_rng)
     done = step >= total_steps
     while not done and epoch < args.epochs:
         for idx in shard_batches(len(ds), args.seed, epoch, consumed, info.rank, info.world_size, args.batch_size):
@@ -532,12 +537,14 @@ def main(argv: list[str] | None = None) -> None:
             metrics.update(ppo_update(args, ro, models, optims, scheds, step, info, autocast, scaler))
             metrics["time/update"] = time.perf_counter() - t_upd
             metrics["time/step"] = time.perf_counter() - t_start
+            metrics["lr/actor"] = optims["actor"].param_groups[0]["lr"]
+            metrics["lr/critic"] = optims["critic"].param_groups[0]["lr"]
+            # Reduce first: the adaptive KL controller must see the global kl_ref, or each rank
+            # steers its own coefficient and the ranks (and the resume file) disagree.
+            metrics = D.reduce_mean(metrics, info)
             if not metrics["nonfinite"]:
                 kl_ctl.update(metrics["kl_ref"], args.batch_size * args.num_generations * info.world_size)
             nonfinite_run = nonfinite_run + 1 if metrics["nonfinite"] else 0
-            metrics["lr/actor"] = optims["actor"].param_groups[0]["lr"]
-            metrics["lr/critic"] = optims["critic"].param_groups[0]["lr"]
-            metrics = D.reduce_mean(metrics, info)
             metrics["tokens_per_s"] = metrics.pop("tokens_generated") * info.world_size / max(metrics["time/step"], 1e-9)
             step += 1
             consumed += args.batch_size * info.world_size

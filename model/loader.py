@@ -110,6 +110,20 @@ def load_policy(
     return model.to(device), tok
 
 
+def eos_token_ids(model: nn.Module, tok: PreTrainedTokenizerBase) -> list[int]:
+    """Every id that ends a reply: the tokenizer's EOS first, then any other stop ids the model's
+    generation_config lists (HF chat models often stop on several, e.g. <|im_end|> and <|endoftext|>)."""
+    ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    cfg_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for i in (cfg_eos if isinstance(cfg_eos, (list, tuple)) else [cfg_eos]):
+        if i is not None and int(i) not in ids:
+            ids.append(int(i))
+    if not ids:
+        raise WeightsError("neither the tokenizer nor the model's generation_config defines an EOS token: "
+                           "set eos_token in tokenizer_config.json")
+    return ids
+
+
 def load_reward_model(
     path: str | os.PathLike,
     dtype: torch.dtype = torch.float32,
@@ -150,4 +164,4 @@ def load_reward_model(
     return model.to(device), tok
 
 
-__all__ = ["load_policy", "load_tokenizer", "load_reward_model", "build_minimind", "detect_arch", "read_state_dict"]
+__all__ = ["load_policy", "load_tokenizer", "load_reward_model", "eos_token_ids", "build_minimind", "detect_arch", "read_state_dict"]

@@ -141,8 +141,7 @@ def test_explained_variance_global_matches_single_process():
 
 
 def test_shard_batches_interleaves_one_global_stream():
-    from train_ppo import shard_batches
-
+    shard_batches = D.shard_batches
     n, seed, batch = 23, 42, 3
     single = shard_batches(n, seed, 0, 0, 0, 1, 2 * batch)  # one process, global batch 6
     r0, r1 = (shard_batches(n, seed, 0, 0, r, 2, batch) for r in (0, 1))
@@ -199,6 +198,7 @@ def _whiten_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, mask, torch.randn(6, 5, generator=g)
 
 
+@pytest.mark.slow  # ~5 s idle, more on a loaded machine: two fresh interpreters import torch
 def test_collectives_over_two_gloo_processes(tmp_path):
     import torch.multiprocessing as mp
 
@@ -296,10 +296,8 @@ def test_resume_written_by_two_procs_continues_under_one(two_procs, world, tmp_p
     last = _load(_resume_files(tmp_path / "ckpt")[-1])
     assert (last["step"], last["epoch"], last["consumed"], last["world_size"]) == (5, 0, 12 + 2 * per_rank, 1)
     # The global sample stream continues: steps 4-5 read stream positions 12..15, none seen before.
-    from train_ppo import shard_batches
-
     ds = _dataset(world)
-    stream = [i for b in shard_batches(len(ds), 42, 0, 0, 0, 1, 1) for i in b]
+    stream = [i for b in D.shard_batches(len(ds), 42, 0, 0, 0, 1, 1) for i in b]
     rows = _samples(tmp_path)
     for step, pos in ((4, 12), (5, 14)):
         got = [s["prompt"] for s in rows if s["step"] == step]

@@ -5,15 +5,19 @@ A resume file is `checkpoints/<weight>_<hidden>[_moe]_resume_step<NNNNNNNN>.pth`
 optimizers and schedulers, the step/epoch and the position in the global sample stream, the
 RNG states of every rank, the KL controller, the old-actor copy (if any), the swanlab run id,
 the flags and the world size. Writes go to a temp file, are fsynced, then renamed, so a kill
-during a save leaves the previous file intact; a truncated or corrupt newest file is detected
-at load and the previous one is used instead. Loading uses `weights_only=True`: a file that
-carries a pickled object which would run code is refused.
+during a save leaves the previous file intact (and the partial `*.tmp` it leaves behind is
+removed by the next save); a truncated or corrupt newest file (zip CRC32 checked, since
+torch.load does not verify it) is detected at load and the previous one is used instead.
+Loading uses `weights_only=True`: a file that carries a pickled object which would run code is
+refused, never skipped.
 """
 
 from __future__ import annotations
 
+import pickle
 import random
 import re
+import zipfile
 from pathlib import Path
 from typing import Callable
 
@@ -32,10 +36,16 @@ INCOMPATIBLE_FLAGS = (
     "update_old_actor_freq", "adaptive_kl", "kl_estimator", "kl_placement", "max_seq_len", "max_gen_len",
     "thinking_ratio", "system_prompt_ratio", "epochs",
 )
+# Flags that differ on every resume by design: not worth reporting as a change.
+IGNORED_FLAGS = ("from_resume",)
 
 
 class ResumeError(RuntimeError):
     """A resume file that cannot be used (corrupt, unsafe, or from an incompatible run)."""
+
+
+class UnsafeResumeError(ResumeError):
+    """A resume file carrying pickled objects that would run code: refused, never skipped."""
 
 
 def resume_prefix(save_weight: str, hidden_size: int, use_moe: bool) -> str:
@@ -49,55 +59,110 @@ def list_resume_files(checkpoint_dir: str | Path, prefix: str) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
+def stray_temp_files(checkpoint_dir: str | Path, prefix: str) -> list[Path]:
+    """Partial writes (`<resume file>.<random>.tmp`) left by a save that was killed."""
+    return sorted(Path(checkpoint_dir).glob(f"{prefix}_step*.pth.*.tmp"))
+
+
+def other_shape_resume_files(checkpoint_dir: str | Path, save_weight: str, prefix: str) -> list[Path]:
+    """Resume files of the same --save_weight but another shape (hidden size / MoE), newest first.
+
+    They have another file name, so without this a changed --hidden_size would silently start a
+    new run instead of saying which flag differs."""
+    pat = re.compile(re.escape(save_weight) + r"_\d+(_moe)?_resume_step\d+\.pth$")
+    found = [p for p in Path(checkpoint_dir).glob(f"{save_weight}_*_resume_step*.pth")
+             if pat.match(p.name) and not p.name.startswith(prefix + "_step")]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
 def save_resume(state: dict, checkpoint_dir: str | Path, prefix: str, step: int, keep: int) -> Path:
-    """Atomically write the resume file for `step`, then prune to the newest `keep` files."""
+    """Atomically write the resume file for `step`, then prune to the newest `keep` files.
+
+    Pruning runs only after the rename, so a kill at any moment leaves a complete older file."""
     path = Path(checkpoint_dir) / f"{prefix}_step{step:08d}.pth"
     atomic_torch_save({"format_version": FORMAT_VERSION, **state}, path)
     for old in list_resume_files(checkpoint_dir, prefix)[max(keep, 1):]:
         old.unlink(missing_ok=True)
+    for tmp in stray_temp_files(checkpoint_dir, prefix):  # only rank 0 saves: no writer is live
+        tmp.unlink(missing_ok=True)
     return path
 
 
+def _verify_zip_crc(path: Path) -> None:
+    """torch.load checks neither the CRC32s torch.save writes nor, for tensor bytes, anything else:
+    a flipped bit would load as a silently different weight. testzip() reads every member."""
+    with zipfile.ZipFile(path) as z:
+        if not any(m.CRC for m in z.infolist()):  # written with torch's crc32 option off
+            return
+        bad = z.testzip()
+    if bad is not None:
+        raise ResumeError(f"{path}: corrupt: checksum mismatch in member {bad}")
+
+
+def _unsafe_detail(text: str) -> str:
+    """The informative line of torch's weights_only error (its first lines are generic advice)."""
+    for line in text.splitlines():
+        if "unsupported" in line.lower() or "global" in line.lower():
+            return line.strip()
+    return text.splitlines()[0] if text else "weights_only load failed"
+
+
 def read_resume(path: str | Path) -> dict:
+    """Load one resume file (weights_only=True); ResumeError / UnsafeResumeError if unusable."""
+    path = Path(path)
     try:
+        _verify_zip_crc(path)
         state = torch.load(path, map_location="cpu", weights_only=True)
+    except ResumeError:
+        raise
     except Exception as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if "weights_only" in str(e) or "Unsupported global" in str(e) or "UnpicklingError" in type(e).__name__:
-            raise ResumeError(
-                f"{path}: refused: it contains pickled objects that would run code when loaded "
-                f"(weights_only=True). Do not use files from untrusted sources. ({msg})"
+        text = str(e)
+        # With the CRCs verified the pickle is intact, so a weights_only failure is its content.
+        if isinstance(e, pickle.UnpicklingError) or "weights only load failed" in text.lower():
+            raise UnsafeResumeError(
+                f"{path}: refused: it contains a pickled object that would run code when loaded "
+                f"({_unsafe_detail(text)}). Resume files are loaded with weights_only=True; do not use "
+                f"files from untrusted sources (delete it, or start a new run with --from_resume 0)"
             ) from None
-        raise ResumeError(f"{path}: unreadable (truncated or corrupt): {msg}") from None
+        msg = text.splitlines()[0] if text else type(e).__name__
+        raise ResumeError(f"{path}: unreadable (truncated or corrupt): {type(e).__name__}: {msg}") from None
     if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
-        raise ResumeError(f"{path}: not a minippo resume file (format_version {state.get('format_version') if isinstance(state, dict) else '?'})")
+        version = state.get("format_version") if isinstance(state, dict) else "?"
+        raise ResumeError(f"{path}: not a minippo resume file (format_version {version}, expected {FORMAT_VERSION})")
     return state
 
 
 def load_latest_resume(checkpoint_dir: str | Path, prefix: str, info: Callable[[str], None] = print) -> tuple[dict, Path] | None:
-    """Newest readable resume file; an unreadable newer file is skipped with a message.
+    """Newest readable resume file; an unreadable newer file is skipped with a message naming it.
 
-    An unsafe file (code objects) is never skipped silently: that is an error, not damage."""
+    None when there is no resume file at all. An unsafe file (code objects) is never skipped: that
+    is an error, not damage. Files that exist but are all unreadable are an error too: starting
+    over silently would throw the run away."""
+    for tmp in stray_temp_files(checkpoint_dir, prefix):
+        info(f"note: ignoring {tmp}: a partial write left by a save that was interrupted")
     files = list_resume_files(checkpoint_dir, prefix)
     for path in files:
         try:
             return read_resume(path), path
+        except UnsafeResumeError:
+            raise
         except ResumeError as e:
-            if "refused" in str(e):
-                raise
             info(f"warning: {e}; falling back to the previous resume file")
+    if files:
+        raise ResumeError(f"none of the {len(files)} resume files {checkpoint_dir}/{prefix}_step*.pth is readable "
+                          f"(see the warnings above); move them away, or start a new run with --from_resume 0")
     return None
 
 
-def check_compatible(saved_args: dict, args: dict) -> list[str]:
-    """Raise ResumeError naming the first incompatible flag; return the harmless changes."""
-    for name in INCOMPATIBLE_FLAGS:
-        if name in saved_args and name in args and saved_args[name] != args[name]:
-            raise ResumeError(
-                f"--{name} is {args[name]!r} but the resume file was written with --{name} {saved_args[name]!r}: "
-                f"resume with the same value, or start a new run (--from_resume 0 or another --save_weight)"
-            )
-    return [f"--{k}: {saved_args[k]!r} -> {args[k]!r}" for k in sorted(args) if k in saved_args and saved_args[k] != args[k]]
+def check_compatible(saved_args: dict, args: dict, source: str = "the resume file") -> list[str]:
+    """Raise ResumeError naming every incompatible flag; return the harmless changes ("--flag: old -> new")."""
+    bad = [n for n in INCOMPATIBLE_FLAGS if n in saved_args and n in args and saved_args[n] != args[n]]
+    if bad:
+        what = "; ".join(f"--{n} is {args[n]!r} but {source} was written with --{n} {saved_args[n]!r}" for n in bad)
+        raise ResumeError(f"{what}: resume with the same value{'s' if len(bad) > 1 else ''}, "
+                          f"or start a new run (--from_resume 0 or another --save_weight)")
+    return [f"--{k}: {saved_args[k]!r} -> {args[k]!r}" for k in sorted(args)
+            if k in saved_args and k not in IGNORED_FLAGS and saved_args[k] != args[k]]
 
 
 def capture_rng_state() -> dict:
@@ -130,3 +195,12 @@ def restore_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if torch.cuda.is_available() and state.get("cuda"):
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_rngs(seed: int) -> dict:
+    """Seed python, numpy and torch (CPU and CUDA) from `seed`; returns the resulting state.
+    For ranks that a resume file has no RNG state for (the world size grew)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    return capture_rng_state()

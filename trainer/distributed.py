@@ -8,6 +8,7 @@ CPU processes work, which is how CI tests DDP here). `LOCAL_RANK` picks the devi
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,14 +33,21 @@ class DistInfo:
         return self.world_size > 1
 
 
-def resolve_device(flag: str, local_rank: int = 0) -> torch.device:
-    """`--device auto|cpu|cuda|cuda:N`: auto takes the local GPU when there is one."""
+def resolve_device(flag: str, local_rank: int = 0, world_size: int = 1) -> torch.device:
+    """`--device auto|cpu|cuda|cuda:N`: auto takes the local GPU when there is one.
+    Under torchrun each process takes cuda:LOCAL_RANK; a fixed `cuda:N` would put every rank on one GPU."""
     if flag == "auto":
         flag = "cuda" if torch.cuda.is_available() else "cpu"
     if flag.startswith("cuda"):
         if not torch.cuda.is_available():
             raise SystemExit(f"--device {flag}: CUDA is not available on this machine; use --device cpu")
+        if flag != "cuda" and world_size > 1:
+            raise SystemExit(f"--device {flag}: with {world_size} processes use --device cuda "
+                             f"(each process takes cuda:LOCAL_RANK) or CUDA_VISIBLE_DEVICES")
         if flag == "cuda":
+            if local_rank >= torch.cuda.device_count():
+                raise SystemExit(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
+                                 f"lower torchrun's --nproc_per_node")
             return torch.device("cuda", local_rank)
     return torch.device(flag)
 
@@ -49,7 +57,7 @@ def init_distributed(device_flag: str = "auto", timeout_s: int = 1800) -> DistIn
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = resolve_device(device_flag, local_rank)
+    device = resolve_device(device_flag, local_rank, world_size)
     if world_size > 1 and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -58,15 +66,19 @@ def init_distributed(device_flag: str = "auto", timeout_s: int = 1800) -> DistIn
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
 
 
-def cleanup(info: DistInfo) -> None:
-    if info.enabled and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 def barrier(info: DistInfo) -> None:
-    if info.enabled:
-        dist.barrier()
+    if info.enabled and dist.is_initialized():
+        if info.device.type == "cuda":  # NCCL would otherwise guess each rank's device (and warn)
+            dist.barrier(device_ids=[info.device.index])
+        else:
+            dist.barrier()
+
+
+def cleanup(info: DistInfo) -> None:
+    """Wait for every rank (rank 0 may still be writing a checkpoint), then shut down cleanly."""
+    if info.enabled and dist.is_initialized():
+        barrier(info)
+        dist.destroy_process_group()
 
 
 def any_rank(flag: bool, info: DistInfo) -> bool:
@@ -123,12 +135,47 @@ def masked_whiten_global(x: torch.Tensor, mask: torch.Tensor, info: DistInfo, ep
     """Whiten x over the masked tokens of ALL ranks (unbiased variance), so N processes with B/N
     rows each compute the same advantages as one process with B rows. Pads come out as 0."""
     m = mask.bool()
-    xf = torch.where(m, x.float(), torch.zeros((), device=x.device))
-    stats = torch.stack([xf.sum(), (xf * xf).sum(), m.sum().float()]).double()
+    # One pass of sums, so one all_reduce; float64 keeps sq - n*mean^2 from cancelling badly.
+    xd = torch.where(m, x.double(), torch.zeros((), dtype=torch.float64, device=x.device))
+    stats = torch.stack([xd.sum(), (xd * xd).sum(), m.sum().double()])
     if info.enabled:
         dist.all_reduce(stats, op=dist.ReduceOp.SUM)
     total, sq, n = stats.tolist()
     mean = total / max(n, 1.0)
     var = (sq - n * mean * mean) / max(n - 1.0, 1.0)
-    out = (x.float() - mean) * torch.rsqrt(torch.tensor(max(var, 0.0) + eps))
+    out = (x.float() - mean) / math.sqrt(max(var, 0.0) + eps)
     return torch.where(m, out, torch.zeros((), device=x.device))
+
+
+def explained_variance_global(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, info: DistInfo) -> float:
+    """1 - Var[R - V] / Var[R] over the masked tokens of ALL ranks (population variances, as
+    trainer.ppo.explained_variance); nan when Var[R] is 0 or no rank has a token."""
+    m = mask.bool()
+    r = torch.where(m, returns.detach().double(), torch.zeros((), dtype=torch.float64, device=returns.device))
+    d = torch.where(m, (returns.detach() - values.detach()).double(), torch.zeros((), dtype=torch.float64, device=returns.device))
+    stats = torch.stack([m.sum().double(), r.sum(), (r * r).sum(), d.sum(), (d * d).sum()])
+    if info.enabled:
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM)
+    n, r_sum, r_sq, d_sum, d_sq = stats.tolist()
+    if n == 0:
+        return math.nan
+    var_r = r_sq / n - (r_sum / n) ** 2
+    var_d = d_sq / n - (d_sum / n) ** 2
+    # Single-pass variances leave rounding residue: constant returns must still give nan.
+    if not math.isfinite(var_r) or var_r <= 1e-12 * max(r_sq / n, 1e-30):
+        return math.nan
+    return 1.0 - var_d / var_r
+
+
+def shard_batches(n: int, seed: int, epoch: int, start: int, rank: int, world: int, batch: int) -> list[list[int]]:
+    """This rank's batches for one epoch of the global sample stream, from global position `start`.
+
+    Like DistributedSampler (a permutation reseeded per epoch, rank r taking every world-th
+    sample) but resumable at any global position, also under a different world size. The
+    tail that cannot fill a batch on every rank is dropped, so all ranks run the same number of
+    steps and none waits in a collective at the end of an epoch."""
+    g = torch.Generator().manual_seed(seed * 1000003 + epoch)
+    stream = torch.randperm(n, generator=g).tolist()[start:]
+    per_step = batch * world
+    steps = len(stream) // per_step
+    return [stream[s * per_step + rank : (s + 1) * per_step : world] for s in range(steps)]
