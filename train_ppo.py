@@ -335,7 +335,7 @@ def ppo_update(args, ro: Rollout, models, optims, scheds, step: int, info, autoc
     out = {k: float(np.mean(v)) for k, v in stats.items()}
     out["ppo/early_stopped"] = float(stopped_early)
     out["nonfinite"] = float(nonfinite)
-    out["explained_var"] = D.explained_variance_global(ro.values, ro.returns, ro.response_mask, info)
+    out["value/explained_var"] = D.explained_variance_global(ro.values, ro.returns, ro.response_mask, info)
     return out
 
 

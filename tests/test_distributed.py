@@ -261,7 +261,7 @@ def test_two_procs_half_batch_equal_one_proc_full_batch(two_procs, one_proc, wor
     ma, mb = read_metrics(two_procs["tmp"] / "run"), read_metrics(one_proc["tmp"] / "run")
     assert [m["step"] for m in ma] == [m["step"] for m in mb] == [1, 2, 3]
     for ra, rb in zip(ma, mb):
-        for key in ("reward/total", "reward/rm", "kl_ref", "kl_coef", "ppo/approx_kl", "explained_var", "response/length"):
+        for key in ("reward/total", "reward/rm", "kl_ref", "kl_coef", "ppo/approx_kl", "value/explained_var", "response/length"):
             assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), (ra["step"], key)
     # The 2-process rank 0 saw exactly rows 0 and 2 of each global step the 1-process run saw.
     sa = [s for s in _samples(two_procs["tmp"])]

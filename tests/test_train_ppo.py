@@ -29,7 +29,7 @@ def test_smoke_three_steps_writes_weights_and_logs(world, tmp_path):
     rows = read_metrics(tmp_path / "run")
     assert [row["step"] for row in rows] == [1, 2, 3]
     for key in ("reward/total", "reward/format", "reward/tags", "reward/rm", "reward/eos", "kl_ref", "ppo/approx_kl",
-                "ppo/clipfrac", "ppo/entropy", "loss/policy", "loss/value", "explained_var", "response/length",
+                "ppo/clipfrac", "ppo/entropy", "loss/policy", "loss/value", "value/explained_var", "response/length",
                 "response/eos_rate", "lr/actor", "lr/critic", "tokens_per_s", "time/generate", "time/score", "time/update"):
         assert key in rows[-1], key
     run = json.loads((tmp_path / "run" / "run.json").read_text())
