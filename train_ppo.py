@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--learning_rate", type=float, default=5e-5, help="actor LR")
     a("--critic_learning_rate", type=float, default=1e-4)
     a("--weight_decay", type=float, default=0.0)
-    a("--warmup_steps", type=int, default=5, help="linear LR warm-up (PPO steps), then cosine to 10%")
+    a("--warmup_steps", type=int, default=5, help="linear LR warm-up (PPO steps), then cosine to 10%%")
     a("--critic_warmup_steps", type=int, default=0, help="steps that train only the critic")
     a("--grad_clip", type=float, default=1.0)
     a("--clip_epsilon", type=float, default=0.2)
@@ -453,6 +453,8 @@ def main(argv: list[str] | None = None) -> None:
             kl_ctl.load_state_dict(state["kl_ctl"])
             if old_actor is not None and state.get("old_actor") is not None:
                 old_actor.load_state_dict(state["old_actor"])
+            if scaler is not None and state.get("scaler"):
+                scaler.load_state_dict(state["scaler"])
             step, epoch, consumed, nonfinite_run = state["step"], state["epoch"], state["consumed"], state["nonfinite_run"]
             swan_id = state.get("swanlab_id")
             rngs = state["rng"]
@@ -516,6 +518,7 @@ def main(argv: list[str] | None = None) -> None:
             "actor": actor.state_dict(), "critic": critic.state_dict(),
             "optim": {k: o.state_dict() for k, o in optims.items()}, "sched": {k: s.state_dict() for k, s in scheds.items()},
             "kl_ctl": kl_ctl.state_dict(), "old_actor": old_actor.state_dict() if old_actor is not None else None,
+            "scaler": scaler.state_dict() if scaler is not None else None,  # fp16 loss scale + growth tracker
             "step": step, "epoch": epoch, "consumed": consumed, "nonfinite_run": nonfinite_run,
             "rng": rngs, "world_size": info.world_size, "args": flags, "swanlab_id": logger.id,
             "run": provenance or {},

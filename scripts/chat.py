@@ -168,7 +168,9 @@ def show_turn(turn: Turn, out, color: bool) -> None:
     dim = (lambda s: f"{DIM}{s}{RESET}") if color else (lambda s: s)
     if turn.think is not None:
         out.write(dim(f"[think]\n{turn.think or '(empty)'}\n"))
-    out.write(f"[answer]\n{turn.answer or '(none: the reply was cut while thinking; raise --max_new_tokens)'}\n")
+    cut_thinking = turn.think is not None and "</think>" not in turn.reply
+    empty = "(none: the reply was cut while thinking; raise --max_new_tokens)" if cut_thinking else "(empty)"
+    out.write(f"[answer]\n{turn.answer or empty}\n")
     end = "EOS" if turn.stopped else f"cut at --max_new_tokens {turn.new_tokens}"
     out.write(dim(f"({turn.new_tokens} tokens, {turn.new_tokens / max(turn.seconds, 1e-9):.1f} tok/s, {end})\n"))
     out.flush()

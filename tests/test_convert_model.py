@@ -86,6 +86,7 @@ def test_hf_directory_is_stock_and_gives_our_logits(tmp_path, variant):
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n"
 
 
+@pytest.mark.slow  # a new interpreter importing torch + transformers: ~10-25 s on a busy 2-core CPU
 def test_fresh_process_loads_it_without_our_code(tmp_path):
     """A Python process that never imports this project (other cwd, no PYTHONPATH) loads the
     directory with plain Auto classes and reproduces our logits exactly."""

@@ -80,3 +80,29 @@ def test_bradley_terry_loss_and_pair_accuracy():
     assert loss.item() == pytest.approx((math.log1p(math.exp(-1.0)) + math.log(2.0)) / 2)
     acc = rm_script.pair_accuracy(torch.tensor([0.5, -0.1, 0.0, 2.0]), ["a", "a", "b", "b"])
     assert acc == {"all": 0.5, "a": 0.5, "b": 0.5}
+
+
+def test_length_buckets_cover_each_row_once_and_group_similar_lengths():
+    import numpy as np
+
+    lengths = [5, 50, 6, 51, 7, 52, 8, 53]
+    batches = sft.length_bucketed_batches(lengths, batch_size=2, rng=np.random.default_rng(0), bucket_batches=4)
+    assert sorted(int(i) for b in batches for i in b) == list(range(8))
+    # Within a sorted window, neighbours pair up: no batch mixes a short and a long row.
+    assert all(abs(lengths[b[0]] - lengths[b[1]]) < 10 for b in batches)
+    ragged = sft.length_bucketed_batches(lengths + [9], batch_size=2, rng=np.random.default_rng(0), bucket_batches=4)
+    flat = [int(i) for b in ragged for i in b]
+    assert len(ragged) == 4 and len(set(flat)) == 8  # 9 rows, batch 2: one row dropped, none repeated
+
+
+def test_sft_loss_with_fixed_token_normaliser_is_sum_over_constant(tok):
+    from model.loader import build_minimind
+
+    torch.manual_seed(0)
+    model = build_minimind(32, 1, vocab_size=len(tok))
+    ids, labels = sft.collate_right_pad([[1, 5, 6, 7], [1, 8, 9]], [[-100, -100, 6, 7], [-100, 8, 9]], pad_id=0)
+    mean = sft.sft_loss(model, ids, labels)
+    assert sft.sft_loss(model, ids, labels, tokens_per_batch=2.0).item() == pytest.approx(mean.item() * 4 / 2, rel=1e-5)
+    logits = model(input_ids=ids).logits.float()
+    manual = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+    assert mean.item() == pytest.approx(manual.item(), rel=1e-5)
