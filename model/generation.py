@@ -55,7 +55,7 @@ def sample(
         temperature=temperature if not greedy else 1.0,
         top_k=top_k if not greedy else 0,
         top_p=top_p if not greedy else 1.0,
-        min_p=None, typical_p=1.0, repetition_penalty=1.0, no_repeat_ngram_size=0,
+        min_p=0.0, typical_p=1.0, repetition_penalty=1.0, no_repeat_ngram_size=0,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         use_cache=True,

@@ -296,7 +296,7 @@ def run_config(cfg: dict) -> dict:
     error = None
     try:
         for step in range(total):
-            counting = step == 0 and cfg["count_flops"] and not args.use_compile
+            counting = step == 0 < cfg["warmup"] and cfg["count_flops"] and not args.use_compile
             pt.acc, pt.flops, pt.count_flops = {}, {}, counting
             t0 = time.perf_counter()
             if old_actor is not None and step % args.update_old_actor_freq == 0:
@@ -483,7 +483,8 @@ def main(argv: list[str] | None = None) -> None:
     if threads > 0:
         torch.set_num_threads(threads)
     t_all = time.perf_counter()
-    peaks_before = {d: matmul_peak(getattr(torch, d)) for d in ("float32", "bfloat16")}
+    peak_kw = {"sizes": (1024,), "reps": 3} if o.quick else {}
+    peaks_before = {d: matmul_peak(getattr(torch, d), **peak_kw) for d in ("float32", "bfloat16")}
     print(f"matmul peak ({torch.get_num_threads()} threads): fp32 {peaks_before['float32']['peak']:.0f} GFLOP/s, "
           f"bf16 {peaks_before['bfloat16']['peak']:.0f} GFLOP/s", flush=True)
     results = []
@@ -501,7 +502,7 @@ def main(argv: list[str] | None = None) -> None:
             r = run_child(cfg, o.timeout)
             results.append(r)
             print(fmt_row(r) if r.get("ok") else fmt_row({**r, "ok": False}), flush=True)
-    peaks_after = {d: matmul_peak(getattr(torch, d)) for d in ("float32", "bfloat16")}
+    peaks_after = {d: matmul_peak(getattr(torch, d), **peak_kw) for d in ("float32", "bfloat16")}
     peaks = {d: max(peaks_before[d]["peak"], peaks_after[d]["peak"]) for d in peaks_before}
     for r in results:
         if r.get("ok"):

@@ -134,6 +134,7 @@ def generation_config(settings: Settings, eos_ids: list[int], pad_id: int) -> Ge
         temperature=1.0 if greedy else settings.temperature,
         top_k=50 if greedy else settings.top_k,  # sampling: 0 = off (no TopK warper)
         top_p=1.0 if greedy else settings.top_p,
+        min_p=None if greedy else 0.0, typical_p=1.0, no_repeat_ngram_size=0,
         repetition_penalty=settings.repetition_penalty,
         eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True,
     )

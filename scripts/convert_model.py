@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import (  # noqa: E402
     AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, GenerationConfig, PreTrainedConfig,
-    PreTrainedModel, PreTrainedTokenizerBase,
+    PreTrainedTokenizerBase,
 )
 
 from model.config import MiniMindConfig  # noqa: E402

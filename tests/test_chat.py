@@ -74,7 +74,7 @@ def test_styled_writer_dims_only_the_think_part():
 
 def test_explicit_sampling_settings_beat_folder_defaults():
     cfg = chat.generation_config(chat.Settings(temperature=0.7, top_k=0, top_p=0.9), [2], 0)
-    assert (cfg.do_sample, cfg.temperature, cfg.top_k, cfg.top_p, cfg.repetition_penalty) == (True, 0.7, 0, 0.9, 1.0)
+    assert (cfg.do_sample, cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, cfg.repetition_penalty) == (True, 0.7, 0, 0.9, 0.0, 1.0)
     greedy = chat.generation_config(chat.Settings(temperature=0), [2, 5], 0)
     assert greedy.do_sample is False and greedy.eos_token_id == [2, 5]
 

@@ -20,7 +20,6 @@ from model.critic import CriticModel
 from model.loader import build_minimind, load_policy
 from model.weights import save_native_weights
 from scripts import convert_model as cm
-from tests.helpers import ROOT
 from tests.tiny_hf import save_tiny_causal_lm
 
 VARIANTS = {  # name -> (build kwargs, stock class, flags)

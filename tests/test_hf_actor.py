@@ -108,6 +108,7 @@ def test_qwen2_actor_with_stop_id_list_and_custom_rewards(world, hf_dirs, tmp_pa
     assert "done: 2 steps" in r.stdout + r.stderr
 
 
+@pytest.mark.slow  # a train_ppo subprocess (~10 s of interpreter start-up on this CPU)
 def test_tokenizer_without_chat_template_is_a_one_line_error(world, tmp_path):
     d = tmp_path / "base"
     save_tiny_causal_lm(d, "llama")

@@ -68,11 +68,11 @@ def test_lr_schedule_warmup_then_cosine_to_floor():
 
 def test_rm_encoding_matches_the_ppo_scorer(tok):
     conv = [USER, {"role": "assistant", "content": FULL}]
-    ours = rm_script.encode_conversation(tok, conv, max_length=512)
+    ours = rm_script.encode_conversations(tok, [conv], max_length=512)[0]
     model = rm_script.build_reward_model(tok, hidden_size=16, num_hidden_layers=1, num_heads=2, max_length=64)
     ids, _ = RewardModelScorer(model, tok)._encode([conv])
     assert ours == ids[0].tolist()
-    assert rm_script.encode_conversation(tok, conv, max_length=5) == ours[-5:]  # keeps the end
+    assert rm_script.encode_conversations(tok, [conv], max_length=5)[0] == ours[-5:]  # keeps the end
 
 
 def test_bradley_terry_loss_and_pair_accuracy():

@@ -1,0 +1,225 @@
+"""trainer/rollout.py: the optimised log-prob / value paths equal the plain ones, padding invariance,
+num_generations layout; plus a smoke run of scripts/bench_ppo.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.critic import CriticModel
+from model.loader import build_minimind
+from trainer.rollout import critic_forward, generate_rollout, logprobs_from_logits, policy_forward, position_ids_from_mask
+
+ROOT = Path(__file__).resolve().parents[1]
+PAD, EOS, V = 0, 2, 256
+
+
+def _scramble(m: torch.nn.Module, seed: int, std: float = 0.2) -> torch.nn.Module:
+    """Large random weights, so log-probs are far from uniform and values far from zero."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g) if p.ndim == 1 else std * torch.randn(p.shape, generator=g))
+    return m
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return _scramble(build_minimind(64, 2, vocab_size=V), seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def critic(lm):
+    c = CriticModel.from_policy(lm).eval()
+    with torch.no_grad():  # a non-zero head: the zero init would make every comparison trivial
+        c.value_head.weight.normal_(generator=torch.Generator().manual_seed(5))
+        c.value_head.bias.fill_(0.3)
+    return c
+
+
+def _batch(prompts: list[list[int]], response: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Left-padded prompts + a full-length response block: sequences [B, P+R], mask, P."""
+    P = max(map(len, prompts))
+    ids = torch.full((len(prompts), P), PAD, dtype=torch.long)
+    mask = torch.zeros((len(prompts), P), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):] = torch.tensor(p)
+        mask[i, P - len(p):] = 1
+    return torch.cat([ids, response], 1), torch.cat([mask, torch.ones_like(response)], 1), P
+
+
+PROMPTS = [[17, 45, 99], [5, 6, 7, 8, 9, 10, 11], [200, 13, 13, 4, 180]]
+RESPONSE = torch.tensor([[30, 31, 32, 33, 34], [40, 41, 42, 43, 44], [50, 51, 52, 53, 54]])
+
+
+def _plain_logprobs(lm, seq, mask, R, T):
+    """Reference: full [B, P+R, V] logits, fp32 log_softmax(logits / T), gather, then slice."""
+    logits = lm(input_ids=seq, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits.float()
+    logp = F.log_softmax(logits / T, dim=-1)[:, :-1]  # position t predicts token t+1
+    lp = logp.gather(-1, seq[:, 1:].unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    return lp[:, -R:], ent[:, -R:]
+
+
+# ------------------------------------------------------------------ logprobs_from_logits
+
+
+def test_logprobs_from_logits_hand_computed():
+    # softmax([0, ln 3]) = [1/4, 3/4]; at T=2 the logits halve: p1 = sqrt(3) / (1 + sqrt(3)).
+    logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, math.log(3.0)]]])  # [1, 2, 2]
+    tokens = torch.tensor([[1, 0]])
+    lp, ent = logprobs_from_logits(logits, tokens, temperature=1.0, with_entropy=True)
+    assert torch.allclose(lp, torch.tensor([[math.log(0.75), math.log(0.25)]]), atol=1e-6)
+    h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert torch.allclose(ent, torch.tensor([[h, h]]), atol=1e-6)
+    lp2, _ = logprobs_from_logits(logits, tokens, temperature=2.0)
+    s = math.sqrt(3.0)
+    assert torch.allclose(lp2, torch.tensor([[math.log(s / (1 + s)), math.log(1 / (1 + s))]]), atol=1e-6)
+
+
+def test_logprobs_from_logits_chunking_invariant():
+    g = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(7, 5, 50, generator=g)
+    tokens = torch.randint(0, 50, (7, 5), generator=g)
+    want_lp, want_ent = logprobs_from_logits(logits, tokens, 0.7, chunk_rows=7, with_entropy=True)
+    for chunk in (1, 2, 3, 8, 100):
+        lp, ent = logprobs_from_logits(logits, tokens, 0.7, chunk_rows=chunk, with_entropy=True)
+        assert torch.equal(lp, want_lp) and torch.equal(ent, want_ent), chunk
+    assert lp.dtype == torch.float32 and lp.shape == (7, 5)
+    # bf16 logits are upcast before the softmax: same result as upcasting by hand.
+    lp16, _ = logprobs_from_logits(logits.bfloat16(), tokens, 0.7, chunk_rows=3)
+    ref16, _ = logprobs_from_logits(logits.bfloat16().float(), tokens, 0.7)
+    assert lp16.dtype == torch.float32 and torch.equal(lp16, ref16)
+
+
+# ------------------------------------------------------------------ policy_forward
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_policy_forward_equals_plain_full_logits_fp32(lm, temperature):
+    seq, mask, P = _batch(PROMPTS, RESPONSE)
+    R = RESPONSE.shape[1]
+    with torch.no_grad():
+        lp, ent = policy_forward(lm, seq, mask, R, temperature, with_entropy=True)
+        want_lp, want_ent = _plain_logprobs(lm, seq, mask, R, temperature)
+    assert lp.shape == (3, R) and lp.dtype == torch.float32
+    assert (lp < -0.01).any()  # non-trivial: far from log 1
+    assert torch.allclose(lp, want_lp, atol=1e-5, rtol=0), (lp - want_lp).abs().max()
+    assert torch.allclose(ent, want_ent, atol=1e-5, rtol=0), (ent - want_ent).abs().max()
+
+
+def test_policy_forward_under_bf16_autocast(lm):
+    """Under bf16 autocast the kept-positions path equals the plain path run under the same autocast
+    to 2e-2 (bf16 rounding of the projected logits may differ with the matmul's shape), and both stay
+    within 0.15 nats of the fp32 values."""
+    seq, mask, P = _batch(PROMPTS, RESPONSE)
+    R = RESPONSE.shape[1]
+    with torch.no_grad():
+        want32, _ = _plain_logprobs(lm, seq, mask, R, 0.8)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lp, ent = policy_forward(lm, seq, mask, R, 0.8, with_entropy=True)
+            want, want_ent = _plain_logprobs(lm, seq, mask, R, 0.8)
+    assert lp.dtype == torch.float32
+    assert (lp - want).abs().max() < 2e-2
+    assert (ent - want_ent).abs().max() < 2e-2
+    assert (lp - want32).abs().max() < 0.15
+
+
+def test_policy_forward_left_padding_invariant(lm, critic):
+    seq, mask, P = _batch(PROMPTS, RESPONSE)
+    R = RESPONSE.shape[1]
+    with torch.no_grad():
+        lp, ent = policy_forward(lm, seq, mask, R, 0.9, with_entropy=True)
+        vals = critic_forward(critic, seq, mask, R)
+        for i, p in enumerate(PROMPTS):
+            alone = torch.tensor([p + RESPONSE[i].tolist()])
+            ones = torch.ones_like(alone)
+            lp1, ent1 = policy_forward(lm, alone, ones, R, 0.9, with_entropy=True)
+            v1 = critic_forward(critic, alone, ones, R)
+            assert torch.allclose(lp[i], lp1[0], atol=1e-5), i
+            assert torch.allclose(ent[i], ent1[0], atol=1e-5), i
+            assert torch.allclose(vals[i], v1[0], atol=1e-5), i
+
+
+def test_policy_forward_gradients_flow(lm):
+    seq, mask, _ = _batch(PROMPTS[:1], RESPONSE[:1])
+    lm.zero_grad(set_to_none=True)
+    lp, _ = policy_forward(lm, seq, mask, RESPONSE.shape[1], 1.0)
+    lp.sum().backward()
+    assert lm.lm_head.weight.grad is not None and lm.lm_head.weight.grad.abs().sum() > 0
+    lm.zero_grad(set_to_none=True)
+
+
+# ------------------------------------------------------------------ critic_forward
+
+
+def test_critic_forward_alignment_equals_plain_values(critic):
+    """values[:, t] = V(prefix ending at P+t-1): the full-sequence values at positions P-1 .. P+R-2."""
+    seq, mask, P = _batch(PROMPTS, RESPONSE)
+    R = RESPONSE.shape[1]
+    with torch.no_grad():
+        got = critic_forward(critic, seq, mask, R)
+        full = critic(seq, attention_mask=mask, position_ids=position_ids_from_mask(mask))  # [B, P+R]
+    assert got.shape == (3, R) and got.dtype == torch.float32
+    assert got.abs().max() > 1e-3
+    assert torch.allclose(got, full[:, P - 1 : P + R - 1], atol=1e-5)
+    assert not torch.allclose(got, full[:, P : P + R], atol=1e-3)  # the off-by-one would be visible
+
+
+# ------------------------------------------------------------------ generate_rollout
+
+
+def test_generate_rollout_repeats_each_prompt_consecutively(lm):
+    prompts = [[17, 45, 99], [5, 6, 7, 8, 9]]
+    seq, mask, P = _batch(prompts, torch.empty(2, 0, dtype=torch.long))
+    N, R = 3, 4
+    torch.manual_seed(0)
+    ro = generate_rollout(lm, seq, mask, max_new_tokens=R, eos_token_id=EOS, pad_token_id=PAD, temperature=1.0,
+                          top_k=0, top_p=1.0, suppress_eos=True, num_generations=N)
+    assert ro.sequences.shape == (len(prompts) * N, P + R) and ro.prompt_len == P
+    for i in range(len(prompts)):
+        for j in range(N):
+            assert torch.equal(ro.sequences[i * N + j, :P], seq[i]), (i, j)
+            assert torch.equal(ro.attention_mask[i * N + j, :P], mask[i]), (i, j)
+    assert ro.response_mask.shape == (len(prompts) * N, R) and ro.response_mask.eq(1).all()
+    assert ro.attention_mask[:, P:].eq(1).all()
+    # The N samples of a prompt are independent draws, not copies (a high-entropy scrambled model).
+    assert len({tuple(r) for r in ro.sequences[:N, P:].tolist()}) > 1
+
+
+# ------------------------------------------------------------------ the benchmark script
+
+
+@pytest.mark.slow
+def test_bench_quick_smoke_writes_documented_json(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_ppo
+
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_ppo.py"), "--quick", "--sizes", "64x2", "--steps", "1",
+           "--batch_size", "2", "--prompt_len", "8", "--gen_len", "4", "--num_threads", "1", "--json", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert set(bench_ppo.TOP_KEYS) <= rep.keys()
+    assert rep["matmul_peak_gflops"]["float32"] > 0 and rep["matmul_peak_gflops"]["bfloat16"] > 0
+    (res,) = rep["results"]
+    assert res["ok"], res.get("error")
+    assert set(bench_ppo.RESULT_KEYS) <= res.keys()
+    assert set(bench_ppo.TIME_KEYS) <= res["time_s"].keys()
+    t = res["time_s"]
+    assert t["step"] > 0 and t["generate"] > 0 and t["update"] > 0
+    assert abs(t["generate"] + t["score"] + t["update"] + t["sync_old"] - t["step"]) < 1e-6
+    assert res["params"]["actor"] > 0 and res["memory_mb"]["peak_rss"] > res["memory_mb"]["baseline_imports"]
+    assert res["flops"]["update_analytic"] > 0 and 0 < res["update_peak_share"]
+    assert res["config"]["dtype"] == "bfloat16" and res["config"]["update_old_actor_freq"] == 0
+    assert "gen t/s" in r.stdout and "64x2" in r.stdout  # the table was printed
