@@ -430,49 +430,32 @@ def main(argv: list[str] | None = None) -> None:
     if args.from_resume:
         say = print if info.is_main else (lambda m: None)
         try:
-            found = ckpt.load_latest_resume(args.checkpoint_dir, prefix, info=say)
-            if found is not None:
-                state, path = found
-                changes = ckpt.check_compatible(state["args"], flags, source=str(path))
-            else:
-                # A changed --hidden_size/--use_moe changes the file name: say which flag differs
-                # instead of quietly starting over next to the old run's files.
-                for other in ckpt.other_shape_resume_files(args.checkpoint_dir, args.save_weight, prefix)[:1]:
-                    ckpt.check_compatible(ckpt.read_resume(other)["args"], flags, source=str(other))
+            found = ckpt.find_resume(args.checkpoint_dir, args.save_weight, prefix, flags, info=say)
         except ckpt.ResumeError as e:
             raise SystemExit(f"error: {e}")
         if found is None:
-            if info.is_main:
-                print(f"no resume file {args.checkpoint_dir}/{prefix}_step*.pth: starting a new run")
+            say(f"no resume file {args.checkpoint_dir}/{prefix}_step*.pth: starting a new run")
         else:
-            actor.load_state_dict(state["actor"])
-            critic.load_state_dict(state["critic"])
-            for k in optims:
-                optims[k].load_state_dict(state["optim"][k])
-                scheds[k].load_state_dict(state["sched"][k])
-            kl_ctl.load_state_dict(state["kl_ctl"])
-            if old_actor is not None and state.get("old_actor") is not None:
-                old_actor.load_state_dict(state["old_actor"])
-            if scaler is not None and state.get("scaler"):
-                scaler.load_state_dict(state["scaler"])
+            state, path, changes = found
+            trainables = dict(actor=actor, critic=critic, optims=optims, scheds=scheds, kl_ctl=kl_ctl,
+                              old_actor=old_actor, scaler=scaler)
+            ckpt.load_training_state(state, **trainables)
             step, epoch, consumed, nonfinite_run = state["step"], state["epoch"], state["consumed"], state["nonfinite_run"]
-            swan_id = state.get("swanlab_id")
-            rngs = state["rng"]
+            swan_id, rngs = state.get("swanlab_id"), state["rng"]
             # Restored just before the loop, after start-up code that draws random numbers
             # (swanlab.init uses python's `random`), so the next step sees exactly the saved state.
             resume_rng = rngs[info.rank] if info.rank < len(rngs) else ckpt.seed_rngs(args.seed + info.rank + 1000003 * step)
             resumed = {"path": str(path), "step": step, "world_size": info.world_size,
                        "saved_world_size": state["world_size"], "flag_changes": changes}
-            if info.is_main:
-                print(f"resumed from {path} at step {step} (epoch {epoch}, sample {consumed})")
-                if state["world_size"] != info.world_size:
-                    print(f"world size changed {state['world_size']} -> {info.world_size}: continuing at global sample "
-                          f"{consumed} of epoch {epoch} (no sample repeated or skipped); each process now takes "
-                          f"{args.batch_size} of {args.batch_size * info.world_size} prompts per step")
-                    if info.world_size > len(rngs):
-                        print(f"ranks {len(rngs)}..{info.world_size - 1} have no saved RNG state: seeded from --seed, rank and step")
-                for c in changes:
-                    print(f"flag changed on resume: {c}")
+            say(f"resumed from {path} at step {step} (epoch {epoch}, sample {consumed})")
+            if state["world_size"] != info.world_size:
+                say(f"world size changed {state['world_size']} -> {info.world_size}: continuing at global sample "
+                    f"{consumed} of epoch {epoch} (no sample repeated or skipped); each process now takes "
+                    f"{args.batch_size} of {args.batch_size * info.world_size} prompts per step")
+                if info.world_size > len(rngs):
+                    say(f"ranks {len(rngs)}..{info.world_size - 1} have no saved RNG state: seeded from --seed, rank and step")
+            for c in changes:
+                say(f"flag changed on resume: {c}")
 
     # ---- DDP: only the trained models are wrapped; generation uses the unwrapped module.
     actor_train, critic_train = actor, critic
@@ -505,7 +488,7 @@ def main(argv: list[str] | None = None) -> None:
         logger.info(f"actor {n_params / 1e6:.2f}M params | {len(ds)} prompts | {total_steps} steps x {args.batch_size * info.world_size} "
                     f"prompts | device {info.device} x{info.world_size} | dtype {args.dtype} | run dir {run_dir}")
 
-    def save(final: bool = False) -> None:
+    def save() -> None:
         rngs = D.all_gather_objects(ckpt.capture_rng_state(), info)
         if not info.is_main:
             return
@@ -514,15 +497,10 @@ def main(argv: list[str] | None = None) -> None:
             tok.save_pretrained(Path(args.save_dir) / f"{args.save_weight}_hf")
         else:
             save_native_weights(actor, native_weight_path(args.save_dir, args.save_weight, args.hidden_size, bool(args.use_moe)))
-        state = {
-            "actor": actor.state_dict(), "critic": critic.state_dict(),
-            "optim": {k: o.state_dict() for k, o in optims.items()}, "sched": {k: s.state_dict() for k, s in scheds.items()},
-            "kl_ctl": kl_ctl.state_dict(), "old_actor": old_actor.state_dict() if old_actor is not None else None,
-            "scaler": scaler.state_dict() if scaler is not None else None,  # fp16 loss scale + growth tracker
-            "step": step, "epoch": epoch, "consumed": consumed, "nonfinite_run": nonfinite_run,
-            "rng": rngs, "world_size": info.world_size, "args": flags, "swanlab_id": logger.id,
-            "run": provenance or {},
-        }
+        state = ckpt.training_state(actor=actor, critic=critic, optims=optims, scheds=scheds, kl_ctl=kl_ctl,
+                                    old_actor=old_actor, scaler=scaler)
+        state.update(step=step, epoch=epoch, consumed=consumed, nonfinite_run=nonfinite_run, rng=rngs,
+                     world_size=info.world_size, args=flags, swanlab_id=logger.id, run=provenance or {})
         ckpt.save_resume(state, args.checkpoint_dir, prefix, step, args.keep_checkpoints)
 
     # ---- the loop
@@ -565,7 +543,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit(2)
             done = step >= total_steps
             if step % args.save_interval == 0 or done:
-                save(final=done)
+                save()
             if done:
                 break
         else:

@@ -1,16 +1,25 @@
-"""Batched sampling from left-padded prompts, on transformers' `generate` (KV cache included).
+"""Batched sampling from left-padded prompts: a lean KV-cached decode loop over any HF causal LM.
 
 Position ids follow the attention mask (pads do not count), so a prompt gives the same tokens
 alone and inside a left-padded batch.
+
+Why not `model.generate()`: at PPO's shapes (a handful of rows, one token per step) a decode step
+costs little compute, so per-step overhead decides the rollout time. generate() adds a logits-
+processor chain, stopping criteria and input preparation on every step, and samples with
+torch.multinomial, which on CPU draws an exponential variate for every vocabulary entry
+(~50k per step at batch 8). This loop runs only the processors PPO uses, in generate()'s order and
+with its semantics (EOS suppression, temperature, top-k, top-p), and samples by inverse CDF: one
+uniform per row, exactly the same categorical distribution. Greedy decoding is identical to
+generate(); sampled tokens follow a different random stream than generate()'s.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import GenerationConfig
 
 
 @dataclass
@@ -30,6 +39,43 @@ def response_mask_from_tokens(responses: torch.Tensor, eos_token_id: int | list[
     return (eos_before == 0).long(), has_eos
 
 
+def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (nucleus), as transformers' warpers do: removed entries
+    become -inf. top_k keeps ties with the k-th value; top_p keeps the smallest set of most likely
+    tokens whose probability reaches top_p (always at least one). fp32 in, fp32 out."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove = cum <= (1 - top_p)
+        remove[..., -1:] = False
+        logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    return logits
+
+
+def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row from softmax(logits) [B, V] by inverse CDF: index of the first cumulative
+    probability above u ~ U(0, total). Entries at -inf (probability 0) are never drawn."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    cdf = probs.double().cumsum(dim=-1)  # fp64: the running sum over the vocabulary loses nothing
+    total = cdf[:, -1:]
+    if not bool(torch.isfinite(total).all()):
+        raise RuntimeError("sampling: the model produced non-finite logits (nan/inf); the policy has diverged")
+    u = torch.rand(total.shape, dtype=torch.float64, device=logits.device, generator=generator) * total
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=logits.shape[-1] - 1).squeeze(-1)
+
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 @torch.no_grad()
 def sample(
     model: nn.Module,
@@ -45,37 +91,51 @@ def sample(
     greedy: bool = False,
     suppress_eos: bool = False,
 ) -> Samples:
-    """Sample responses for a left-padded batch [B, P]; per-row stop at EOS, pads after it."""
-    model = getattr(model, "module", model)  # generate on the unwrapped module (DDP has no generate)
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=not greedy,
-        # Explicit neutral values: None would be filled from model.generation_config and then
-        # transformers' global defaults (top_k=50), silently truncating the sampling distribution.
-        temperature=temperature if not greedy else 1.0,
-        top_k=top_k if not greedy else 0,
-        top_p=top_p if not greedy else 1.0,
-        min_p=0.0, typical_p=1.0, repetition_penalty=1.0, no_repeat_ngram_size=0,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        use_cache=True,
-        # A benchmark needs fixed lengths: EOS is masked at every step (min_new_tokens masks all the
-        # EOS ids generate knows, including extra ones from the model's generation_config).
-        min_new_tokens=max_new_tokens if suppress_eos else 0,
-    )
+    """Sample responses for a left-padded batch [B, P]; per-row stop at EOS, pads after it.
+
+    Only the arguments decide the distribution (never the model's generation_config). With
+    suppress_eos every EOS id gets probability 0, so each row runs to max_new_tokens."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    model = getattr(model, "module", model)  # the unwrapped module (DDP wraps only the training forward)
+    eos_ids = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+    eos_t = torch.tensor(eos_ids, device=input_ids.device)
+    keep = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}  # only the last position's logits
+    B, P = input_ids.shape
+    mask = attention_mask
+    position = (mask.long().cumsum(-1) - 1).clamp(min=0)
     was_training = model.training
     model.eval()
+    tokens: list[torch.Tensor] = []
     try:
-        sequences = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True, **keep)
+        position = position[:, -1:]
+        finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+        for step in range(max_new_tokens):
+            logits = out.logits[:, -1, :].float()
+            if suppress_eos:
+                logits[:, eos_t] = float("-inf")
+            if greedy:
+                nxt = logits.argmax(dim=-1)
+            else:
+                nxt = sample_from_logits(filter_logits(logits, temperature, top_k, top_p))
+            nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)  # finished rows get pads
+            tokens.append(nxt)
+            if not suppress_eos:
+                finished = finished | torch.isin(nxt, eos_t)
+                if bool(finished.all()):
+                    break
+            if step == max_new_tokens - 1:
+                break
+            mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+            position = position + 1
+            out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=position,
+                        past_key_values=out.past_key_values, use_cache=True, **keep)
     finally:
         model.train(was_training)
-    P = input_ids.shape[1]
-    responses = sequences[:, P:]  # [B, R]; R <= max_new_tokens (generation stops when all rows hit EOS)
-    if responses.shape[1] == 0:
-        raise RuntimeError("generation returned no tokens (max_new_tokens must be >= 1)")
-    response_mask, has_eos = response_mask_from_tokens(responses, eos_token_id)
+    responses = torch.stack(tokens, dim=1)  # [B, R]; R < max_new_tokens when every row hit EOS
+    response_mask, has_eos = response_mask_from_tokens(responses, eos_ids)
     if suppress_eos:
         has_eos = torch.zeros_like(has_eos)
-    # generate() already pads finished rows with pad_token_id; make it explicit for safety.
-    sequences[:, P:] = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad_token_id))
-    return Samples(sequences=sequences, response_mask=response_mask, has_eos=has_eos)
+    responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad_token_id))
+    return Samples(sequences=torch.cat([input_ids, responses], dim=1), response_mask=response_mask, has_eos=has_eos)

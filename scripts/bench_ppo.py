@@ -29,6 +29,8 @@ trainer's behaviour is unchanged. Reported per step (medians over the timed step
   update_actor_fwd / update_critic_fwd / update_optimizer (AdamW steps) / update_backward (the rest:
                      losses, backward, grad clipping)
   sync_old           old_actor.load_state_dict(actor.state_dict()) when --update_old_actor_freq > 0
+The same split is kept in process CPU seconds (`cpu_s`); the table's cpu/wall column is the noise
+check: on a quiet machine it is close to the thread count, far below it the process waited for a core.
 
 Update-phase FLOPs are analytic (documented in `forward_flops`): a forward costs 2 FLOP per
 multiply-accumulate of every linear layer at every position, plus 4*T^2*head_dim*heads per layer per
@@ -74,7 +76,7 @@ MB = 1024 * 1024
 MINIMIND_REFERENCE_S = 5.9  # shared/notes/cpu-speed.md: MiniMind train_ppo.py, 512x8, same work, fp32
 TIME_KEYS = ("step", "generate", "score", "score_old", "score_ref", "score_critic", "score_reward", "score_other",
              "update", "update_actor_fwd", "update_critic_fwd", "update_optimizer", "update_backward", "sync_old")
-RESULT_KEYS = ("config", "ok", "error", "params", "time_s", "time_s_all", "first_step_s", "build_s",
+RESULT_KEYS = ("config", "ok", "error", "params", "time_s", "time_s_all", "cpu_s", "first_step_s", "build_s",
                "tokens_per_s_generate", "tokens_per_s_step", "flops", "update_tflops_per_s", "update_peak_share",
                "memory_mb")
 TOP_KEYS = ("machine", "date", "matmul_peak_gflops", "settings", "results", "minimind_reference_s")
@@ -142,17 +144,24 @@ def forward_flops(cfg: Any, rows: int, seq: int, head_positions: int) -> float:
 
 
 # ------------------------------------------------------------------------------------ child
+def now() -> tuple[float, float]:
+    """(wall, process CPU) seconds. CPU time is the noise check on a shared machine: with N threads
+    on a quiet machine cpu ~ N x wall; much less means the process waited for a core."""
+    return time.perf_counter(), time.process_time()
+
+
 class PhaseTimer:
-    """Accumulates wall time per phase name for the current step; wrappers only read the clock."""
+    """Accumulates (wall, cpu) time per phase name for the current step; wrappers only read clocks."""
 
     def __init__(self) -> None:
         self.phase = "idle"
-        self.acc: dict[str, float] = {}
+        self.acc: dict[str, tuple[float, float]] = {}
         self.count_flops = False
         self.flops: dict[str, float] = {}
 
-    def add(self, key: str, dt: float) -> None:
-        self.acc[key] = self.acc.get(key, 0.0) + dt
+    def add(self, key: str, start: tuple[float, float]) -> None:
+        end, old = now(), self.acc.get(key, (0.0, 0.0))
+        self.acc[key] = (old[0] + end[0] - start[0], old[1] + end[1] - start[1])
 
     def wrap(self, fn: Callable, name_of: Callable[..., str]) -> Callable:
         def timed(*a, **k):
@@ -161,16 +170,29 @@ class PhaseTimer:
                 from torch.utils.flop_counter import FlopCounterMode
 
                 with FlopCounterMode(display=False) as fc:
-                    t = time.perf_counter()
+                    t = now()
                     out = fn(*a, **k)
                 self.flops[key] = self.flops.get(key, 0.0) + fc.get_total_flops()
             else:
-                t = time.perf_counter()
+                t = now()
                 out = fn(*a, **k)
-            self.add(key, time.perf_counter() - t)
+            self.add(key, t)
             return out
 
         return timed
+
+
+def split_step(t: list[float], acc: dict[str, float]) -> dict[str, float]:
+    """One step's TIME_KEYS from the loop's clock reads t0..t3 and the wrappers' sums."""
+    t0, t1, t2, t3 = t
+    rec = {"step": t3 - t0, "sync_old": t1 - t0, "generate": acc.get("generate", 0.0), "update": t3 - t2}
+    rec["score"] = (t2 - t1) - rec["generate"]
+    for k in ("score_old", "score_ref", "score_critic", "score_reward", "update_actor_fwd", "update_critic_fwd",
+              "update_optimizer"):
+        rec[k] = acc.get(k, 0.0)
+    rec["score_other"] = rec["score"] - rec["score_old"] - rec["score_ref"] - rec["score_critic"] - rec["score_reward"]
+    rec["update_backward"] = rec["update"] - rec["update_actor_fwd"] - rec["update_critic_fwd"] - rec["update_optimizer"]
+    return rec
 
 
 def make_batch(tok: Any, batch_size: int, prompt_len: int, kind: str, seed: int) -> dict:
@@ -279,8 +301,8 @@ def run_config(cfg: dict) -> dict:
     policy_key = lambda model, *a, **k: ("update_actor_fwd" if pt.phase == "update" else
                                          "score_ref" if model is ref else "score_old")
     for o in optims.values():
-        o.register_step_pre_hook(lambda *_: setattr(pt, "_t_opt", time.perf_counter()))
-        o.register_step_post_hook(lambda *_: pt.add("update_optimizer", time.perf_counter() - pt._t_opt))
+        o.register_step_pre_hook(lambda *_: setattr(pt, "_t_opt", now()))
+        o.register_step_post_hook(lambda *_: pt.add("update_optimizer", pt._t_opt))
     patches = {
         "generate_rollout": pt.wrap(T.generate_rollout, lambda *a, **k: "generate"),
         "policy_forward": pt.wrap(T.policy_forward, policy_key),
@@ -291,6 +313,7 @@ def run_config(cfg: dict) -> dict:
         setattr(T, name, fn)
 
     per_step: list[dict[str, float]] = []
+    per_step_cpu: list[dict[str, float]] = []
     first_step_s = float("nan")
     flops_counted: dict[str, float] = {}
     error = None
@@ -298,13 +321,13 @@ def run_config(cfg: dict) -> dict:
         for step in range(total):
             counting = step == 0 < cfg["warmup"] and cfg["count_flops"] and not args.use_compile
             pt.acc, pt.flops, pt.count_flops = {}, {}, counting
-            t0 = time.perf_counter()
+            t0 = now()
             if old_actor is not None and step % args.update_old_actor_freq == 0:
                 old_actor.load_state_dict(actor.state_dict())
-            t1 = time.perf_counter()
+            t1 = now()
             pt.phase = "score"
             ro, metrics, _ = T.make_experience(args, batch, models, tok, rm_scorer, {}, kl_ctl, info, autocast)
-            t2 = time.perf_counter()
+            t2 = now()
             pt.phase = "update"
             if counting:
                 from torch.utils.flop_counter import FlopCounterMode
@@ -315,22 +338,16 @@ def run_config(cfg: dict) -> dict:
                 flops_counted = {**pt.flops, "update": fc.get_total_flops()}
             else:
                 T.ppo_update(args, ro, models, optims, scheds, step, info, autocast, scaler)
-            t3 = time.perf_counter()
+            t3 = now()
             pt.phase = "idle"
             if ro.sequences.shape[1] != cfg["prompt_len"] + cfg["gen_len"]:
                 raise RuntimeError(f"response length {ro.response_len} != --gen_len {cfg['gen_len']} (EOS not suppressed?)")
-            a = pt.acc
-            rec = {"step": t3 - t0, "sync_old": t1 - t0, "generate": a.get("generate", 0.0), "update": t3 - t2}
-            rec["score"] = (t2 - t1) - rec["generate"]
-            for k in ("score_old", "score_ref", "score_critic", "score_reward",
-                      "update_actor_fwd", "update_critic_fwd", "update_optimizer"):
-                rec[k] = a.get(k, 0.0)
-            rec["score_other"] = rec["score"] - rec["score_old"] - rec["score_ref"] - rec["score_critic"] - rec["score_reward"]
-            rec["update_backward"] = rec["update"] - rec["update_actor_fwd"] - rec["update_critic_fwd"] - rec["update_optimizer"]
+            recs = [split_step([t[i] for t in (t0, t1, t2, t3)], {k: v[i] for k, v in pt.acc.items()}) for i in (0, 1)]
             if step == 0:
-                first_step_s = rec["step"]
+                first_step_s = recs[0]["step"]
             if step >= cfg["warmup"]:
-                per_step.append(rec)
+                per_step.append(recs[0])
+                per_step_cpu.append(recs[1])
     except Exception as e:  # noqa: BLE001 - reported in the table, the other configs still run
         error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
@@ -374,6 +391,7 @@ def run_config(cfg: dict) -> dict:
     return {
         "config": cfg, "ok": error is None and bool(per_step), "error": error, "params": params,
         "time_s": med, "time_s_all": {k: [r[k] for r in per_step] for k in TIME_KEYS},
+        "cpu_s": ({k: statistics.median(r[k] for r in per_step_cpu) for k in TIME_KEYS} if per_step_cpu else {}),
         "first_step_s": first_step_s, "build_s": build_s,
         "tokens_per_s_generate": B * R / med["generate"] if med else float("nan"),
         "tokens_per_s_step": B * R / med["step"] if med else float("nan"),
@@ -464,11 +482,12 @@ def fmt_row(r: dict) -> str:
     share = r.get("update_peak_share")
     return (f"{label} | {t['step']:6.2f} {t['generate']:6.2f} {t['score']:6.2f} ({score_parts}) {t['update']:6.2f} "
             f"{t['sync_old']:5.2f} | {r['tokens_per_s_generate']:6.0f} | {r['update_tflops_per_s'] * 1000:6.1f} "
-            f"{(share or float('nan')) * 100:5.1f}% | {m['peak_rss']:6.0f} {m['budget_4_copies_2_adamw']:6.0f}")
+            f"{(share or float('nan')) * 100:5.1f}% | {m['peak_rss']:6.0f} {m['budget_4_copies_2_adamw']:6.0f} | "
+            f"{r['cpu_s']['step'] / t['step']:4.2f}")
 
 
 HEADER = ("config                                   |   step    gen  score (old/ref/critic/reward)      update  sync  "
-          "| gen t/s | upd GF/s %peak | peakMB budgetMB")
+          "| gen t/s | upd GF/s %peak | peakMB budgetMB | cpu/wall")
 
 
 def main(argv: list[str] | None = None) -> None:

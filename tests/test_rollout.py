@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from model.critic import CriticModel
+from model.generation import filter_logits, sample_from_logits
 from model.loader import build_minimind
 from trainer.rollout import critic_forward, generate_rollout, logprobs_from_logits, policy_forward, position_ids_from_mask
 
@@ -193,6 +194,48 @@ def test_generate_rollout_repeats_each_prompt_consecutively(lm):
     assert ro.attention_mask[:, P:].eq(1).all()
     # The N samples of a prompt are independent draws, not copies (a high-entropy scrambled model).
     assert len({tuple(r) for r in ro.sequences[:N, P:].tolist()}) > 1
+
+
+# ------------------------------------------------------------------ the sampler behind generate_rollout
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.9), (0.8, 7, 0.6), (1.0, 1, 1.0)])
+def test_filter_logits_equals_transformers_warpers(temperature, top_k, top_p):
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(0)
+    logits = 2 * torch.randn(6, 40, generator=g)
+    logits[0, :5] = logits[0, 5]  # ties at the top-k boundary are kept by both
+    ids = torch.zeros(6, 1, dtype=torch.long)
+    want = logits.clone()
+    if temperature != 1.0:
+        want = TemperatureLogitsWarper(temperature)(ids, want)
+    if top_k > 0:
+        want = TopKLogitsWarper(top_k)(ids, want)
+    if top_p < 1.0:
+        want = TopPLogitsWarper(top_p)(ids, want)
+    got = filter_logits(logits, temperature, top_k, top_p)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.allclose(got[~torch.isinf(got)], want[~torch.isinf(want)], atol=1e-6)
+
+
+def test_sample_from_logits_draws_the_softmax_distribution():
+    probs = torch.tensor([0.1, 0.0, 0.2, 0.7])
+    logits = probs.log().expand(40000, 4)  # the zero entry is -inf
+    torch.manual_seed(0)
+    draws = sample_from_logits(logits)
+    assert draws.shape == (40000,) and draws.dtype == torch.long
+    freq = torch.bincount(draws, minlength=4).float() / draws.numel()
+    assert freq[1] == 0  # probability 0 is never drawn
+    # 4 standard errors at n=40000: sqrt(0.7*0.3/40000) ~ 0.0023
+    assert torch.allclose(freq, probs, atol=0.01), freq
+    torch.manual_seed(0)
+    assert torch.equal(sample_from_logits(logits), draws)  # deterministic under the seed
+
+
+def test_sample_from_logits_rejects_nonfinite():
+    with pytest.raises(RuntimeError, match="non-finite"):
+        sample_from_logits(torch.tensor([[0.0, float("nan")]]))
 
 
 # ------------------------------------------------------------------ the benchmark script

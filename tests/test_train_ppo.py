@@ -67,7 +67,7 @@ def test_toy_reward_rises(world, tmp_path):
     """A reward a tiny random model can raise (share of low token ids) rises well beyond noise."""
     flags = tiny_flags(world, tmp_path, reward_fn=[f"{FIXTURE}:low_id_share"], rm_weight=0, format_weight=0,
                        tag_weight=0, accuracy_weight=0, eos_penalty=0, kl_coef=0.0, max_steps=40, batch_size=16,
-                       mini_batch_size=8, learning_rate=3e-3, critic_learning_rate=3e-3, temperature=1.0,
+                       mini_batch_size=8, learning_rate=1e-2, critic_learning_rate=3e-3, temperature=1.0,
                        max_gen_len=8, save_interval=100, sample_interval=0, epochs=20)
     run_train(flags, cwd=tmp_path, timeout=600)
     r = [row["reward/total"] for row in read_metrics(tmp_path / "run")]

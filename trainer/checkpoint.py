@@ -204,3 +204,45 @@ def seed_rngs(seed: int) -> dict:
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     return capture_rng_state()
+
+
+def find_resume(checkpoint_dir: str | Path, save_weight: str, prefix: str, flags: dict,
+                info: Callable[[str], None] = print) -> tuple[dict, Path, list[str]] | None:
+    """The newest usable resume file for this run, checked against the current flags.
+
+    Returns (state, path, harmless flag changes), or None when there is nothing to resume.
+    A changed --hidden_size/--use_moe changes the file name, so files of other shapes are
+    checked too: the error names the flag instead of quietly starting over beside them."""
+    found = load_latest_resume(checkpoint_dir, prefix, info=info)
+    if found is None:
+        for other in other_shape_resume_files(checkpoint_dir, save_weight, prefix)[:1]:
+            check_compatible(read_resume(other)["args"], flags, source=str(other))
+        return None
+    state, path = found
+    return state, path, check_compatible(state["args"], flags, source=str(path))
+
+
+def training_state(*, actor, critic, optims: dict, scheds: dict, kl_ctl, old_actor, scaler) -> dict:
+    """Everything trainable or stateful, in full precision (the caller adds step, RNG, flags...)."""
+    return {
+        "actor": actor.state_dict(), "critic": critic.state_dict(),
+        "optim": {k: o.state_dict() for k, o in optims.items()},
+        "sched": {k: s.state_dict() for k, s in scheds.items()},
+        "kl_ctl": kl_ctl.state_dict(),
+        "old_actor": old_actor.state_dict() if old_actor is not None else None,
+        "scaler": scaler.state_dict() if scaler is not None else None,  # fp16 loss scale + growth tracker
+    }
+
+
+def load_training_state(state: dict, *, actor, critic, optims: dict, scheds: dict, kl_ctl, old_actor, scaler) -> None:
+    """Inverse of `training_state`."""
+    actor.load_state_dict(state["actor"])
+    critic.load_state_dict(state["critic"])
+    for k in optims:
+        optims[k].load_state_dict(state["optim"][k])
+        scheds[k].load_state_dict(state["sched"][k])
+    kl_ctl.load_state_dict(state["kl_ctl"])
+    if old_actor is not None and state.get("old_actor") is not None:
+        old_actor.load_state_dict(state["old_actor"])
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
