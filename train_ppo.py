@@ -65,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--tokenizer_path", default=None, help="tokenizer dir (default: model/ for native weights, the HF dir otherwise)")
     a("--hidden_size", type=int, default=128)
     a("--num_hidden_layers", type=int, default=4)
+    a("--num_attention_heads", type=int, default=0, help="0 = MiniMind's 8, or read off a qwen3-arch weights file")
+    a("--num_key_value_heads", type=int, default=0, help="0 = MiniMind's 4 (qwen3) / 2 (llama), or read off the file")
     a("--use_moe", type=int, default=0, choices=[0, 1])
     a("--arch", default="auto", choices=["auto", "qwen3", "llama"], help="qwen3 = current MiniMind, llama = MiniMind2; auto reads the file")
     a("--reward_model_path", default="out/demo_rm", help="AutoModelForSequenceClassification dir, or 'none'")
@@ -382,6 +384,7 @@ def main(argv: list[str] | None = None) -> None:
         actor, tok = load_policy(
             weights=None if args.from_weight == "none" else weights, hf_path=args.actor_path, hidden_size=args.hidden_size,
             num_hidden_layers=args.num_hidden_layers, use_moe=bool(args.use_moe), arch=args.arch,
+            num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
             tokenizer_path=args.tokenizer_path, device=info.device, trust_remote_code=bool(args.trust_remote_code),
         )
         rm_scorer = None

@@ -65,6 +65,18 @@ def build_minimind(
     return MiniMindForCausalLM(config)
 
 
+def detect_heads(state_dict: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Head counts read off a qwen3-arch file: q_norm is [head_dim], q_proj [heads*head_dim, hidden],
+    k_proj [kv_heads*head_dim, hidden]. The llama arch has no q_norm, so nothing can be read there."""
+    q_norm = state_dict.get("model.layers.0.self_attn.q_norm.weight")
+    q_proj = state_dict.get("model.layers.0.self_attn.q_proj.weight")
+    k_proj = state_dict.get("model.layers.0.self_attn.k_proj.weight")
+    if q_norm is None or q_proj is None or k_proj is None:
+        return {}
+    head_dim = q_norm.shape[0]
+    return {"num_attention_heads": q_proj.shape[0] // head_dim, "num_key_value_heads": k_proj.shape[0] // head_dim}
+
+
 def load_policy(
     *,
     weights: str | os.PathLike | None = None,
@@ -73,6 +85,8 @@ def load_policy(
     num_hidden_layers: int = 8,
     use_moe: bool = False,
     arch: str = "auto",
+    num_attention_heads: int = 0,
+    num_key_value_heads: int = 0,
     tokenizer_path: str | os.PathLike | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
@@ -81,7 +95,8 @@ def load_policy(
     """Policy + tokenizer from a native `.pth` (with shape flags) or a local HF directory.
 
     weights=None and hf_path=None builds a random MiniMind model (benchmarks, tests).
-    arch="auto" reads the architecture off the weights file (q_norm present -> qwen3).
+    arch="auto" reads the architecture off the weights file (q_norm present -> qwen3); head counts
+    0 = MiniMind's defaults (8 / 4 or 2), or, for the qwen3 arch, what the file's shapes say.
     """
     if weights is not None and hf_path is not None:
         raise ValueError("give either native weights (--from_weight) or an HF directory (--actor_path), not both")
@@ -102,7 +117,15 @@ def load_policy(
                 f"tokenizer has {len(tok)} tokens but the model's vocabulary is {vocab}: "
                 "use the tokenizer the weights were trained with (--tokenizer_path)"
             )
-        model = build_minimind(hidden_size, num_hidden_layers, use_moe, arch, vocab_size=vocab)
+        heads = {}
+        if num_attention_heads:
+            heads["num_attention_heads"] = num_attention_heads
+        if num_key_value_heads:
+            heads["num_key_value_heads"] = num_key_value_heads
+        if state is not None:
+            # Explicit flags win (a mismatch is then reported key by key); otherwise read them off the file.
+            heads = {**detect_heads(state), **heads}
+        model = build_minimind(hidden_size, num_hidden_layers, use_moe, arch, vocab_size=vocab, **heads)
         if weights is not None:
             load_native_weights(model, weights)
         model = model.to(dtype)

@@ -90,6 +90,8 @@ def _suggest(expected: dict, found: dict, shape_errors: list[str]) -> str:
     if shape_errors:
         if any(s.startswith(("model.embed_tokens", "lm_head")) for s in shape_errors):
             hints.append("--hidden_size (or the vocabulary: --tokenizer_path must match the weights)")
+        elif any("self_attn" in s and "norm" in s for s in shape_errors):
+            hints.append("--num_attention_heads / --num_key_value_heads (the file's head size differs)")
         elif not hints:
             hints.append("--hidden_size or --arch (the FFN width and kv heads differ between architectures)")
     return "; check " + " and ".join(hints) if hints else ""

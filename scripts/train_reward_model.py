@@ -82,9 +82,24 @@ def collate(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Ten
     return input_ids, attention_mask
 
 
-def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Tensor:
-    """-log sigmoid(r_chosen - r_rejected), averaged over pairs."""
-    return -F.logsigmoid(r_chosen - r_rejected).mean()
+def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, center_coef: float = 0.0) -> torch.Tensor:
+    """-log sigmoid(r_chosen - r_rejected), averaged over pairs, plus center_coef * mean((r_chosen + r_rejected)^2).
+
+    The BT term only sees differences, so scores may drift to any offset; the centering term
+    (reward centering) pins each pair's midpoint near 0, which keeps scores inside PPO's clip range."""
+    loss = -F.logsigmoid(r_chosen - r_rejected).mean()
+    if center_coef:
+        loss = loss + center_coef * (r_chosen + r_rejected).pow(2).mean()
+    return loss
+
+
+def calibration_scale(scores: torch.Tensor, clip: float, quantile: float = 0.98, fill: float = 0.8) -> float:
+    """Factor (<= 1) that brings the `quantile` of |scores| down to fill * clip.
+
+    PPO clips RM scores to [-clip, clip]; replies whose raw scores both exceed the bound would tie.
+    Scaling the (bias-free) score head changes no ranking, only the spread."""
+    q = torch.quantile(scores.abs().float(), quantile).item()
+    return min(1.0, fill * clip / q) if q > 0 else 1.0
 
 
 def rewards_of(model: torch.nn.Module, rows: list[list[int]], pad_id: int) -> torch.Tensor:
@@ -168,6 +183,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup_steps", type=int, default=50)
     p.add_argument("--weight_decay", type=float, default=0.01)
     p.add_argument("--grad_clip", type=float, default=1.0)
+    p.add_argument("--center_coef", type=float, default=0.01, help="weight of the (r_chosen + r_rejected)^2 term")
+    p.add_argument("--clip", type=float, default=3.0, help="PPO's RM score clip: scores are scaled to fit inside it")
     p.add_argument("--max_length", type=int, default=512, help="tokens per scored conversation (end kept)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="autocast dtype on CPU")
     p.add_argument("--num_threads", type=int, default=0, help="torch threads (0 = all cores)")
@@ -225,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
                 # Both sides in one forward: one padded batch [2B, T] is cheaper than two.
                 r = rewards_of(model, [chosen[i] for i in idx] + [rejected[i] for i in idx], pad_id)
             r_chosen, r_rejected = r[: len(idx)], r[len(idx) :]
-            loss = bradley_terry_loss(r_chosen, r_rejected)
+            loss = bradley_terry_loss(r_chosen, r_rejected, args.center_coef)
             if not torch.isfinite(loss):
                 raise SystemExit(f"non-finite loss at step {step}: lower --learning_rate")
             optimizer.zero_grad(set_to_none=True)
@@ -250,6 +267,15 @@ def main(argv: list[str] | None = None) -> None:
     save = Path(args.save_path)
     save.mkdir(parents=True, exist_ok=True)
     model.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_amp):
+        sub = np.random.default_rng([args.seed, 999]).permutation(n)[:2000]
+        train_scores = torch.cat([rewards_of(model, [side[i] for i in sub[s : s + 250]], pad_id)
+                                  for side in (chosen, rejected) for s in range(0, len(sub), 250)])
+    scale = calibration_scale(train_scores, args.clip)
+    with torch.no_grad():
+        model.score.weight.mul_(scale)
+    print(f"score scale {scale:.3f} (98th percentile of |training scores| was {torch.quantile(train_scores.abs(), 0.98):.2f}; "
+          f"clip +-{args.clip:g})")
     model.set_attn_implementation("sdpa")
     # fp16 on disk halves the size of a file that ships in git; loaders upcast (load_reward_model: fp32).
     model.to(torch.float16).save_pretrained(save)
@@ -258,17 +284,22 @@ def main(argv: list[str] | None = None) -> None:
 
     # Held-out accuracy through the exact PPO path: reload from disk, score with RewardModelScorer.
     rm, rm_tok = load_reward_model(save)
-    scorer = RewardModelScorer(rm, rm_tok, max_length=args.max_length, batch_size=256)
+    scorer = RewardModelScorer(rm, rm_tok, max_length=args.max_length, batch_size=256, clip=float("inf"))
     ev_rows = [json.loads(line) for line in Path(args.eval_data_path).read_text(encoding="utf-8").splitlines() if line.strip()]
     convs = [[{"role": m["role"], "content": m["content"]} for m in row["conversations"]] for row in ev_rows]
     s_chosen = scorer.score([c + [{"role": "assistant", "content": row["chosen"]}] for c, row in zip(convs, ev_rows)])
     s_rejected = scorer.score([c + [{"role": "assistant", "content": row["rejected"]}] for c, row in zip(convs, ev_rows)])
-    # Scores are clipped at +-clip: a tie at the clip bound counts as a miss, as PPO could not tell them apart.
-    acc = pair_accuracy(s_chosen - s_rejected, [str(r.get("kind", "all")) for r in ev_rows])
+    ev_kinds = [str(r.get("kind", "all")) for r in ev_rows]
+    acc = pair_accuracy(s_chosen - s_rejected, ev_kinds)
+    # What PPO sees: scores clipped at +-clip, where a tie at the bound is a miss.
+    acc_clipped = pair_accuracy(s_chosen.clamp(-args.clip, args.clip) - s_rejected.clamp(-args.clip, args.clip), ev_kinds)
     size_mb = sum(f.stat().st_size for f in save.iterdir()) / 1e6
     print(f"held-out pair accuracy (reloaded, RewardModelScorer, fp32): {acc['all']:.3f}  "
           + "  ".join(f"{k} {v:.3f}" for k, v in acc.items() if k != "all"))
-    print(f"scores: chosen mean {s_chosen.mean():.2f}, rejected mean {s_rejected.mean():.2f} (clip +-{scorer.clip:g})")
+    print(f"  with scores clipped to +-{args.clip:g}: {acc_clipped['all']:.3f}")
+    both = torch.cat([s_chosen, s_rejected])
+    print(f"scores: chosen mean {s_chosen.mean():.2f}, rejected mean {s_rejected.mean():.2f}, "
+          f"{(both.abs() > args.clip).float().mean():.1%} outside +-{args.clip:g}")
     print(f"saved {save}/ ({size_mb:.1f} MB) ; train {train_time:.0f} s, total {time.time() - t0:.0f} s")
 
 

@@ -150,6 +150,21 @@ def test_policy_forward_left_padding_invariant(lm, critic):
             assert torch.allclose(vals[i], v1[0], atol=1e-5), i
 
 
+def test_training_forward_kernel_matches_scoring_forward(lm, critic):
+    """With grad enabled (the update) the CPU path uses the math SDPA kernel, without grad (scoring)
+    the flash kernel: the log-probs and values must agree, or PPO's first ratio would not be 1."""
+    seq, mask, P = _batch(PROMPTS, RESPONSE)
+    R = RESPONSE.shape[1]
+    with torch.no_grad():
+        lp0, ent0 = policy_forward(lm, seq, mask, R, 0.8, with_entropy=True)
+        v0 = critic_forward(critic, seq, mask, R)
+    lp1, ent1 = policy_forward(lm, seq, mask, R, 0.8, with_entropy=True)
+    v1 = critic_forward(critic, seq, mask, R)
+    assert lp1.requires_grad and v1.requires_grad
+    assert torch.allclose(lp1.detach(), lp0, atol=1e-5) and torch.allclose(ent1.detach(), ent0, atol=1e-5)
+    assert torch.allclose(v1.detach(), v0, atol=1e-5)
+
+
 def test_policy_forward_gradients_flow(lm):
     seq, mask, _ = _batch(PROMPTS[:1], RESPONSE[:1])
     lm.zero_grad(set_to_none=True)

@@ -31,7 +31,7 @@ FORMAT_VERSION = 1
 # Flags that change what the saved tensors mean or the algorithm's state: resuming with a
 # different value would silently train a different thing, so it is refused.
 INCOMPATIBLE_FLAGS = (
-    "hidden_size", "num_hidden_layers", "use_moe", "arch", "from_weight", "actor_path", "tokenizer_path",
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "use_moe", "arch", "from_weight", "actor_path", "tokenizer_path",
     "data_path", "seed", "batch_size", "mini_batch_size", "num_generations", "ppo_update_iters",
     "update_old_actor_freq", "adaptive_kl", "kl_estimator", "kl_placement", "max_seq_len", "max_gen_len",
     "thinking_ratio", "system_prompt_ratio",
