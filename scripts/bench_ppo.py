@@ -236,7 +236,7 @@ def run_config(cfg: dict) -> dict:
 
     import train_ppo as T
     from model.critic import CriticModel
-    from model.loader import load_policy, load_reward_model, load_tokenizer
+    from model.loader import eos_token_ids, load_policy, load_reward_model, load_tokenizer
     from trainer.distributed import DistInfo
     from trainer.ppo import FixedKLController
     from trainer.rewards import RewardModelScorer
@@ -270,7 +270,8 @@ def run_config(cfg: dict) -> dict:
     # ---- models, as train_ppo.main() builds them
     t_build = time.perf_counter()
     actor, tok = load_policy(weights=None, hidden_size=hidden, num_hidden_layers=layers, use_moe=bool(args.use_moe),
-                             arch=args.arch, device=info.device)
+                             arch=args.arch, num_attention_heads=args.num_attention_heads,
+                             num_key_value_heads=args.num_key_value_heads, device=info.device)
     rm_scorer = None
     if args.rm_weight and args.reward_model_path not in (None, "none"):
         rm_model, rm_tok = load_reward_model(args.reward_model_path, dtype=frozen_dtype, device=info.device)
@@ -291,7 +292,7 @@ def run_config(cfg: dict) -> dict:
     if args.use_compile:
         actor_train, critic_train = torch.compile(actor_train), torch.compile(critic_train)
     models = {"actor": actor, "critic": critic, "ref": ref, "old_actor": old_actor, "kl_ctl": kl_ctl,
-              "actor_train": actor_train, "critic_train": critic_train}
+              "eos_ids": eos_token_ids(actor, tok), "actor_train": actor_train, "critic_train": critic_train}
     build_s = time.perf_counter() - t_build
     rss_models = rss_now_mb()
     batch = make_batch(tok, args.batch_size, cfg["prompt_len"], cfg["prompts"], args.seed)

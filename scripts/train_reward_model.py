@@ -127,7 +127,7 @@ def lr_at(step: int, total_steps: int, warmup_steps: int, base_lr: float, min_lr
 
 
 def build_reward_model(tokenizer: Any, hidden_size: int, num_hidden_layers: int, num_heads: int,
-                       max_length: int) -> Qwen3ForSequenceClassification:
+                       max_length: int, rope_theta: float = 1e4) -> Qwen3ForSequenceClassification:
     """A randomly initialised stock Qwen3 classifier sized for the demo (seed torch first)."""
     if hidden_size % num_heads:
         raise SystemExit(f"--hidden_size {hidden_size} is not divisible by --num_attention_heads {num_heads}")
@@ -141,7 +141,9 @@ def build_reward_model(tokenizer: Any, hidden_size: int, num_hidden_layers: int,
         head_dim=hidden_size // num_heads,
         max_position_embeddings=max(512, max_length),
         rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        # Unlike the policy, the RM is free of MiniMind's 1e6: a small base keeps every rotary
+        # frequency useful over these short sequences, which position-based heads need.
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
         tie_word_embeddings=False,
         num_labels=1,
         pad_token_id=tokenizer.pad_token_id,  # the classifier reads the last non-pad token
@@ -175,6 +177,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden_size", type=int, default=128)
     p.add_argument("--num_hidden_layers", type=int, default=4)
     p.add_argument("--num_attention_heads", type=int, default=4)
+    p.add_argument("--rope_theta", type=float, default=1e4)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--max_steps", type=int, default=900, help="stop after this many optimizer steps (0 = all epochs)")
     p.add_argument("--batch_size", type=int, default=32, help="pairs per step")
@@ -212,7 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.max_steps > 0:
         total_steps = min(total_steps, args.max_steps)
 
-    model = build_reward_model(tokenizer, args.hidden_size, args.num_hidden_layers, args.num_attention_heads, args.max_length)
+    model = build_reward_model(tokenizer, args.hidden_size, args.num_hidden_layers, args.num_attention_heads, args.max_length,
+                               args.rope_theta)
     # Eager attention: torch's CPU SDPA (flash) backward under bf16 autocast is several times slower
     # than everything else at these sizes. Switched back to SDPA before saving (inference is fine).
     model.set_attn_implementation("eager")

@@ -156,6 +156,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save_weight", default="full_sft", help="file prefix: <save_dir>/<save_weight>_<hidden>.pth")
     p.add_argument("--hidden_size", type=int, default=128)
     p.add_argument("--num_hidden_layers", type=int, default=4)
+    p.add_argument("--num_attention_heads", type=int, default=4, help="4 heads of 32 dims at hidden 128 (see below)")
+    p.add_argument("--num_key_value_heads", type=int, default=2)
     p.add_argument("--use_moe", type=int, default=0, choices=(0, 1))
     p.add_argument("--arch", default="qwen3", choices=("qwen3", "llama"))
     p.add_argument("--epochs", type=int, default=2)
@@ -197,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
         total_steps = min(total_steps, args.max_steps)
 
     model = build_minimind(args.hidden_size, args.num_hidden_layers, bool(args.use_moe), args.arch,
-                           vocab_size=len(tokenizer))
+                           vocab_size=len(tokenizer), num_attention_heads=args.num_attention_heads,
+                           num_key_value_heads=args.num_key_value_heads)
     # Eager attention: at these sizes torch's CPU SDPA (flash) backward under bf16 autocast was ~10x
     # slower than the whole rest of the step; eager is as fast as SDPA in fp32. Inference is unaffected.
     model.set_attn_implementation("eager")

@@ -58,10 +58,13 @@ def test_no_bos_or_eos_added(tok):
     assert 1 not in tok.encode("hi") and 2 not in tok.encode("hi")
 
 
-def test_digits_are_split_one_per_token(tok):
-    assert tok.convert_ids_to_tokens(tok.encode("12345")) == ["1", "2", "3", "4", "5"]
-    # A leading space stays on the first digit rather than becoming a token of its own.
-    assert tok.convert_ids_to_tokens(tok.encode(" 47")) == ["Ġ4", "7"]
+def test_numbers_are_chunked_and_small_numbers_are_single_tokens(tok):
+    # Numbers are pre-split into chunks of at most three digits...
+    ids = tok.encode("1234567")
+    assert tok.decode(ids) == "1234567" and len(ids) >= 3
+    # ...and the demo's small numbers are one token each, with the leading space attached.
+    assert tok.convert_ids_to_tokens(tok.encode("47")) == ["47"]
+    assert tok.convert_ids_to_tokens(tok.encode(" 47")) == ["Ġ47"]
     # The answer tags of the reasoning format are one token each.
     assert len(tok.encode("<answer>")) == 1 and len(tok.encode("</answer>")) == 1
 

@@ -9,13 +9,11 @@ of rows so no fp32 [B, T, vocab] tensor is ever materialised.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model.generation import sample
 
@@ -23,19 +21,6 @@ from model.generation import sample
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """RoPE positions that skip left pads: the first real token is position 0 in every row."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def attention_backend(x: torch.Tensor) -> contextlib.AbstractContextManager:
-    """SDPA backend for a forward over `x`'s device: the math kernel for CPU forwards that will be
-    differentiated, the default (flash) kernel otherwise.
-
-    On CPU the flash kernel's backward is slow in bf16 (torch 2.13, 2 cores: ~45 ms vs ~25 ms for the
-    math kernel at [8 rows, 8 heads, 128 tokens, 64 dims]; -12..18% on a 512x8 actor+critic update),
-    while its forward is ~4x faster than math's, so scoring and sampling keep it. Both kernels are
-    exact attention (same result to rounding; the math kernel's error vs fp64 is no larger)."""
-    if x.device.type == "cpu" and torch.is_grad_enabled():
-        return sdpa_kernel([SDPBackend.MATH])
-    return contextlib.nullcontext()
 
 
 def logprobs_from_logits(
@@ -67,14 +52,13 @@ def policy_forward(
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [B, R] (and entropy) of the last `response_len` tokens of `sequences`."""
-    with attention_backend(sequences):
-        out = model(
-            input_ids=sequences,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
-            use_cache=False,
-            logits_to_keep=response_len + 1,
-        )
+    out = model(
+        input_ids=sequences,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        logits_to_keep=response_len + 1,
+    )
     logits = out.logits[:, :-1, :]  # [B, R, V]: position P+t-1 predicts response token t
     return logprobs_from_logits(logits, sequences[:, -response_len:], temperature, with_entropy=with_entropy)
 
@@ -85,11 +69,10 @@ def critic_forward(critic: nn.Module, sequences: torch.Tensor, attention_mask: t
     The state before emitting response token t is the prefix ending at position P+t-1, which is
     where the policy's logits for token t come from; values use the same alignment.
     """
-    with attention_backend(sequences):
-        values = critic(
-            sequences, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
-            values_to_keep=response_len + 1,
-        )  # [B, R+1]
+    values = critic(
+        sequences, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
+        values_to_keep=response_len + 1,
+    )  # [B, R+1]
     return values[:, :-1]
 
 
