@@ -36,14 +36,19 @@ Update-phase FLOPs are analytic (documented in `forward_flops`): a forward costs
 multiply-accumulate of every linear layer at every position, plus 4*T^2*head_dim*heads per layer per
 row for attention (QK^T and AV, full square as the counters count it), plus the LM head only at the
 R+1 kept positions; training = 3x forward (backward ~ 2x) for actor and critic. The warm-up step is
-also counted with torch.utils.flop_counter.FlopCounterMode (without --use_compile) as a check.
+also counted with torch.utils.flop_counter.FlopCounterMode (without --use_compile) as a check; it
+counts matmuls only (it has no formula for CPU's flash-attention kernel), so it sits ~4% below.
 Achieved FLOP/s = update FLOPs / update time, as a share of this machine's torch.mm peak measured
-in the same run for the matching dtype (fp32 configs against the fp32 peak, bf16 against bf16).
+in the same run (1024 and 2048 squares, before and after the configs, the better of the two) at the
+same thread count and for the matching dtype (fp32 configs against the fp32 peak, bf16 against bf16).
 
 Memory: peak RSS (ru_maxrss of the child) is split into the process baseline after imports, the
 parameter bytes of each model, gradients (actor + critic, fp32), AdamW state (2 fp32 tensors per
 trained parameter) and the remainder (activations, allocator slack, temporaries). The budget line is
 baseline + 4 fp32 model copies + 2 AdamW states (= 8 x fp32 actor bytes).
+
+On a shared machine prefer `--num_threads 1` (two threads that must meet at every parallel region
+stall whenever another process holds a core) and read `cpu_s` alongside the wall times.
 """
 
 from __future__ import annotations
@@ -402,6 +407,17 @@ def run_config(cfg: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------ parent
+def _die_with_parent() -> None:
+    """Linux: a config's process ends with the bench (no orphan hogging a shared machine)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Benchmark minippo PPO steps (the real trainer code path)",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -494,6 +510,7 @@ HEADER = ("config                                   |   step    gen  score (old/
 def main(argv: list[str] | None = None) -> None:
     o = build_parser().parse_args(argv)
     if o._child:
+        _die_with_parent()
         cfg = json.loads(o._child)
         res = run_config(cfg)
         Path(cfg["out"]).write_text(json.dumps(res))

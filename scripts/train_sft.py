@@ -173,6 +173,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num_threads", type=int, default=0, help="torch threads (0 = all cores)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--log_interval", type=int, default=50)
+    p.add_argument("--save_interval", type=int, default=0, help="also save every N steps (0 = only at the end)")
     return p.parse_args(argv)
 
 
@@ -217,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"SFT: {n} conversations, {n_params / 1e6:.2f}M parameters, {total_steps} steps of {args.batch_size} "
           f"({total_steps * args.batch_size / n:.2f} epochs), lr {args.learning_rate}, {torch.get_num_threads()} threads")
 
+    path = native_weight_path(args.save_dir, args.save_weight, args.hidden_size, bool(args.use_moe))
     step, running, t_train = 0, 0.0, time.time()
     for epoch in range(args.epochs):
         batches = length_bucketed_batches(lengths, args.batch_size, np.random.default_rng([args.seed, epoch]))
@@ -244,8 +246,9 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"step {step:5d}/{total_steps}  epoch {epoch + 1}  loss {running / k:.4f}  lr {lr:.2e}  "
                       f"{elapsed / step:.3f} s/step  eta {(total_steps - step) * elapsed / step:.0f} s", flush=True)
                 running = 0.0
+            if args.save_interval > 0 and step % args.save_interval == 0 and step < total_steps:
+                save_native_weights(model, path)
 
-    path = native_weight_path(args.save_dir, args.save_weight, args.hidden_size, bool(args.use_moe))
     model.eval()
     save_native_weights(model, path)
     print(f"saved {path} ({path.stat().st_size / 1e6:.1f} MB) after {time.time() - t0:.0f} s")

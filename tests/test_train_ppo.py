@@ -74,3 +74,17 @@ def test_toy_reward_rises(world, tmp_path):
     first, last = sum(r[:5]) / 5, sum(r[-5:]) / 5
     noise = torch.tensor(r[:5]).std().item()
     assert last > first + max(0.15, 4 * noise), (first, last, noise)
+
+
+def test_several_generations_per_prompt(world, tmp_path):
+    """--num_generations N: each prompt is sampled N times in one batch and the spread is logged."""
+    flags = tiny_flags(world, tmp_path, num_generations=3, batch_size=2, mini_batch_size=3, max_steps=2,
+                       save_weight="grp", sample_interval=1)
+    run_train(flags, cwd=tmp_path)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all("reward/group_std" in r and r["reward/group_std"] >= 0 for r in rows)
+    samples = [json.loads(l) for l in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    step1 = [s for s in samples if s["step"] == 1]
+    # Rows 0..2 answer the first prompt, so the first three samples share their prompt.
+    assert len({s["prompt"] for s in step1[:3]}) == 1
