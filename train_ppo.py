@@ -125,8 +125,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--max_nonfinite", type=int, default=5, help="stop after this many non-finite steps in a row")
     a = p.add_argument_group("system").add_argument
     a("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    a("--dtype", default="bfloat16", choices=list(DTYPES), help="autocast dtype (CPU and CUDA); log-probs stay fp32")
-    a("--frozen_low_precision", type=int, default=1, choices=[0, 1], help="hold reference/RM/old actor in --dtype")
+    a("--dtype", default="auto", choices=["auto", *DTYPES],
+      help="autocast dtype (CPU and CUDA; log-probs stay fp32). auto = bfloat16 on CUDA, float32 on CPU, where "
+           "bf16 only pays from ~30M parameters (scripts/bench_ppo.py)")
+    a("--frozen_low_precision", type=int, default=-1, choices=[-1, 0, 1],
+      help="hold reference/RM/old actor in --dtype; -1 = on CUDA only (bf16 elementwise work is slow on CPU)")
     a("--use_compile", type=int, default=0, choices=[0, 1])
     a("--num_threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     a("--seed", type=int, default=42)
@@ -371,8 +374,11 @@ def main(argv: list[str] | None = None) -> None:
     random.seed(args.seed + info.rank)
     np.random.seed(args.seed + info.rank)
     torch.manual_seed(args.seed + info.rank)
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if info.device.type == "cuda" else "float32"
     dtype = DTYPES[args.dtype]
-    frozen_dtype = dtype if args.frozen_low_precision else torch.float32
+    low_frozen = args.frozen_low_precision if args.frozen_low_precision >= 0 else int(info.device.type == "cuda")
+    frozen_dtype = dtype if low_frozen else torch.float32
     amp = dtype != torch.float32
 
     def autocast():
@@ -418,8 +424,9 @@ def main(argv: list[str] | None = None) -> None:
         total_steps = min(total_steps, args.max_steps)
 
     optims = {
-        "actor": torch.optim.AdamW(actor.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay),
-        "critic": torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, weight_decay=args.weight_decay),
+        # Fused AdamW: one kernel for all parameters (~4x faster step on CPU, same math to ~1e-8).
+        "actor": torch.optim.AdamW(actor.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay, fused=True),
+        "critic": torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, weight_decay=args.weight_decay, fused=True),
     }
     scheds = {k: torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(args.warmup_steps, total_steps)) for k, o in optims.items()}
     scaler = torch.amp.GradScaler(info.device.type) if dtype == torch.float16 else None
