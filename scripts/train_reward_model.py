@@ -179,7 +179,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num_attention_heads", type=int, default=4)
     p.add_argument("--rope_theta", type=float, default=1e4)
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--max_steps", type=int, default=900, help="stop after this many optimizer steps (0 = all epochs)")
+    p.add_argument("--max_steps", type=int, default=600, help="stop after this many optimizer steps (0 = all epochs)")
     p.add_argument("--batch_size", type=int, default=32, help="pairs per step")
     p.add_argument("--learning_rate", type=float, default=2e-3)
     p.add_argument("--min_lr_ratio", type=float, default=0.05)
