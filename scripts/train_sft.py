@@ -170,6 +170,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight_decay", type=float, default=0.01)
     p.add_argument("--grad_clip", type=float, default=1.0)
     p.add_argument("--max_seq_len", type=int, default=128)
+    p.add_argument("--bucket_batches", type=int, default=32,
+                   help="sort rows by length within windows of this many batches (1 = plain random batches)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="autocast dtype on CPU")
     p.add_argument("--num_threads", type=int, default=0, help="torch threads (0 = all cores)")
     p.add_argument("--seed", type=int, default=42)
@@ -222,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     path = native_weight_path(args.save_dir, args.save_weight, args.hidden_size, bool(args.use_moe))
     step, running, t_train = 0, 0.0, time.time()
     for epoch in range(args.epochs):
-        batches = length_bucketed_batches(lengths, args.batch_size, np.random.default_rng([args.seed, epoch]))
+        batches = length_bucketed_batches(lengths, args.batch_size, np.random.default_rng([args.seed, epoch]),
+                                          args.bucket_batches)
         for idx in batches:
             if step >= total_steps:
                 break
