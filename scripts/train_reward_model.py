@@ -31,9 +31,10 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from transformers import Qwen3Config, Qwen3ForSequenceClassification  # noqa: E402
+from transformers import LlamaForSequenceClassification, Qwen3Config, Qwen3ForSequenceClassification  # noqa: E402
 
-from model.loader import load_reward_model, load_tokenizer  # noqa: E402
+from model.loader import load_policy, load_reward_model, load_tokenizer  # noqa: E402
+from model.weights import WeightsError, read_state_dict  # noqa: E402
 from trainer.rewards import RewardModelScorer  # noqa: E402
 
 
@@ -154,6 +155,31 @@ def build_reward_model(tokenizer: Any, hidden_size: int, num_hidden_layers: int,
     return Qwen3ForSequenceClassification(config)
 
 
+def reward_model_from_policy(weights: str | Path, tokenizer: Any) -> Qwen3ForSequenceClassification:
+    """A stock classifier whose trunk is a copy of a native MiniMind policy's (qwen3 or llama arch),
+    with a fresh score head. As in InstructGPT, the RM starts from the SFT model: it already reads
+    the task (here: it can do the arithmetic it has to judge), so pair accuracy climbs far faster."""
+    try:
+        state = read_state_dict(weights)
+    except (OSError, WeightsError) as e:
+        raise SystemExit(f"--init_from {weights}: {e} (use --init_from none for a randomly initialised RM)")
+    if "model.embed_tokens.weight" not in state:
+        raise SystemExit(f"--init_from {weights}: not a MiniMind policy file (no model.embed_tokens.weight)")
+    if any(".mlp.experts." in k or ".mlp.gate." in k for k in state):
+        raise SystemExit(f"--init_from {weights}: MoE policies are not supported as RM initialisers")
+    hidden = state["model.embed_tokens.weight"].shape[1]
+    layers = 1 + max(int(k.split(".")[2]) for k in state if k.startswith("model.layers."))
+    policy, _ = load_policy(weights=weights, hidden_size=hidden, num_hidden_layers=layers, tokenizer_path=None)
+    config = policy.config.to_hf_config()
+    config.num_labels = 1
+    config.pad_token_id = tokenizer.pad_token_id  # the classifier reads the last non-pad token
+    config.use_cache = False
+    config.tie_word_embeddings = False
+    model = Qwen3ForSequenceClassification(config) if config.model_type == "qwen3" else LlamaForSequenceClassification(config)
+    model.model.load_state_dict(policy.model.state_dict())
+    return model
+
+
 @torch.no_grad()
 def evaluate_pairs(model: torch.nn.Module, chosen: list[list[int]], rejected: list[list[int]], kinds: list[str],
                    pad_id: int, batch_size: int = 256) -> dict[str, float]:
@@ -174,6 +200,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval_data_path", default="dataset/demo_pairs_eval.jsonl")
     p.add_argument("--tokenizer_path", default=None, help="tokenizer directory (default: model/)")
     p.add_argument("--save_path", default="out/demo_rm", help="output Hugging Face directory")
+    p.add_argument("--init_from", default="out/full_sft_128.pth",
+                   help="native policy weights to start the RM trunk from (the SFT model; its shape then "
+                        "overrides the size flags below); 'none' = random init")
     p.add_argument("--hidden_size", type=int, default=128)
     p.add_argument("--num_hidden_layers", type=int, default=4)
     p.add_argument("--num_attention_heads", type=int, default=4)
@@ -215,8 +244,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.max_steps > 0:
         total_steps = min(total_steps, args.max_steps)
 
-    model = build_reward_model(tokenizer, args.hidden_size, args.num_hidden_layers, args.num_attention_heads, args.max_length,
-                               args.rope_theta)
+    if args.init_from in (None, "", "none"):
+        model = build_reward_model(tokenizer, args.hidden_size, args.num_hidden_layers, args.num_attention_heads,
+                                   args.max_length, args.rope_theta)
+    else:
+        model = reward_model_from_policy(args.init_from, tokenizer)
     # Eager attention: torch's CPU SDPA (flash) backward under bf16 autocast is several times slower
     # than everything else at these sizes. Switched back to SDPA before saving (inference is fine).
     model.set_attn_implementation("eager")

@@ -108,19 +108,21 @@ def collate_right_pad(inputs: list[list[int]], labels: list[list[int]], pad_id: 
     return input_ids, target
 
 
-def length_bucketed_batches(lengths: list[int], batch_size: int, rng: np.random.Generator,
-                            bucket_batches: int = 32) -> list[np.ndarray]:
-    """One epoch of batches: shuffle, sort by length within windows of `bucket_batches` batches, then
-    shuffle the batch order. Rows of similar length share a batch, so little compute goes to pads.
-    Every row fits in exactly one batch of batch_size; the ragged tail is dropped."""
-    order = rng.permutation(len(lengths))
-    window = batch_size * bucket_batches
-    batches = []
-    for start in range(0, len(order) - batch_size + 1, window):
-        chunk = order[start : start + window]
-        chunk = chunk[np.argsort([lengths[i] for i in chunk], kind="stable")]
-        batches += [chunk[b : b + batch_size] for b in range(0, len(chunk) - batch_size + 1, batch_size)]
-    return [batches[i] for i in rng.permutation(len(batches))]
+def epoch_batches(n: int, batch_size: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """One epoch of uniformly random batches (the ragged tail is dropped).
+
+    Not length-bucketed on purpose: bucketing puts the short plain replies and the long reasoning
+    replies in different batches, and with Adam those alternating one-style updates learned far
+    slower here (loss 1.1 vs 0.56 after 700 steps at lr 1e-3)."""
+    order = rng.permutation(n)
+    return [order[b : b + batch_size] for b in range(0, n - batch_size + 1, batch_size)]
+
+
+def split_by_length(idx: np.ndarray, lengths: list[int], micro_batches: int) -> list[np.ndarray]:
+    """Sort one batch by length and cut it into `micro_batches` pieces: the step's gradient is the
+    same (losses are summed), but short rows are no longer padded to the batch's longest row."""
+    idx = idx[np.argsort([lengths[i] for i in idx], kind="stable")]
+    return [part for part in np.array_split(idx, micro_batches) if len(part)]
 
 
 def lr_at(step: int, total_steps: int, warmup_steps: int, base_lr: float, min_lr_ratio: float) -> float:
@@ -136,9 +138,9 @@ def sft_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tens
              tokens_per_batch: float | None = None) -> torch.Tensor:
     """Next-token cross-entropy over target tokens; logits only where a target exists.
 
-    Divided by `tokens_per_batch` (a constant) instead of this batch's token count when given:
-    length-bucketed batches hold very different token counts (plain vs full replies), and a
-    per-batch mean would weight a token of a short-reply batch more than one of a long-reply batch."""
+    Divided by `tokens_per_batch` (a constant) instead of this batch's token count when given, so
+    micro-batch losses add up to the batch's loss and every target token weighs the same in every
+    batch, whatever its mix of short plain and long reasoning replies."""
     hidden = model.model(input_ids=input_ids).last_hidden_state  # [B, T, H]
     targets = labels[:, 1:]  # [B, T-1]: position t predicts token t+1
     keep = targets != IGNORE_INDEX
@@ -161,17 +163,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num_key_value_heads", type=int, default=2)
     p.add_argument("--use_moe", type=int, default=0, choices=(0, 1))
     p.add_argument("--arch", default="qwen3", choices=("qwen3", "llama"))
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--max_steps", type=int, default=500, help="stop after this many optimizer steps (0 = all epochs)")
-    p.add_argument("--batch_size", type=int, default=64)
-    p.add_argument("--learning_rate", type=float, default=3e-3)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--max_steps", type=int, default=3000, help="stop after this many optimizer steps (0 = all epochs)")
+    p.add_argument("--batch_size", type=int, default=32)
+    p.add_argument("--learning_rate", type=float, default=1e-3)
     p.add_argument("--min_lr_ratio", type=float, default=0.1, help="cosine floor as a share of --learning_rate")
     p.add_argument("--warmup_steps", type=int, default=50)
     p.add_argument("--weight_decay", type=float, default=0.01)
     p.add_argument("--grad_clip", type=float, default=1.0)
     p.add_argument("--max_seq_len", type=int, default=128)
-    p.add_argument("--bucket_batches", type=int, default=32,
-                   help="sort rows by length within windows of this many batches (1 = plain random batches)")
+    p.add_argument("--micro_batches", type=int, default=2,
+                   help="split each batch by length into this many forward/backward passes (less padding)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="autocast dtype on CPU")
     p.add_argument("--num_threads", type=int, default=0, help="torch threads (0 = all cores)")
     p.add_argument("--seed", type=int, default=42)
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     n = len(inputs)
     lengths = [len(x) for x in inputs]
     tokens_per_batch = args.batch_size * sum(sum(t != IGNORE_INDEX for t in lab) for lab in labels) / n
-    steps_per_epoch = len(length_bucketed_batches(lengths, args.batch_size, np.random.default_rng(0)))
+    steps_per_epoch = n // args.batch_size
     if steps_per_epoch == 0:
         raise SystemExit(f"--batch_size {args.batch_size} is larger than the {n} conversations in {args.data_path}")
     total_steps = args.epochs * steps_per_epoch
@@ -224,21 +226,23 @@ def main(argv: list[str] | None = None) -> None:
     path = native_weight_path(args.save_dir, args.save_weight, args.hidden_size, bool(args.use_moe))
     step, running, t_train = 0, 0.0, time.time()
     for epoch in range(args.epochs):
-        batches = length_bucketed_batches(lengths, args.batch_size, np.random.default_rng([args.seed, epoch]),
-                                          args.bucket_batches)
-        for idx in batches:
+        for idx in epoch_batches(n, args.batch_size, np.random.default_rng([args.seed, epoch])):
             if step >= total_steps:
                 break
-            input_ids, target = collate_right_pad([inputs[i] for i in idx], [labels[i] for i in idx], tokenizer.pad_token_id)
             lr = lr_at(step, total_steps, args.warmup_steps, args.learning_rate, args.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp_dtype is not None):
-                loss = sft_loss(model, input_ids, target, tokens_per_batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss = 0.0
+            for part in split_by_length(idx, lengths, args.micro_batches):
+                input_ids, target = collate_right_pad([inputs[i] for i in part], [labels[i] for i in part],
+                                                      tokenizer.pad_token_id)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp_dtype is not None):
+                    part_loss = sft_loss(model, input_ids, target, tokens_per_batch)
+                part_loss.backward()
+                loss += part_loss.detach()
             if not torch.isfinite(loss):
                 raise SystemExit(f"non-finite loss at step {step}: lower --learning_rate")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
             if args.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             optimizer.step()

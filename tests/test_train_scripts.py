@@ -82,17 +82,16 @@ def test_bradley_terry_loss_and_pair_accuracy():
     assert acc == {"all": 0.5, "a": 0.5, "b": 0.5}
 
 
-def test_length_buckets_cover_each_row_once_and_group_similar_lengths():
+def test_epoch_batches_and_length_split():
     import numpy as np
 
-    lengths = [5, 50, 6, 51, 7, 52, 8, 53]
-    batches = sft.length_bucketed_batches(lengths, batch_size=2, rng=np.random.default_rng(0), bucket_batches=4)
-    assert sorted(int(i) for b in batches for i in b) == list(range(8))
-    # Within a sorted window, neighbours pair up: no batch mixes a short and a long row.
-    assert all(abs(lengths[b[0]] - lengths[b[1]]) < 10 for b in batches)
-    ragged = sft.length_bucketed_batches(lengths + [9], batch_size=2, rng=np.random.default_rng(0), bucket_batches=4)
-    flat = [int(i) for b in ragged for i in b]
-    assert len(ragged) == 4 and len(set(flat)) == 8  # 9 rows, batch 2: one row dropped, none repeated
+    batches = sft.epoch_batches(9, batch_size=2, rng=np.random.default_rng(0))
+    flat = [int(i) for b in batches for i in b]
+    assert len(batches) == 4 and all(len(b) == 2 for b in batches)
+    assert len(set(flat)) == 8  # 9 rows, batch 2: one row dropped, none repeated
+    lengths = [5, 50, 6, 51, 7]
+    parts = sft.split_by_length(np.array([0, 1, 2, 3, 4]), lengths, micro_batches=2)
+    assert [p.tolist() for p in parts] == [[0, 2, 4], [1, 3]]  # short rows together, long rows together
 
 
 def test_sft_loss_with_fixed_token_normaliser_is_sum_over_constant(tok):
@@ -106,3 +105,27 @@ def test_sft_loss_with_fixed_token_normaliser_is_sum_over_constant(tok):
     logits = model(input_ids=ids).logits.float()
     manual = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
     assert mean.item() == pytest.approx(manual.item(), rel=1e-5)
+
+
+def test_reward_model_starts_from_the_policy_trunk(tok, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from model.loader import build_minimind
+    from model.weights import save_native_weights
+
+    torch.manual_seed(0)
+    policy = build_minimind(64, 2, vocab_size=len(tok), num_attention_heads=2, num_key_value_heads=1)
+    path = tmp_path / "full_sft_64.pth"
+    save_native_weights(policy, path, dtype=torch.float32)
+    rm = rm_script.reward_model_from_policy(path, tok)
+    ids = torch.tensor([tok("<|im_start|>user\nWhat is 2 + 3?<|im_end|>")["input_ids"]])
+    with torch.no_grad():
+        want = policy.model(input_ids=ids).last_hidden_state
+        got = rm.model(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(got, want)  # same trunk, same hidden states
+    rm.save_pretrained(tmp_path / "rm")  # a stock HF classifier: no remote code to load it
+    again = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm")
+    assert type(again).__name__ == "Qwen3ForSequenceClassification" and again.config.num_labels == 1
+
+    with pytest.raises(SystemExit, match="--init_from"):
+        rm_script.reward_model_from_policy(tmp_path / "missing.pth", tok)
