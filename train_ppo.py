@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--trust_remote_code", type=int, default=0, choices=[0, 1], help="allow remote code (get_score() reward models)")
     a("--update_old_actor_freq", type=int, default=0,
       help="0: old log-probs recorded by the actor at rollout (no copy); N: MiniMind's frozen copy refreshed every N steps")
+    a("--rollout_logprobs", type=int, default=1, choices=[0, 1],
+      help="with no old-actor copy, old_logprobs come from the sampling pass itself instead of a second "
+           "forward (same distribution; equal up to float rounding, see tests/test_rollout.py)")
     a = p.add_argument_group("data").add_argument
     a("--data_path", default="dataset/demo_train.jsonl", help="MiniMind RLAIF jsonl")
     a("--skip_bad_lines", type=int, default=0, choices=[0, 1], help="skip and count malformed lines instead of failing")
@@ -206,14 +209,17 @@ def make_experience(args, batch, models, tok, rm_scorer, custom_fns, kl_ctl, inf
             actor, batch["input_ids"].to(dev), batch["attention_mask"].to(dev), max_new_tokens=args.max_gen_len,
             eos_token_id=models.get("eos_ids") or tok.eos_token_id, pad_token_id=tok.pad_token_id, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, greedy=bool(args.greedy), suppress_eos=bool(args.suppress_eos),
-            num_generations=args.num_generations,
+            num_generations=args.num_generations, return_logprobs=bool(args.rollout_logprobs) and old_actor is None,
         )
     t1 = time.perf_counter()
     R, temp = ro.response_len, (1.0 if args.greedy else args.temperature)
     unwrapped = getattr(actor, "module", actor)
     with autocast():
         # Log-probs under the same temperature-scaled distribution that sampled (fp32 softmax).
-        ro.old_logprobs, entropy = policy_forward(old_actor or unwrapped, ro.sequences, ro.attention_mask, R, temp, with_entropy=True)
+        if ro.old_logprobs is None:  # a frozen old actor, or --rollout_logprobs 0: score the samples again
+            ro.old_logprobs, entropy = policy_forward(old_actor or unwrapped, ro.sequences, ro.attention_mask, R, temp, with_entropy=True)
+        else:
+            entropy = ro.extras.pop("entropy")
         ro.ref_logprobs, _ = policy_forward(ref, ro.sequences, ro.attention_mask, R, temp)
         ro.values = critic_forward(getattr(critic, "module", critic), ro.sequences, ro.attention_mask, R).float()
     mask = ro.response_mask

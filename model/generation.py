@@ -27,6 +27,8 @@ class Samples:
     sequences: torch.Tensor  # [B, P+R] prompt (left-padded) + response (right-padded with pad_id)
     response_mask: torch.Tensor  # [B, R] 1 on real response tokens, up to and including EOS
     has_eos: torch.Tensor  # [B] bool: the row stopped by itself (else it was cut at max_new_tokens)
+    logprobs: torch.Tensor | None = None  # [B, R] fp32 log pi(token) under softmax(logits / T) (return_logprobs)
+    entropy: torch.Tensor | None = None  # [B, R] fp32 entropy of that distribution (return_logprobs)
 
 
 def response_mask_from_tokens(responses: torch.Tensor, eos_token_id: int | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,11 +92,16 @@ def sample(
     top_p: float = 1.0,
     greedy: bool = False,
     suppress_eos: bool = False,
+    return_logprobs: bool = False,
 ) -> Samples:
     """Sample responses for a left-padded batch [B, P]; per-row stop at EOS, pads after it.
 
     Only the arguments decide the distribution (never the model's generation_config). With
-    suppress_eos every EOS id gets probability 0, so each row runs to max_new_tokens."""
+    suppress_eos every EOS id gets probability 0, so each row runs to max_new_tokens.
+
+    return_logprobs also returns each sampled token's log-prob and the entropy under softmax(logits / T)
+    (T = 1 when greedy), taken before EOS suppression and top-k/top-p, i.e. the distribution a full
+    forward pass scores: PPO can use them as old_logprobs instead of running the policy again."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     model = getattr(model, "module", model)  # the unwrapped module (DDP wraps only the training forward)
@@ -107,12 +114,17 @@ def sample(
     was_training = model.training
     model.eval()
     tokens: list[torch.Tensor] = []
+    step_logprobs: list[torch.Tensor] = []
+    step_entropy: list[torch.Tensor] = []
+    score_temp = 1.0 if greedy else temperature
     try:
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True, **keep)
         position = position[:, -1:]
         finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
         for step in range(max_new_tokens):
             logits = out.logits[:, -1, :].float()
+            if return_logprobs:
+                logp = torch.log_softmax(logits / score_temp if score_temp != 1.0 else logits, dim=-1)  # [B, V]
             if suppress_eos:
                 logits[:, eos_t] = float("-inf")
             if greedy:
@@ -121,6 +133,9 @@ def sample(
                 nxt = sample_from_logits(filter_logits(logits, temperature, top_k, top_p))
             nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)  # finished rows get pads
             tokens.append(nxt)
+            if return_logprobs:
+                step_logprobs.append(logp.gather(-1, nxt[:, None]).squeeze(-1))
+                step_entropy.append(-(logp.exp() * logp).sum(-1))
             if not suppress_eos:
                 finished = finished | torch.isin(nxt, eos_t)
                 if bool(finished.all()):
@@ -138,4 +153,7 @@ def sample(
     if suppress_eos:
         has_eos = torch.zeros_like(has_eos)
     responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad_token_id))
-    return Samples(sequences=torch.cat([input_ids, responses], dim=1), response_mask=response_mask, has_eos=has_eos)
+    logprobs = torch.stack(step_logprobs, dim=1) if return_logprobs else None
+    entropy = torch.stack(step_entropy, dim=1) if return_logprobs else None
+    return Samples(sequences=torch.cat([input_ids, responses], dim=1), response_mask=response_mask, has_eos=has_eos,
+                   logprobs=logprobs, entropy=entropy)

@@ -216,6 +216,26 @@ def test_generate_rollout_repeats_each_prompt_consecutively(lm):
     assert len({tuple(r) for r in ro.sequences[:N, P:].tolist()}) > 1
 
 
+@pytest.mark.parametrize("temperature,top_k,greedy", [(1.0, 0, False), (0.7, 20, False), (1.0, 0, True)])
+def test_rollout_logprobs_equal_a_second_forward(lm, temperature, top_k, greedy):
+    """--rollout_logprobs: the sampling pass's log-probs and entropy stand in for the old-actor forward.
+    Same distribution (softmax(logits / T), before top-k and EOS suppression), so in fp32 they agree
+    with policy_forward on the finished sequences to float rounding, on every real response token."""
+    seq, mask, P = _batch(PROMPTS, torch.empty(3, 0, dtype=torch.long))
+    torch.manual_seed(1)
+    ro = generate_rollout(lm, seq, mask, max_new_tokens=12, eos_token_id=[EOS, 7], pad_token_id=PAD,
+                          temperature=temperature, top_k=top_k, top_p=1.0, greedy=greedy, return_logprobs=True)
+    R, m = ro.response_len, ro.response_mask.bool()
+    want, want_ent = policy_forward(lm, ro.sequences, ro.attention_mask, R, 1.0 if greedy else temperature, with_entropy=True)
+    assert ro.old_logprobs.shape == want.shape == m.shape
+    torch.testing.assert_close(ro.old_logprobs[m], want[m], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(ro.extras["entropy"][m], want_ent[m], atol=2e-5, rtol=1e-5)
+    assert ro.old_logprobs[m].lt(-0.01).any()  # not a degenerate near-deterministic model
+    plain = generate_rollout(lm, seq, mask, max_new_tokens=4, eos_token_id=EOS, pad_token_id=PAD, temperature=1.0,
+                             top_k=0, top_p=1.0)
+    assert plain.old_logprobs is None and "entropy" not in plain.extras
+
+
 # ------------------------------------------------------------------ the sampler behind generate_rollout
 
 

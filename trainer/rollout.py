@@ -118,19 +118,23 @@ def generate_rollout(
     greedy: bool = False,
     suppress_eos: bool = False,
     num_generations: int = 1,
+    return_logprobs: bool = False,
 ) -> Rollout:
     """Sample `num_generations` responses per prompt; with N > 1 the prompt batch is repeated
-    row-wise (prompt i's samples are rows i*N .. i*N+N-1) and generated in one call."""
+    row-wise (prompt i's samples are rows i*N .. i*N+N-1) and generated in one call.
+
+    return_logprobs fills `old_logprobs` (and extras["entropy"]) from the sampling pass itself."""
     if num_generations > 1:
         input_ids = input_ids.repeat_interleave(num_generations, dim=0)
         attention_mask = attention_mask.repeat_interleave(num_generations, dim=0)
     s = sample(
         policy, input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
         pad_token_id=pad_token_id, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
-        suppress_eos=suppress_eos,
+        suppress_eos=suppress_eos, return_logprobs=return_logprobs,
     )
     full_mask = torch.cat([attention_mask, s.response_mask.to(attention_mask.dtype)], dim=1)  # [B, P+R]
     return Rollout(
         sequences=s.sequences, attention_mask=full_mask, response_mask=s.response_mask.float(),
-        has_eos=s.has_eos, prompt_len=input_ids.shape[1],
+        has_eos=s.has_eos, prompt_len=input_ids.shape[1], old_logprobs=s.logprobs,
+        extras={} if s.entropy is None else {"entropy": s.entropy},
     )
