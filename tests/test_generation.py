@@ -317,3 +317,37 @@ def test_suppress_eos_ignores_extra_eos_ids_from_the_model_generation_config(lm8
     assert responses.shape == (2, 12) and s.response_mask.eq(1).all()
     # No row may end in a run of pads after a stop: every position was really generated.
     assert not any(row[-6:] == [PAD] * 6 for row in responses.tolist()), responses.tolist()
+
+
+def test_preallocated_cache_gives_the_dynamic_cache_logits():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from model.generation import PreallocatedLayer, preallocated_cache
+
+    torch.manual_seed(0)
+    m = build_minimind(64, 2, vocab_size=128).eval()
+    ids = torch.randint(3, 128, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # a left-padded row
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = preallocated_cache(m, capacity=9)
+    assert all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
+    with torch.no_grad():
+        a = m(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        b = m(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, past_key_values=cache)
+        for step in range(3):  # decode three tokens on both caches
+            nxt = a.logits[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(nxt)], 1)
+            pos = pos[:, -1:] + 1
+            a = m(input_ids=nxt, attention_mask=mask, position_ids=pos, past_key_values=a.past_key_values, use_cache=True)
+            b = m(input_ids=nxt, attention_mask=mask, position_ids=pos, past_key_values=b.past_key_values, use_cache=True)
+            torch.testing.assert_close(b.logits, a.logits)
+    assert cache.get_seq_length() == 9
+    with pytest.raises(RuntimeError, match="capacity"):
+        with torch.no_grad():
+            m(input_ids=nxt, attention_mask=torch.cat([mask, torch.ones_like(nxt)], 1), position_ids=pos + 1,
+              past_key_values=cache, use_cache=True)
+    # Sliding-window attention needs the model's own cache layers: no preallocation there.
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=2, num_key_value_heads=1, sliding_window=4))
+    assert preallocated_cache(mistral, capacity=9) is None
