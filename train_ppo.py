@@ -50,7 +50,7 @@ from trainer.ppo import (  # noqa: E402
 )
 from trainer.provenance import append_resume_record, mark_run_end, write_run_json  # noqa: E402
 from trainer.rewards import RewardModelScorer, compute_rewards, load_reward_fn  # noqa: E402
-from trainer.rollout import Rollout, critic_forward, generate_rollout, policy_forward  # noqa: E402
+from trainer.rollout import Rollout, attention_implementation, critic_forward, generate_rollout, policy_forward  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -134,6 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--frozen_low_precision", type=int, default=-1, choices=[-1, 0, 1],
       help="hold reference/RM/old actor in --dtype; -1 = on CUDA only (bf16 elementwise work is slow on CPU)")
     a("--use_compile", type=int, default=0, choices=[0, 1])
+    a("--train_attn_implementation", default="auto", choices=["auto", "eager", "sdpa"],
+      help="attention kernel of the update's forward/backward (sampling and scoring keep the model's own); "
+           "auto = eager on CPU, where torch's flash-attention backward is slow at these lengths, else unchanged")
     a("--num_threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     a("--seed", type=int, default=42)
     a = p.add_argument_group("output").add_argument
@@ -284,63 +287,67 @@ def ppo_update(args, ro: Rollout, models, optims, scheds, step: int, info, autoc
     stats: dict[str, list[float]] = {}
     stopped_early, nonfinite = False, False
     micro = args.mini_batch_size // args.accumulation_steps
-    for _ in range(args.ppo_update_iters):
-        for mb in torch.randperm(B, generator=g).split(args.mini_batch_size):
-            # Losses are token sums over the GLOBAL token count of the minibatch, so DDP's gradient
-            # mean equals the single-process token mean whatever each rank's share of tokens.
-            n_tokens = D.sum_global(ro.response_mask[mb].sum(), info).clamp(min=1)
-            approx_kl_sum = torch.zeros((), device=info.device)
-            bad = False
-            for k, ub in enumerate(mb.split(micro)):
-                part = ro.index(ub)
-                sync = k == args.accumulation_steps - 1
-                ctx = contextlib.nullcontext() if sync or not info.enabled else _no_sync(actor, critic)
-                with ctx, autocast():
-                    scale = part.response_mask.sum() / n_tokens * info.world_size
-                    loss = torch.zeros((), device=info.device)
-                    if train_actor:
-                        logprobs, entropy = policy_forward(actor, part.sequences, part.attention_mask, ro.response_len,
-                                                           1.0 if args.greedy else args.temperature,
-                                                           with_entropy=args.entropy_coef > 0)
-                        pg_loss, pg_stats = policy_loss(logprobs, part.old_logprobs, part.advantages, part.response_mask, args.clip_epsilon)
-                        loss = loss + pg_loss * scale
-                        if args.kl_placement == "loss":
-                            kl = masked_mean(kl_penalty(logprobs, part.ref_logprobs, args.kl_estimator), part.response_mask)
-                            loss = loss + models["kl_ctl"].value * kl * scale
-                        if args.entropy_coef > 0:
-                            loss = loss - args.entropy_coef * masked_mean(entropy, part.response_mask) * scale
-                        approx_kl_sum += pg_stats["approx_kl"] * part.response_mask.sum()
-                        _append(stats, {"loss/policy": pg_loss.item(), "ppo/clipfrac": pg_stats["clipfrac"], "ppo/ratio": pg_stats["ratio"]})
-                    values = critic_forward(critic, part.sequences, part.attention_mask, ro.response_len)
-                    v_loss, v_stats = value_loss(values, part.values, part.returns, part.response_mask, args.cliprange_value or None)
-                    loss = loss + args.vf_coef * v_loss * scale
-                    _append(stats, {"loss/value": v_loss.item(), "value/clipfrac": v_stats["value_clipfrac"]})
-                bad = bad or not bool(torch.isfinite(loss))
-                (scaler.scale(loss) if scaler else loss).backward()
-            approx_kl = (D.sum_global(approx_kl_sum, info) / n_tokens).item()
-            stats.setdefault("ppo/approx_kl", []).append(approx_kl)
-            # Decisions taken together on every rank, before any optimizer moves.
-            if D.any_rank(bad or not ro.extras["finite"], info):
-                nonfinite = True
-                _zero_grads(optims)
-                break
-            if train_actor and args.early_stop_kl > 0 and D.any_rank(approx_kl > args.early_stop_kl, info):
-                stopped_early = True
-                _zero_grads(optims)  # the minibatch that crossed the limit does not step
-                break
-            for name, model in (("actor", actor), ("critic", critic)):
-                if name == "actor" and not train_actor:
-                    continue
+    train_attn = args.train_attn_implementation
+    if train_attn == "auto":  # torch's CPU flash-attention backward is slow at PPO's short sequences
+        train_attn = "eager" if info.device.type == "cpu" and not args.use_compile else None
+    with attention_implementation(train_attn, actor, critic):
+        for _ in range(args.ppo_update_iters):
+            for mb in torch.randperm(B, generator=g).split(args.mini_batch_size):
+                # Losses are token sums over the GLOBAL token count of the minibatch, so DDP's gradient
+                # mean equals the single-process token mean whatever each rank's share of tokens.
+                n_tokens = D.sum_global(ro.response_mask[mb].sum(), info).clamp(min=1)
+                approx_kl_sum = torch.zeros((), device=info.device)
+                bad = False
+                for k, ub in enumerate(mb.split(micro)):
+                    part = ro.index(ub)
+                    sync = k == args.accumulation_steps - 1
+                    ctx = contextlib.nullcontext() if sync or not info.enabled else _no_sync(actor, critic)
+                    with ctx, autocast():
+                        scale = part.response_mask.sum() / n_tokens * info.world_size
+                        loss = torch.zeros((), device=info.device)
+                        if train_actor:
+                            logprobs, entropy = policy_forward(actor, part.sequences, part.attention_mask, ro.response_len,
+                                                               1.0 if args.greedy else args.temperature,
+                                                               with_entropy=args.entropy_coef > 0)
+                            pg_loss, pg_stats = policy_loss(logprobs, part.old_logprobs, part.advantages, part.response_mask, args.clip_epsilon)
+                            loss = loss + pg_loss * scale
+                            if args.kl_placement == "loss":
+                                kl = masked_mean(kl_penalty(logprobs, part.ref_logprobs, args.kl_estimator), part.response_mask)
+                                loss = loss + models["kl_ctl"].value * kl * scale
+                            if args.entropy_coef > 0:
+                                loss = loss - args.entropy_coef * masked_mean(entropy, part.response_mask) * scale
+                            approx_kl_sum += pg_stats["approx_kl"] * part.response_mask.sum()
+                            _append(stats, {"loss/policy": pg_loss.item(), "ppo/clipfrac": pg_stats["clipfrac"], "ppo/ratio": pg_stats["ratio"]})
+                        values = critic_forward(critic, part.sequences, part.attention_mask, ro.response_len)
+                        v_loss, v_stats = value_loss(values, part.values, part.returns, part.response_mask, args.cliprange_value or None)
+                        loss = loss + args.vf_coef * v_loss * scale
+                        _append(stats, {"loss/value": v_loss.item(), "value/clipfrac": v_stats["value_clipfrac"]})
+                    bad = bad or not bool(torch.isfinite(loss))
+                    (scaler.scale(loss) if scaler else loss).backward()
+                approx_kl = (D.sum_global(approx_kl_sum, info) / n_tokens).item()
+                stats.setdefault("ppo/approx_kl", []).append(approx_kl)
+                # Decisions taken together on every rank, before any optimizer moves.
+                if D.any_rank(bad or not ro.extras["finite"], info):
+                    nonfinite = True
+                    _zero_grads(optims)
+                    break
+                if train_actor and args.early_stop_kl > 0 and D.any_rank(approx_kl > args.early_stop_kl, info):
+                    stopped_early = True
+                    _zero_grads(optims)  # the minibatch that crossed the limit does not step
+                    break
+                for name, model in (("actor", actor), ("critic", critic)):
+                    if name == "actor" and not train_actor:
+                        continue
+                    if scaler:
+                        scaler.unscale_(optims[name])
+                    gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+                    stats.setdefault(f"grad_norm/{name}", []).append(gn.item())
+                    (scaler.step(optims[name]) if scaler else optims[name].step())
                 if scaler:
-                    scaler.unscale_(optims[name])
-                gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-                stats.setdefault(f"grad_norm/{name}", []).append(gn.item())
-                (scaler.step(optims[name]) if scaler else optims[name].step())
-            if scaler:
-                scaler.update()
-            _zero_grads(optims)
-        if stopped_early or nonfinite:
-            break
+                    scaler.update()
+                _zero_grads(optims)
+            if stopped_early or nonfinite:
+                break
     for s in scheds.values():
         s.step()
     out = {k: float(np.mean(v)) for k, v in stats.items()}

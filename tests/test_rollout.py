@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from model.critic import CriticModel
 from model.generation import filter_logits, sample_from_logits
 from model.loader import build_minimind
-from trainer.rollout import critic_forward, generate_rollout, logprobs_from_logits, policy_forward, position_ids_from_mask
+from trainer.rollout import attention_implementation, critic_forward, generate_rollout, logprobs_from_logits, policy_forward, position_ids_from_mask
 
 ROOT = Path(__file__).resolve().parents[1]
 PAD, EOS, V = 0, 2, 256
@@ -306,3 +306,26 @@ def test_bench_quick_smoke_writes_documented_json(tmp_path):
     assert res["flops"]["update_analytic"] > 0 and 0 < res["update_peak_share"]
     assert res["config"]["dtype"] == "bfloat16" and res["config"]["update_old_actor_freq"] == 0
     assert "gen t/s" in r.stdout and "64x2" in r.stdout  # the table was printed
+
+
+def test_eager_training_attention_equals_sdpa_and_is_restored(lm, critic):
+    """--train_attn_implementation: the update may switch kernels; log-probs, values and gradients stay the same."""
+    seq, mask, P = _batch(PROMPTS, RESPONSE)
+    R = RESPONSE.shape[1]
+    assert lm.config._attn_implementation == "sdpa"
+
+    def run():
+        lm.zero_grad(set_to_none=True)
+        lp, _ = policy_forward(lm, seq, mask, R, 0.9)
+        lp.sum().backward()
+        return lp.detach(), critic_forward(critic, seq, mask, R).detach(), lm.model.layers[0].self_attn.q_proj.weight.grad.clone()
+
+    want = run()
+    with attention_implementation("eager", lm, critic):
+        assert lm.model.layers[0].self_attn.config._attn_implementation == "eager"
+        assert critic.trunk.config._attn_implementation == "eager"
+        got = run()
+    assert lm.config._attn_implementation == "sdpa" and critic.trunk.config._attn_implementation == "sdpa"
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    lm.zero_grad(set_to_none=True)

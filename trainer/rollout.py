@@ -9,6 +9,8 @@ of rows so no fp32 [B, T, vocab] tensor is ever materialised.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +18,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.generation import sample
+
+
+def _hf_models(module: nn.Module) -> list[nn.Module]:
+    """The transformers models inside a (DDP-wrapped) policy or critic."""
+    module = getattr(module, "module", module)
+    if hasattr(module, "set_attn_implementation"):
+        return [module]
+    return [m for m in module.children() if hasattr(m, "set_attn_implementation")]  # CriticModel.trunk
+
+
+@contextlib.contextmanager
+def attention_implementation(impl: str | None, *models: nn.Module) -> Iterator[None]:
+    """Run the block with another attention kernel ("eager", "sdpa", ...), then restore each model's own.
+    None leaves the models alone. Every kernel computes the same attention; they differ in speed."""
+    if not impl:
+        yield
+        return
+    found = [m for model in models for m in _hf_models(model)]
+    before = [m.config._attn_implementation for m in found]
+    try:
+        for m in found:
+            if m.config._attn_implementation != impl:
+                m.set_attn_implementation(impl)
+        yield
+    finally:
+        for m, old in zip(found, before):
+            if m.config._attn_implementation != old:
+                m.set_attn_implementation(old)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
