@@ -302,28 +302,34 @@ def ppo_update(args, ro: Rollout, models, optims, scheds, step: int, info, autoc
                     part = ro.index(ub)
                     sync = k == args.accumulation_steps - 1
                     ctx = contextlib.nullcontext() if sync or not info.enabled else _no_sync(actor, critic)
-                    with ctx, autocast():
-                        scale = part.response_mask.sum() / n_tokens * info.world_size
-                        loss = torch.zeros((), device=info.device)
+                    scale = part.response_mask.sum() / n_tokens * info.world_size
+                    # Actor and critic share no parameters, so each loss gets its own backward: only one
+                    # graph's activations are alive at a time (the peak-memory term at 512x8), same gradients.
+                    with ctx:
                         if train_actor:
-                            logprobs, entropy = policy_forward(actor, part.sequences, part.attention_mask, ro.response_len,
-                                                               1.0 if args.greedy else args.temperature,
-                                                               with_entropy=args.entropy_coef > 0)
-                            pg_loss, pg_stats = policy_loss(logprobs, part.old_logprobs, part.advantages, part.response_mask, args.clip_epsilon)
-                            loss = loss + pg_loss * scale
-                            if args.kl_placement == "loss":
-                                kl = masked_mean(kl_penalty(logprobs, part.ref_logprobs, args.kl_estimator), part.response_mask)
-                                loss = loss + models["kl_ctl"].value * kl * scale
-                            if args.entropy_coef > 0:
-                                loss = loss - args.entropy_coef * masked_mean(entropy, part.response_mask) * scale
+                            with autocast():
+                                logprobs, entropy = policy_forward(actor, part.sequences, part.attention_mask, ro.response_len,
+                                                                   1.0 if args.greedy else args.temperature,
+                                                                   with_entropy=args.entropy_coef > 0)
+                                pg_loss, pg_stats = policy_loss(logprobs, part.old_logprobs, part.advantages, part.response_mask, args.clip_epsilon)
+                                loss = pg_loss * scale
+                                if args.kl_placement == "loss":
+                                    kl = masked_mean(kl_penalty(logprobs, part.ref_logprobs, args.kl_estimator), part.response_mask)
+                                    loss = loss + models["kl_ctl"].value * kl * scale
+                                if args.entropy_coef > 0:
+                                    loss = loss - args.entropy_coef * masked_mean(entropy, part.response_mask) * scale
                             approx_kl_sum += pg_stats["approx_kl"] * part.response_mask.sum()
                             _append(stats, {"loss/policy": pg_loss.item(), "ppo/clipfrac": pg_stats["clipfrac"], "ppo/ratio": pg_stats["ratio"]})
-                        values = critic_forward(critic, part.sequences, part.attention_mask, ro.response_len)
-                        v_loss, v_stats = value_loss(values, part.values, part.returns, part.response_mask, args.cliprange_value or None)
-                        loss = loss + args.vf_coef * v_loss * scale
+                            bad = bad or not bool(torch.isfinite(loss))
+                            (scaler.scale(loss) if scaler else loss).backward()
+                            del logprobs, entropy, loss
+                        with autocast():
+                            values = critic_forward(critic, part.sequences, part.attention_mask, ro.response_len)
+                            v_loss, v_stats = value_loss(values, part.values, part.returns, part.response_mask, args.cliprange_value or None)
+                            loss = args.vf_coef * v_loss * scale
                         _append(stats, {"loss/value": v_loss.item(), "value/clipfrac": v_stats["value_clipfrac"]})
-                    bad = bad or not bool(torch.isfinite(loss))
-                    (scaler.scale(loss) if scaler else loss).backward()
+                        bad = bad or not bool(torch.isfinite(loss))
+                        (scaler.scale(loss) if scaler else loss).backward()
                 approx_kl = (D.sum_global(approx_kl_sum, info) / n_tokens).item()
                 stats.setdefault("ppo/approx_kl", []).append(approx_kl)
                 # Decisions taken together on every rank, before any optimizer moves.
