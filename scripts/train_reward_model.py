@@ -1,9 +1,12 @@
 """Train the demo's small reward model: a stock `Qwen3ForSequenceClassification` (num_labels=1)
 fitted with the Bradley-Terry loss -logsigmoid(r_chosen - r_rejected) on preference pairs.
 
-Rebuild the shipped artifact (from the repository root; a few minutes on a 2-core CPU):
+Rebuild the shipped artifact (from the repository root, after the SFT policy it starts from;
+~15 minutes on one core):
 
-    python scripts/train_reward_model.py     # -> out/demo_rm/ (config.json, model.safetensors, tokenizer)
+    python scripts/train_reward_model.py --num_threads 1   # -> out/demo_rm/ (config.json, model.safetensors, tokenizer)
+
+The trunk starts from out/full_sft_128.pth (--init_from), as InstructGPT's RM starts from its SFT model.
 
 Pairs file rows: {"conversations": [user...], "chosen": reply, "rejected": reply, "kind": ...}.
 Each side is scored on the conversation + {"role": "assistant", "content": reply}, rendered with the
@@ -208,7 +211,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num_attention_heads", type=int, default=4)
     p.add_argument("--rope_theta", type=float, default=1e4)
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--max_steps", type=int, default=600, help="stop after this many optimizer steps (0 = all epochs)")
+    p.add_argument("--max_steps", type=int, default=1200, help="stop after this many optimizer steps (0 = all epochs)")
     p.add_argument("--batch_size", type=int, default=32, help="pairs per step")
     p.add_argument("--learning_rate", type=float, default=2e-3)
     p.add_argument("--min_lr_ratio", type=float, default=0.05)

@@ -1,5 +1,10 @@
 """The embedded demo: the shipped artifacts load, and a shortened default PPO run improves the
-held-out reasoning-format rate by much more than the evaluation noise."""
+held-out reasoning-format rate and answer accuracy by much more than the noise.
+
+Noise: 4 binomial standard errors of a difference of two rates on the 500 held-out prompts (~12.6
+accuracy points at p = 0.5). That is far above the measured run-to-run spread of the default run
+(greedy accuracy 63.4 / 63.6 / 63.8% over seeds 42 / 1 / 2, see README), so the bar is conservative;
+30 steps measured +82 format points and +25 accuracy points."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ SFT = ROOT / "out" / "full_sft_128.pth"
 RM = ROOT / "out" / "demo_rm"
 
 
-def _evaluate(weights: Path, n: int = 200) -> dict:
+def _evaluate(weights: Path, n: int = 500) -> dict:
     from dataset.rlaif import read_rlaif_jsonl
     from model.loader import load_policy
     from trainer.evaluate import evaluate_policy
@@ -35,7 +40,7 @@ def test_shipped_artifacts_load():
 
 
 @pytest.mark.slow
-def test_short_default_ppo_improves_format_beyond_noise(tmp_path):
+def test_short_default_ppo_improves_format_and_accuracy_beyond_noise(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     shutil.copy(SFT, out / SFT.name)
@@ -45,9 +50,10 @@ def test_short_default_ppo_improves_format_beyond_noise(tmp_path):
     run_train(flags, cwd=tmp_path, timeout=1200)
     before, after = _evaluate(SFT), _evaluate(out / "ppo_actor_128.pth")
     n = before["n"]
-    # Noise: binomial standard error of a difference of two rates measured on n prompts each.
-    p = (before["format_rate"] + after["format_rate"]) / 2
-    noise = math.sqrt(2 * max(p * (1 - p), 0.01) / n)
-    assert after["format_rate"] - before["format_rate"] > 4 * noise, (before, after)
+    for key in ("format_rate", "accuracy"):
+        # Noise: binomial standard error of a difference of two rates measured on n prompts each.
+        p = (before[key] + after[key]) / 2
+        noise = math.sqrt(2 * max(p * (1 - p), 0.01) / n)
+        assert after[key] - before[key] > 4 * noise, (key, before, after)
     rows = read_metrics(tmp_path / "run")
     assert rows[-1]["reward/total"] > rows[0]["reward/total"]
