@@ -291,8 +291,8 @@ def run_config(cfg: dict) -> dict:
     kl_ctl = FixedKLController(args.kl_coef)
     total = cfg["warmup"] + cfg["steps"]
     optims = {
-        "actor": torch.optim.AdamW(actor.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay),
-        "critic": torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, weight_decay=args.weight_decay),
+        "actor": torch.optim.AdamW(actor.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay, fused=True),
+        "critic": torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, weight_decay=args.weight_decay, fused=True),
     }
     scheds = {k: torch.optim.lr_scheduler.LambdaLR(o, T.lr_lambda(args.warmup_steps, total)) for k, o in optims.items()}
     scaler = torch.amp.GradScaler(info.device.type) if dtype == torch.float16 else None
