@@ -9,7 +9,7 @@ lr 1e-3 with cosine decay, seed 42; the shipped file was trained with `--num_thr
 bit-reproducible). `dataset/demo_sft.jsonl` mixes full reasoning replies and plain answers 50/50; the
 shipped policy, greedy on the 500 held-out prompts, uses the reasoning format on 15% of them and is
 right on 39% (57% when it reasons, 36% when it answers plainly): room for PPO to win on both.
-Arithmetic is learned late: at this size accuracy stayed under 15% for the first ~1000 steps.
+Arithmetic is learned late: at this size held-out accuracy stayed under 15% for the first ~1200 steps.
 
 Tokenisation matches PPO's generation prompts exactly: the prompt part is the chat template with
 add_generation_prompt=True and open_thinking=True (ending in "<think>\\n"), tokenised on its own
