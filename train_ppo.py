@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import copy
 import math
-import os
 import random
 import sys
 import time
@@ -194,6 +193,41 @@ def lr_lambda(warmup: int, total: int):
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
     return f
+
+
+def build_models(args: argparse.Namespace, device: torch.device, frozen_dtype: torch.dtype):
+    """(actor, tokenizer, reference, critic, old actor or None, reward-model scorer or None), built from
+    the flags; `--from_weight none` gives a random-init actor (benchmarks). Shared with scripts/bench_ppo.py."""
+    weights = None if args.actor_path else native_weight_path(args.save_dir, args.from_weight, args.hidden_size, bool(args.use_moe))
+    actor, tok = load_policy(
+        weights=None if args.from_weight == "none" else weights, hf_path=args.actor_path, hidden_size=args.hidden_size,
+        num_hidden_layers=args.num_hidden_layers, use_moe=bool(args.use_moe), arch=args.arch,
+        num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
+        tokenizer_path=args.tokenizer_path, device=device, trust_remote_code=bool(args.trust_remote_code),
+    )
+    rm_scorer = None
+    if args.rm_weight and args.reward_model_path not in (None, "none"):
+        rm_model, rm_tok = load_reward_model(args.reward_model_path, dtype=frozen_dtype, device=device,
+                                             trust_remote_code=bool(args.trust_remote_code))
+        rm_scorer = RewardModelScorer(rm_model, rm_tok)
+    if args.actor_path:
+        args.hidden_size = actor.config.hidden_size  # names the output files
+    actor.config.use_cache = True
+    ref = frozen_copy(actor, frozen_dtype)
+    critic = CriticModel.from_policy(actor)
+    old_actor = frozen_copy(actor, frozen_dtype) if args.update_old_actor_freq > 0 else None
+    return actor, tok, ref, critic, old_actor, rm_scorer
+
+
+def build_optimizers(args: argparse.Namespace, actor: torch.nn.Module, critic: torch.nn.Module, total_steps: int):
+    """AdamW for actor and critic, each with warm-up + cosine LR over total_steps."""
+    optims = {
+        # Fused AdamW: one kernel for all parameters (~4x faster step on CPU, same math to ~1e-8).
+        "actor": torch.optim.AdamW(actor.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay, fused=True),
+        "critic": torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, weight_decay=args.weight_decay, fused=True),
+    }
+    scheds = {k: torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(args.warmup_steps, total_steps)) for k, o in optims.items()}
+    return optims, scheds
 
 
 def frozen_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -407,28 +441,13 @@ def main(argv: list[str] | None = None) -> None:
 
     # ---- models: actor, reference, critic, old actor, reward model
     try:
-        weights = None if args.actor_path else native_weight_path(args.save_dir, args.from_weight, args.hidden_size, bool(args.use_moe))
-        actor, tok = load_policy(
-            weights=None if args.from_weight == "none" else weights, hf_path=args.actor_path, hidden_size=args.hidden_size,
-            num_hidden_layers=args.num_hidden_layers, use_moe=bool(args.use_moe), arch=args.arch,
-            num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
-            tokenizer_path=args.tokenizer_path, device=info.device, trust_remote_code=bool(args.trust_remote_code),
-        )
-        rm_scorer = None
-        if args.rm_weight and args.reward_model_path not in (None, "none"):
-            rm_model, rm_tok = load_reward_model(args.reward_model_path, dtype=frozen_dtype, device=info.device,
-                                                 trust_remote_code=bool(args.trust_remote_code))
-            rm_scorer = RewardModelScorer(rm_model, rm_tok)
+        actor, tok, ref, critic, old_actor, rm_scorer = build_models(args, info.device, frozen_dtype)
+        weights = None if args.actor_path or args.from_weight == "none" else \
+            native_weight_path(args.save_dir, args.from_weight, args.hidden_size, bool(args.use_moe))
         custom_fns = {spec.split(":")[-1]: load_reward_fn(spec) for spec in args.reward_fn}
         records, n_bad = read_rlaif_jsonl(args.data_path, skip_bad_lines=bool(args.skip_bad_lines))
     except (WeightsError, DataError, ValueError, OSError) as e:
         raise SystemExit(f"error: {e}")
-    if args.actor_path:
-        args.hidden_size = actor.config.hidden_size  # names the output files
-    actor.config.use_cache = True
-    ref = frozen_copy(actor, frozen_dtype)
-    critic = CriticModel.from_policy(actor)
-    old_actor = frozen_copy(actor, frozen_dtype) if args.update_old_actor_freq > 0 else None
     kl_ctl = AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon) if args.adaptive_kl else FixedKLController(args.kl_coef)
 
     try:  # e.g. an --actor_path tokenizer without a chat template: one line, not a traceback
@@ -444,12 +463,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.max_steps > 0:
         total_steps = min(total_steps, args.max_steps)
 
-    optims = {
-        # Fused AdamW: one kernel for all parameters (~4x faster step on CPU, same math to ~1e-8).
-        "actor": torch.optim.AdamW(actor.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay, fused=True),
-        "critic": torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, weight_decay=args.weight_decay, fused=True),
-    }
-    scheds = {k: torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(args.warmup_steps, total_steps)) for k, o in optims.items()}
+    optims, scheds = build_optimizers(args, actor, critic, total_steps)
     scaler = torch.amp.GradScaler(info.device.type) if dtype == torch.float16 else None
 
     # ---- resume

@@ -6,9 +6,8 @@
         --frozen_low_precision 0,1 --json bench.json     # levers: every comma list expands the matrix
 
 What is measured. Every configuration runs in a fresh subprocess (so peak RSS is per config), builds
-the models exactly like `train_ppo.main()` does from a namespace made by `train_ppo.parse_args`
-(random init: `load_policy(weights=None)`, reference / old actor via `train_ppo.frozen_copy`, critic
-via `CriticModel.from_policy`, AdamW for actor and critic), then runs `--warmup` untimed steps and
+the models with `train_ppo.build_models` and `train_ppo.build_optimizers`, as `train_ppo.main()` does,
+from a namespace made by `train_ppo.parse_args` (random init: `--from_weight none`), then runs `--warmup` untimed steps and
 `--steps` timed steps of `make_experience` + `ppo_update`, refreshing the old actor like main()'s
 loop. The work per step is fixed: `--batch_size` prompts of exactly `--prompt_len` tokens,
 `--gen_len` new tokens with EOS suppressed (train_ppo's hidden `--suppress_eos 1`), one update epoch
@@ -243,11 +242,9 @@ def run_config(cfg: dict) -> dict:
     import numpy as np
 
     import train_ppo as T
-    from model.critic import CriticModel
-    from model.loader import eos_token_ids, load_policy, load_reward_model, load_tokenizer
+    from model.loader import eos_token_ids, load_tokenizer
     from trainer.distributed import DistInfo
     from trainer.ppo import FixedKLController
-    from trainer.rewards import RewardModelScorer
 
     load_tokenizer()
     rss_base = rss_now_mb()  # torch + transformers + project imported, tokenizer loaded, no model yet
@@ -277,24 +274,10 @@ def run_config(cfg: dict) -> dict:
 
     # ---- models, as train_ppo.main() builds them
     t_build = time.perf_counter()
-    actor, tok = load_policy(weights=None, hidden_size=hidden, num_hidden_layers=layers, use_moe=bool(args.use_moe),
-                             arch=args.arch, num_attention_heads=args.num_attention_heads,
-                             num_key_value_heads=args.num_key_value_heads, device=info.device)
-    rm_scorer = None
-    if args.rm_weight and args.reward_model_path not in (None, "none"):
-        rm_model, rm_tok = load_reward_model(args.reward_model_path, dtype=frozen_dtype, device=info.device)
-        rm_scorer = RewardModelScorer(rm_model, rm_tok)
-    actor.config.use_cache = True
-    ref = T.frozen_copy(actor, frozen_dtype)
-    critic = CriticModel.from_policy(actor)
-    old_actor = T.frozen_copy(actor, frozen_dtype) if args.update_old_actor_freq > 0 else None
+    actor, tok, ref, critic, old_actor, rm_scorer = T.build_models(args, info.device, frozen_dtype)
     kl_ctl = FixedKLController(args.kl_coef)
     total = cfg["warmup"] + cfg["steps"]
-    optims = {
-        "actor": torch.optim.AdamW(actor.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay, fused=True),
-        "critic": torch.optim.AdamW(critic.parameters(), lr=args.critic_learning_rate, weight_decay=args.weight_decay, fused=True),
-    }
-    scheds = {k: torch.optim.lr_scheduler.LambdaLR(o, T.lr_lambda(args.warmup_steps, total)) for k, o in optims.items()}
+    optims, scheds = T.build_optimizers(args, actor, critic, total)
     scaler = torch.amp.GradScaler(info.device.type) if dtype == torch.float16 else None
     actor_train, critic_train = actor, critic
     if args.use_compile:
