@@ -195,12 +195,18 @@ def lr_lambda(warmup: int, total: int):
     return f
 
 
+def actor_weights_path(args: argparse.Namespace) -> Path | None:
+    """The native .pth --from_weight names (None for --actor_path or --from_weight none)."""
+    if args.actor_path or args.from_weight == "none":
+        return None
+    return native_weight_path(args.save_dir, args.from_weight, args.hidden_size, bool(args.use_moe))
+
+
 def build_models(args: argparse.Namespace, device: torch.device, frozen_dtype: torch.dtype):
     """(actor, tokenizer, reference, critic, old actor or None, reward-model scorer or None), built from
     the flags; `--from_weight none` gives a random-init actor (benchmarks). Shared with scripts/bench_ppo.py."""
-    weights = None if args.actor_path else native_weight_path(args.save_dir, args.from_weight, args.hidden_size, bool(args.use_moe))
     actor, tok = load_policy(
-        weights=None if args.from_weight == "none" else weights, hf_path=args.actor_path, hidden_size=args.hidden_size,
+        weights=actor_weights_path(args), hf_path=args.actor_path, hidden_size=args.hidden_size,
         num_hidden_layers=args.num_hidden_layers, use_moe=bool(args.use_moe), arch=args.arch,
         num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
         tokenizer_path=args.tokenizer_path, device=device, trust_remote_code=bool(args.trust_remote_code),
@@ -257,7 +263,7 @@ def make_experience(args, batch, models, tok, rm_scorer, custom_fns, kl_ctl, inf
         if ro.old_logprobs is None:  # a frozen old actor, or --rollout_logprobs 0: score the samples again
             ro.old_logprobs, entropy = policy_forward(old_actor or unwrapped, ro.sequences, ro.attention_mask, R, temp, with_entropy=True)
         else:
-            entropy = ro.extras.pop("entropy")
+            entropy = ro.entropy
         ro.ref_logprobs, _ = policy_forward(ref, ro.sequences, ro.attention_mask, R, temp)
         ro.values = critic_forward(getattr(critic, "module", critic), ro.sequences, ro.attention_mask, R).float()
     mask = ro.response_mask
@@ -442,8 +448,7 @@ def main(argv: list[str] | None = None) -> None:
     # ---- models: actor, reference, critic, old actor, reward model
     try:
         actor, tok, ref, critic, old_actor, rm_scorer = build_models(args, info.device, frozen_dtype)
-        weights = None if args.actor_path or args.from_weight == "none" else \
-            native_weight_path(args.save_dir, args.from_weight, args.hidden_size, bool(args.use_moe))
+        weights = actor_weights_path(args)
         custom_fns = {spec.split(":")[-1]: load_reward_fn(spec) for spec in args.reward_fn}
         records, n_bad = read_rlaif_jsonl(args.data_path, skip_bad_lines=bool(args.skip_bad_lines))
     except (WeightsError, DataError, ValueError, OSError) as e:

@@ -79,6 +79,19 @@ def preallocated_cache(model: nn.Module, capacity: int) -> Cache | None:
     return Cache(layers=[PreallocatedLayer(capacity) for _ in range(n_layers)])
 
 
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(token) under softmax(logits / T) in fp32, and optionally that distribution's entropy.
+    logits [..., V], tokens [...] -> [...]. The one place this math lives (sampler and scorer share it)."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    lp = torch.gather(logp, -1, tokens.unsqueeze(-1)).squeeze(-1)
+    return lp, (-(logp.exp() * logp).sum(-1) if with_entropy else None)
+
+
 def response_mask_from_tokens(responses: torch.Tensor, eos_token_id: int | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask = 1 up to and including the first EOS of each row; rows without EOS are all ones."""
     eos_ids = torch.tensor(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id], device=responses.device)
@@ -172,11 +185,8 @@ def sample(
         position = position[:, -1:]
         finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
         for step in range(max_new_tokens):
-            logits = out.logits[:, -1, :].float()
-            if return_logprobs:
-                logp = torch.log_softmax(logits / score_temp if score_temp != 1.0 else logits, dim=-1)  # [B, V]
-            if suppress_eos:
-                logits[:, eos_t] = float("-inf")
+            raw = out.logits[:, -1, :].float()  # [B, V]; kept unsuppressed for return_logprobs
+            logits = raw.index_fill(-1, eos_t, float("-inf")) if suppress_eos else raw
             if greedy:
                 nxt = logits.argmax(dim=-1)
             else:
@@ -184,8 +194,9 @@ def sample(
             nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)  # finished rows get pads
             tokens.append(nxt)
             if return_logprobs:
-                step_logprobs.append(logp.gather(-1, nxt[:, None]).squeeze(-1))
-                step_entropy.append(-(logp.exp() * logp).sum(-1))
+                lp, ent = token_logprobs(raw, nxt, score_temp, with_entropy=True)
+                step_logprobs.append(lp)
+                step_entropy.append(ent)
             if not suppress_eos:
                 finished = finished | torch.isin(nxt, eos_t)
                 if bool(finished.all()):

@@ -229,11 +229,11 @@ def test_rollout_logprobs_equal_a_second_forward(lm, temperature, top_k, greedy)
     want, want_ent = policy_forward(lm, ro.sequences, ro.attention_mask, R, 1.0 if greedy else temperature, with_entropy=True)
     assert ro.old_logprobs.shape == want.shape == m.shape
     torch.testing.assert_close(ro.old_logprobs[m], want[m], atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(ro.extras["entropy"][m], want_ent[m], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(ro.entropy[m], want_ent[m], atol=2e-5, rtol=1e-5)
     assert ro.old_logprobs[m].lt(-0.01).any()  # not a degenerate near-deterministic model
     plain = generate_rollout(lm, seq, mask, max_new_tokens=4, eos_token_id=EOS, pad_token_id=PAD, temperature=1.0,
                              top_k=0, top_p=1.0)
-    assert plain.old_logprobs is None and "entropy" not in plain.extras
+    assert plain.old_logprobs is None and plain.entropy is None
 
 
 # ------------------------------------------------------------------ the sampler behind generate_rollout

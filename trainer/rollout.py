@@ -14,10 +14,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from model.generation import sample
+from model.generation import sample, token_logprobs
 
 
 def _hf_models(module: nn.Module) -> list[nn.Module]:
@@ -63,13 +62,9 @@ def logprobs_from_logits(
     """
     out, ents = [], []
     for s in range(0, logits.shape[0], chunk_rows):
-        chunk = logits[s : s + chunk_rows].float()
-        if temperature != 1.0:
-            chunk = chunk / temperature
-        logp = F.log_softmax(chunk, dim=-1)
-        out.append(torch.gather(logp, -1, tokens[s : s + chunk_rows].unsqueeze(-1)).squeeze(-1))
-        if with_entropy:
-            ents.append(-(logp.exp() * logp).sum(-1))
+        lp, ent = token_logprobs(logits[s : s + chunk_rows], tokens[s : s + chunk_rows], temperature, with_entropy)
+        out.append(lp)
+        ents.append(ent)
     return torch.cat(out), (torch.cat(ents) if with_entropy else None)
 
 
@@ -121,6 +116,7 @@ class Rollout:
     rewards: torch.Tensor | None = None  # [B] scalar reward per response
     advantages: torch.Tensor | None = None  # [B, R]
     returns: torch.Tensor | None = None  # [B, R]
+    entropy: torch.Tensor | None = None  # [B, R] policy entropy per token, from the sampling pass (return_logprobs)
     extras: dict = field(default_factory=dict)
 
     @property
@@ -153,7 +149,7 @@ def generate_rollout(
     """Sample `num_generations` responses per prompt; with N > 1 the prompt batch is repeated
     row-wise (prompt i's samples are rows i*N .. i*N+N-1) and generated in one call.
 
-    return_logprobs fills `old_logprobs` (and extras["entropy"]) from the sampling pass itself."""
+    return_logprobs fills `old_logprobs` and `entropy` from the sampling pass itself."""
     if num_generations > 1:
         input_ids = input_ids.repeat_interleave(num_generations, dim=0)
         attention_mask = attention_mask.repeat_interleave(num_generations, dim=0)
@@ -165,6 +161,5 @@ def generate_rollout(
     full_mask = torch.cat([attention_mask, s.response_mask.to(attention_mask.dtype)], dim=1)  # [B, P+R]
     return Rollout(
         sequences=s.sequences, attention_mask=full_mask, response_mask=s.response_mask.float(),
-        has_eos=s.has_eos, prompt_len=input_ids.shape[1], old_logprobs=s.logprobs,
-        extras={} if s.entropy is None else {"entropy": s.entropy},
+        has_eos=s.has_eos, prompt_len=input_ids.shape[1], old_logprobs=s.logprobs, entropy=s.entropy,
     )
