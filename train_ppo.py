@@ -90,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--top_k", type=int, default=0, help="0 = off")
     a("--top_p", type=float, default=1.0, help="1.0 = off")
     a("--greedy", type=int, default=0, choices=[0, 1], help="argmax decoding (tests, debugging)")
+    a("--fast_decode", type=int, default=1, choices=[0, 1],
+      help="decode steps of dense Qwen3/Llama policies by model/fast_decode.py (same math, fewer ops); 0 = transformers' forward")
     a = p.add_argument_group("reward").add_argument
     a("--reasoning", type=int, default=1, choices=[0, 1], help="RM score = 0.4 x whole reply + 0.6 x <answer> content")
     a("--format_weight", type=float, default=1.0, help="x format regex reward (0.5 when matched)")
@@ -254,6 +256,7 @@ def make_experience(args, batch, models, tok, rm_scorer, custom_fns, kl_ctl, inf
             eos_token_id=models.get("eos_ids") or tok.eos_token_id, pad_token_id=tok.pad_token_id, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, greedy=bool(args.greedy), suppress_eos=bool(args.suppress_eos),
             num_generations=args.num_generations, return_logprobs=bool(args.rollout_logprobs) and old_actor is None,
+            fast_decode=bool(args.fast_decode),
         )
     t1 = time.perf_counter()
     R, temp = ro.response_len, (1.0 if args.greedy else args.temperature)

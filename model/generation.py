@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .fast_decode import fast_decoder
+
 
 @dataclass
 class Samples:
@@ -154,6 +156,7 @@ def sample(
     greedy: bool = False,
     suppress_eos: bool = False,
     return_logprobs: bool = False,
+    fast_decode: bool = True,
 ) -> Samples:
     """Sample responses for a left-padded batch [B, P]; per-row stop at EOS, pads after it.
 
@@ -162,7 +165,10 @@ def sample(
 
     return_logprobs also returns each sampled token's log-prob and the entropy under softmax(logits / T)
     (T = 1 when greedy), taken before EOS suppression and top-k/top-p, i.e. the distribution a full
-    forward pass scores: PPO can use them as old_logprobs instead of running the policy again."""
+    forward pass scores: PPO can use them as old_logprobs instead of running the policy again.
+
+    fast_decode runs the decode steps with model.fast_decode.FastDecoder when the model is a dense
+    Qwen3/Llama trunk (same math, fewer ops); otherwise, or with False, transformers' forward."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     model = getattr(model, "module", model)  # the unwrapped module (DDP wraps only the training forward)
@@ -182,10 +188,14 @@ def sample(
         cache = preallocated_cache(model, P + max_new_tokens)
         extra = {"past_key_values": cache} if cache is not None else {}
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True, **keep, **extra)
+        last = out.logits[:, -1, :]
+        fast = fast_decoder(model, input_ids.device.type) if fast_decode and cache is not None else None
+        if fast is not None:  # the whole-generation key mask, sliced per step: [B, P + max_new_tokens]
+            kv_mask = torch.cat([mask.bool(), mask.new_ones(B, max_new_tokens, dtype=torch.bool)], dim=1)
         position = position[:, -1:]
         finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
         for step in range(max_new_tokens):
-            raw = out.logits[:, -1, :].float()  # [B, V]; kept unsuppressed for return_logprobs
+            raw = last.float()  # [B, V]; kept unsuppressed for return_logprobs
             logits = raw.index_fill(-1, eos_t, float("-inf")) if suppress_eos else raw
             if greedy:
                 nxt = logits.argmax(dim=-1)
@@ -203,10 +213,14 @@ def sample(
                     break
             if step == max_new_tokens - 1:
                 break
-            mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
             position = position + 1
-            out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=position,
-                        past_key_values=out.past_key_values, use_cache=True, **keep)
+            if fast is not None:
+                last = fast.step(nxt, position, kv_mask[:, : P + step + 1], cache)
+            else:
+                mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+                out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=position,
+                            past_key_values=out.past_key_values, use_cache=True, **keep)
+                last = out.logits[:, -1, :]
     finally:
         model.train(was_training)
     responses = torch.stack(tokens, dim=1)  # [B, R]; R < max_new_tokens when every row hit EOS

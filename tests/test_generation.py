@@ -351,3 +351,75 @@ def test_preallocated_cache_gives_the_dynamic_cache_logits():
     mistral = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                                num_attention_heads=2, num_key_value_heads=1, sliding_window=4))
     assert preallocated_cache(mistral, capacity=9) is None
+
+
+# ---------------------------------------------------------------- fast decode step (model/fast_decode.py)
+
+
+def _decode_logits(m, ids, mask, n, fast: bool):
+    """Greedy-decode n tokens on a preallocated cache; logits of every step from either path."""
+    from model.fast_decode import fast_decoder
+    from model.generation import preallocated_cache
+
+    B, P = ids.shape
+    cache = preallocated_cache(m, P + n)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    dec = fast_decoder(m, "cpu") if fast else None
+    assert (dec is not None) == fast
+    with torch.no_grad():
+        last = m(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
+        kv = torch.cat([mask.bool(), torch.ones(B, n, dtype=torch.bool)], 1)
+        pos, steps = pos[:, -1:], []
+        for i in range(n):
+            nxt = last.float().argmax(-1)
+            pos = pos + 1
+            if fast:
+                last = dec.step(nxt, pos, kv[:, : P + i + 1], cache)
+            else:
+                mask = torch.cat([mask, torch.ones_like(nxt)[:, None]], 1)
+                last = m(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
+                         use_cache=True).logits[:, -1]
+            steps.append(last.float())
+    return torch.stack(steps, 1)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_fast_decode_logits_equal_transformers_forward(arch, bf16):
+    m = _scramble(build_minimind(64, 2, arch=arch, vocab_size=256, num_attention_heads=4, num_key_value_heads=2), seed=3).eval()
+    ids, mask = _left_pad(PROMPTS)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        want = _decode_logits(m, ids, mask, 8, fast=False)
+        got = _decode_logits(m, ids, mask, 8, fast=True)
+    if bf16:  # one bf16 rounding step of the logits' scale (a concatenated matmul may round differently)
+        torch.testing.assert_close(got, want, atol=want.abs().max().item() * 2 ** -7, rtol=0)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_sample_fast_decode_equals_transformers_decode():
+    m = _scramble(build_minimind(64, 2, vocab_size=256), seed=4).eval()
+    ids, mask = _left_pad(PROMPTS)
+    kw = dict(max_new_tokens=10, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, return_logprobs=True)
+    torch.manual_seed(0)
+    fast = sample(m, ids, mask, fast_decode=True, **kw)
+    torch.manual_seed(0)
+    slow = sample(m, ids, mask, fast_decode=False, **kw)
+    assert torch.equal(fast.sequences, slow.sequences)
+    torch.testing.assert_close(fast.logprobs, slow.logprobs, atol=1e-5, rtol=0)
+
+
+def test_fast_decode_declines_what_it_does_not_reproduce():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from model.fast_decode import fast_decoder
+
+    assert fast_decoder(build_minimind(64, 2, vocab_size=64), "cpu") is not None
+    assert fast_decoder(build_minimind(64, 2, vocab_size=64, use_moe=True), "cpu") is None  # MoE blocks
+    biased = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1, attention_bias=True))
+    assert fast_decoder(biased, "cpu") is None
+    eager = build_minimind(64, 2, vocab_size=64)
+    eager.set_attn_implementation("eager")
+    assert fast_decoder(eager, "cpu") is None

@@ -145,6 +145,7 @@ def generate_rollout(
     suppress_eos: bool = False,
     num_generations: int = 1,
     return_logprobs: bool = False,
+    fast_decode: bool = True,
 ) -> Rollout:
     """Sample `num_generations` responses per prompt; with N > 1 the prompt batch is repeated
     row-wise (prompt i's samples are rows i*N .. i*N+N-1) and generated in one call.
@@ -156,7 +157,7 @@ def generate_rollout(
     s = sample(
         policy, input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
         pad_token_id=pad_token_id, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
-        suppress_eos=suppress_eos, return_logprobs=return_logprobs,
+        suppress_eos=suppress_eos, return_logprobs=return_logprobs, fast_decode=fast_decode,
     )
     full_mask = torch.cat([attention_mask, s.response_mask.to(attention_mask.dtype)], dim=1)  # [B, P+R]
     return Rollout(
