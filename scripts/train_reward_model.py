@@ -1,12 +1,15 @@
 """Train the demo's small reward model: a stock `Qwen3ForSequenceClassification` (num_labels=1)
 fitted with the Bradley-Terry loss -logsigmoid(r_chosen - r_rejected) on preference pairs.
 
-Rebuild the shipped artifact (from the repository root, after the SFT policy it starts from;
-~15 minutes on one core):
+Rebuild the shipped artifact (from the repository root; ~50 minutes on one core). The RM is larger
+than the policy it judges (hidden 256 vs 128): it has to do the arithmetic it scores, so its trunk
+starts from a 256-wide SFT model trained by the project's SFT script on the same data (~30 minutes):
 
-    python scripts/train_reward_model.py --num_threads 1   # -> out/demo_rm/ (config.json, model.safetensors, tokenizer)
+    python scripts/train_sft.py --num_threads 1 --hidden_size 256 --num_attention_heads 8 \
+        --num_key_value_heads 4 --save_weight rm_base                  # -> out/rm_base_256.pth (not shipped)
+    python scripts/train_reward_model.py --num_threads 1                # -> out/demo_rm/ (config.json, model.safetensors, tokenizer)
 
-The trunk starts from out/full_sft_128.pth (--init_from), as InstructGPT's RM starts from its SFT model.
+Starting from an SFT model (--init_from) is InstructGPT's recipe; a random init learns far slower.
 
 Pairs file rows: {"conversations": [user...], "chosen": reply, "rejected": reply, "kind": ...}.
 Each side is scored on the conversation + {"role": "assistant", "content": reply}, rendered with the
@@ -162,6 +165,10 @@ def reward_model_from_policy(weights: str | Path, tokenizer: Any) -> Qwen3ForSeq
     """A stock classifier whose trunk is a copy of a native MiniMind policy's (qwen3 or llama arch),
     with a fresh score head. As in InstructGPT, the RM starts from the SFT model: it already reads
     the task (here: it can do the arithmetic it has to judge), so pair accuracy climbs far faster."""
+    if not Path(weights).is_file():
+        raise SystemExit(f"--init_from {weights}: no such file; build the RM's starting model first: python scripts/train_sft.py "
+                         f"--num_threads 1 --hidden_size 256 --num_attention_heads 8 --num_key_value_heads 4 --save_weight rm_base "
+                         f"(or --init_from none for a randomly initialised RM)")
     try:
         state = read_state_dict(weights)
     except (OSError, WeightsError) as e:
@@ -203,7 +210,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval_data_path", default="dataset/demo_pairs_eval.jsonl")
     p.add_argument("--tokenizer_path", default=None, help="tokenizer directory (default: model/)")
     p.add_argument("--save_path", default="out/demo_rm", help="output Hugging Face directory")
-    p.add_argument("--init_from", default="out/full_sft_128.pth",
+    p.add_argument("--init_from", default="out/rm_base_256.pth",
                    help="native policy weights to start the RM trunk from (the SFT model; its shape then "
                         "overrides the size flags below); 'none' = random init")
     p.add_argument("--hidden_size", type=int, default=128)
@@ -211,9 +218,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num_attention_heads", type=int, default=4)
     p.add_argument("--rope_theta", type=float, default=1e4)
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--max_steps", type=int, default=1200, help="stop after this many optimizer steps (0 = all epochs)")
+    p.add_argument("--max_steps", type=int, default=0, help="stop after this many optimizer steps (0 = all epochs)")
     p.add_argument("--batch_size", type=int, default=32, help="pairs per step")
-    p.add_argument("--learning_rate", type=float, default=2e-3)
+    p.add_argument("--learning_rate", type=float, default=7e-4, help="7e-4 beat 1e-3 and 2e-3 from the 256-wide SFT trunk")
     p.add_argument("--min_lr_ratio", type=float, default=0.05)
     p.add_argument("--warmup_steps", type=int, default=50)
     p.add_argument("--weight_decay", type=float, default=0.01)
@@ -225,7 +232,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num_threads", type=int, default=0, help="torch threads (0 = all cores)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--log_interval", type=int, default=50)
-    p.add_argument("--eval_interval", type=int, default=300)
+    p.add_argument("--eval_interval", type=int, default=500)
     return p.parse_args(argv)
 
 
