@@ -1,7 +1,7 @@
 """A lean single-token decode step for dense Qwen3 / Llama trunks (MiniMind's two architectures).
 
 Why: at PPO's rollout shapes (a handful of rows, one new token per step) a decode step is a few
-MFLOP per layer, so its time is per-call overhead: transformers' layer runs ~25 small ops (norms
+MFLOP per layer, so its time is weight bandwidth plus per-call overhead; transformers' layer runs ~25 small ops (norms
 upcast and downcast, separate q/k/v and gate/up projections, mask building, cache bookkeeping).
 This step runs the same math with the q/k/v and gate/up weights concatenated (one matmul each) and
 the mask built once per token. Under bf16 autocast the weights are cast once per `sample()` call
