@@ -4,7 +4,8 @@ Why: at PPO's rollout shapes (a handful of rows, one new token per step) a decod
 MFLOP per layer, so its time is weight bandwidth plus per-call overhead; transformers' layer runs ~25 small ops (norms
 upcast and downcast, separate q/k/v and gate/up projections, mask building, cache bookkeeping).
 This step runs the same math with the q/k/v and gate/up weights concatenated (one matmul each) and
-the mask built once per token. Under bf16 autocast the weights are cast once per `sample()` call
+the mask built once per token; the rotary helper and embedding are transformers' own, the
+norms read their weight and eps off transformers' modules. Under bf16 autocast the weights are cast once per `sample()` call
 instead of on every matmul. scripts/bench_ppo.py at 512x8, batch 8, bf16, 2 threads: generating
 64 tokens 1.91 -> 1.66 s; in fp32 the matmuls are weight-bandwidth bound and it gains little.
 
@@ -19,6 +20,8 @@ Anything else (MoE, biases, sliding windows, other model types, hub kernels) ret
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,16 +29,12 @@ from torch import nn
 _SUPPORTED = ("Qwen3Model", "LlamaModel")
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Qwen3RMSNorm / LlamaRMSNorm: fp32 statistics, cast back, then the weight."""
+def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """transformers' Qwen3RMSNorm / LlamaRMSNorm forward, inlined (skips nn.Module call overhead):
+    fp32 statistics, cast back to the input dtype, then the weight."""
     h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(x.dtype)
 
 
 class FastDecoder:
@@ -44,61 +43,49 @@ class FastDecoder:
     def __init__(self, lm: nn.Module, compute_dtype: torch.dtype | None):
         trunk = lm.model
         cfg = trunk.config
-        self.trunk, self.eps = trunk, cfg.rms_norm_eps
-        self.compute_dtype = compute_dtype  # autocast dtype, or None for plain fp32
-        first = trunk.layers[0].self_attn
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = cfg.num_key_value_heads
-        self.head_dim = first.head_dim
+        self.trunk = trunk
+        # transformers' own rotary helper for this model type (Qwen3 and Llama each define one).
+        self.apply_rotary = sys.modules[type(trunk.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = trunk.layers[0].self_attn.head_dim
+        # Under autocast F.linear would cast these on every call; cast once here (same rounding).
         cast = (lambda w: w.detach().to(compute_dtype)) if compute_dtype is not None else (lambda w: w.detach())
-        self.layers = []
+        self.weights = []
         for layer in trunk.layers:
             a, mlp = layer.self_attn, layer.mlp
-            self.layers.append({
-                "norm1": layer.input_layernorm.weight, "norm2": layer.post_attention_layernorm.weight,
-                "q_norm": a.q_norm.weight if hasattr(a, "q_norm") else None,
-                "k_norm": a.k_norm.weight if hasattr(a, "k_norm") else None,
+            self.weights.append({
                 "qkv": cast(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
                 "o": cast(a.o_proj.weight),
                 "gate_up": cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
                 "down": cast(mlp.down_proj.weight),
-                "scale": a.scaling,
-                "inter": mlp.gate_proj.weight.shape[0],
             })
-        self.norm = trunk.norm.weight
         self.head = cast(lm.lm_head.weight)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, position: torch.Tensor, kv_mask: torch.Tensor, cache) -> torch.Tensor:
         """tokens [B], position [B, 1], kv_mask [B, n+1] bool (True = attend; n = cached length)
-        -> logits [B, V] for the next token. Appends this token's K/V to `cache` (PreallocatedLayers)."""
+        -> logits [B, V] for the next token. Appends this token's K/V to `cache`. Call it under the same
+        autocast context the decoder was built in: autocast casts the activations, as in transformers."""
         B = tokens.shape[0]
         nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        h = F.embedding(tokens[:, None], self.trunk.embed_tokens.weight)  # [B, 1, H], the residual dtype
+        h = self.trunk.embed_tokens(tokens[:, None])  # [B, 1, H], the residual dtype
         cos, sin = self.trunk.rotary_emb(h, position)  # [B, 1, head_dim]
-        cos, sin = cos[:, None], sin[:, None]
         mask = kv_mask[:, None, None, :]  # [B, 1, 1, n+1]
-        low = self.compute_dtype is not None
-        for w, layer in zip(self.layers, self.trunk.layers):
-            x = _rms(h, w["norm1"], self.eps)
-            qkv = F.linear(x.to(self.compute_dtype) if low else x, w["qkv"])  # [B, 1, nq + 2 nk]
+        for w, layer in zip(self.weights, self.trunk.layers):
+            a = layer.self_attn
+            qkv = F.linear(_rms(h, layer.input_layernorm), w["qkv"])  # [B, 1, nq + 2 nk]
             q = qkv[..., :nq].view(B, 1, self.n_heads, self.head_dim)
             k = qkv[..., nq : nq + nk].view(B, 1, self.n_kv, self.head_dim)
             v = qkv[..., nq + nk :].view(B, 1, self.n_kv, self.head_dim).transpose(1, 2)
-            if w["q_norm"] is not None:  # Qwen3's per-head q/k norm
-                q, k = _rms(q, w["q_norm"], self.eps), _rms(k, w["k_norm"], self.eps)
-            q = _rotate(q.transpose(1, 2), cos, sin)  # [B, nh, 1, hd]
-            k = _rotate(k.transpose(1, 2), cos, sin)
-            cl = cache.layers[layer.self_attn.layer_idx]
-            keys, values = cl.update(k, v)  # [B, nkv, n+1, hd]
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=w["scale"], enable_gqa=True)
-            o = o.transpose(1, 2).reshape(B, 1, nq)
-            h = h + F.linear(o.to(self.compute_dtype) if low else o, w["o"])
-            x = _rms(h, w["norm2"], self.eps)
-            gate, up = F.linear(x.to(self.compute_dtype) if low else x, w["gate_up"]).split(w["inter"], dim=-1)
+            if hasattr(a, "q_norm"):  # Qwen3's per-head q/k norm
+                q, k = _rms(q, a.q_norm), _rms(k, a.k_norm)
+            q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, heads, 1, hd]
+            keys, values = cache.layers[a.layer_idx].update(k, v)  # [B, nkv, n+1, hd]
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.scaling, enable_gqa=True)
+            h = h + F.linear(o.transpose(1, 2).reshape(B, 1, nq), w["o"])
+            gate, up = F.linear(_rms(h, layer.post_attention_layernorm), w["gate_up"]).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, w["down"])
-        x = _rms(h, self.norm, self.eps)
-        return F.linear(x.to(self.compute_dtype) if low else x, self.head)[:, -1]
+        return F.linear(_rms(h, self.trunk.norm), self.head)[:, -1]
 
 
 def fast_decoder(lm: nn.Module, device_type: str) -> FastDecoder | None:
@@ -108,9 +95,7 @@ def fast_decoder(lm: nn.Module, device_type: str) -> FastDecoder | None:
     if type(trunk).__name__ not in _SUPPORTED or not isinstance(head, nn.Linear) or head.bias is not None:
         return None
     cfg = trunk.config
-    if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-        return None
-    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+    if getattr(cfg, "hidden_act", "silu") != "silu":
         return None
     if getattr(cfg, "_attn_implementation", "sdpa") != "sdpa":
         return None  # eager/flex/hub kernels round differently
@@ -121,7 +106,7 @@ def fast_decoder(lm: nn.Module, device_type: str) -> FastDecoder | None:
         if not all(isinstance(m, nn.Linear) and m.bias is None for m in linears):
             return None  # MoE blocks, attention/MLP biases
         if getattr(a, "sliding_window", None):
-            return None
+            return None  # a sliding-window layer (Qwen3 sets it per layer from layer_types)
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
     if dtype is None and head.weight.dtype != torch.float32:
         return None  # low-precision weights without autocast: leave it to transformers

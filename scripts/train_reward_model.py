@@ -190,6 +190,14 @@ def reward_model_from_policy(weights: str | Path, tokenizer: Any) -> Qwen3ForSeq
     return model
 
 
+def score_pairs(scorer: Any, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of each pair row's chosen and rejected reply through a RewardModelScorer (PPO's path)."""
+    convs = [[{"role": m["role"], "content": m["content"]} for m in row["conversations"]] for row in rows]
+    s_chosen = scorer.score([c + [{"role": "assistant", "content": row["chosen"]}] for c, row in zip(convs, rows)])
+    s_rejected = scorer.score([c + [{"role": "assistant", "content": row["rejected"]}] for c, row in zip(convs, rows)])
+    return s_chosen, s_rejected
+
+
 @torch.no_grad()
 def evaluate_pairs(model: torch.nn.Module, chosen: list[list[int]], rejected: list[list[int]], kinds: list[str],
                    pad_id: int, batch_size: int = 256) -> dict[str, float]:
@@ -332,9 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     rm, rm_tok = load_reward_model(save)
     scorer = RewardModelScorer(rm, rm_tok, max_length=args.max_length, batch_size=256, clip=float("inf"))
     ev_rows = [json.loads(line) for line in Path(args.eval_data_path).read_text(encoding="utf-8").splitlines() if line.strip()]
-    convs = [[{"role": m["role"], "content": m["content"]} for m in row["conversations"]] for row in ev_rows]
-    s_chosen = scorer.score([c + [{"role": "assistant", "content": row["chosen"]}] for c, row in zip(convs, ev_rows)])
-    s_rejected = scorer.score([c + [{"role": "assistant", "content": row["rejected"]}] for c, row in zip(convs, ev_rows)])
+    s_chosen, s_rejected = score_pairs(scorer, ev_rows)
     ev_kinds = [str(r.get("kind", "all")) for r in ev_rows]
     acc = pair_accuracy(s_chosen - s_rejected, ev_kinds)
     # What PPO sees: scores clipped at +-clip, where a tie at the bound is a miss.
