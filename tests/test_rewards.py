@@ -235,6 +235,18 @@ def test_rm_batch_scores_equal_one_by_one(padding_side, template):
     assert batched.std() > 1e-3  # different conversations score differently
 
 
+def test_rm_scores_come_back_in_input_order_when_batched_by_length():
+    model = _tiny_rm()
+    tok = _tiny_tokenizer("right", CHATML)
+    convs = _conversations()
+    convs = convs + convs[::-1]  # lengths out of order, and duplicates that must score the same
+    scores = RewardModelScorer(model, tok, max_length=512, batch_size=3, clip=100.0).score(convs)
+    single = torch.stack([RewardModelScorer(model, tok, max_length=512, batch_size=1, clip=100.0).score([c])[0]
+                          for c in convs])
+    torch.testing.assert_close(scores, single, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(scores[:5], scores[5:].flip(0), atol=1e-5, rtol=1e-5)
+
+
 def test_rm_scores_match_a_direct_forward_and_truncation_keeps_the_end():
     model = _tiny_rm()
     tok = _tiny_tokenizer("right", CHATML)

@@ -250,13 +250,13 @@ class RewardModelScorer:
             return self.tokenizer.apply_chat_template(conversation, tokenize=False), False
         return "\n".join(f"{m['role']}: {m['content']}" for m in conversation), True
 
-    def _encode(self, conversations: list[list[dict]]) -> tuple[Tensor, Tensor]:
-        rows = []
-        for conv in conversations:
-            text, add_special = self._render(conv)
-            ids = self.tokenizer(text, add_special_tokens=add_special, verbose=False)["input_ids"]
-            # Keep the END: the classifier reads the last token, and the reply is at the end.
-            rows.append(list(ids)[-self.max_length:])
+    def _tokenize(self, conversation: list[dict]) -> list[int]:
+        text, add_special = self._render(conversation)
+        ids = self.tokenizer(text, add_special_tokens=add_special, verbose=False)["input_ids"]
+        # Keep the END: the classifier reads the last token, and the reply is at the end.
+        return list(ids)[-self.max_length:]
+
+    def _pad(self, rows: list[list[int]]) -> tuple[Tensor, Tensor]:
         width = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -277,12 +277,15 @@ class RewardModelScorer:
             scores = torch.tensor(raw, dtype=torch.float32)
         else:
             device = next(self.model.parameters()).device
-            parts = []
-            for start in range(0, len(conversations), self.batch_size):
-                ids, attn = self._encode(conversations[start:start + self.batch_size])
+            rows = [self._tokenize(conv) for conv in conversations]
+            # Batch by length so batches carry little padding; scores return in input order.
+            order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+            scores = torch.empty(len(rows), dtype=torch.float32)
+            for start in range(0, len(order), self.batch_size):
+                idx = order[start:start + self.batch_size]
+                ids, attn = self._pad([rows[i] for i in idx])
                 out = self.model(input_ids=ids.to(device), attention_mask=attn.to(device))
-                parts.append(out.logits[:, 0].float().cpu())
-            scores = torch.cat(parts)
+                scores[idx] = out.logits[:, 0].float().cpu()
         return scores.clamp(-self.clip, self.clip)
 
 
