@@ -511,7 +511,7 @@ def make_pairs(rng: random.Random, n: int, want_eval: bool) -> list[dict]:
 
 
 def generate_all(seed: int = 0, n_train: int = 10_000, n_eval: int = 500,
-                 n_sft: int = 40_000, n_pairs: int = 20_000,
+                 n_sft: int = 40_000, n_pairs: int = 60_000,
                  n_pairs_eval: int = 1_000) -> dict[str, list[dict]]:
     """All demo files as rows, keyed by file stem (demo_train, demo_eval, demo_sft,
     demo_pairs, demo_pairs_eval). Same arguments -> identical rows."""

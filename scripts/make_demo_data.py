@@ -9,7 +9,7 @@ Writes into --out_dir:
     demo_train.jsonl       10,000 RLAIF prompts (shipped)  {"conversations": [user, assistant=reference]}
     demo_eval.jsonl           500 held-out RLAIF prompts (shipped)
     demo_sft.jsonl         40,000 SFT conversations, ~50% "full" / ~50% "plain" replies
-    demo_pairs.jsonl       20,000 preference pairs (train side) for the demo reward model
+    demo_pairs.jsonl       60,000 preference pairs (train side) for the demo reward model (one pass)
     demo_pairs_eval.jsonl   1,000 preference pairs (eval side) for held-out RM accuracy
 Rows also carry "task" and "lang" (and "style" / "kind"); MiniMind loaders ignore extra keys.
 The task itself lives in dataset/demo_task.py.
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n_train", type=int, default=10_000)
     parser.add_argument("--n_eval", type=int, default=500)
     parser.add_argument("--n_sft", type=int, default=40_000)
-    parser.add_argument("--n_pairs", type=int, default=20_000)
+    parser.add_argument("--n_pairs", type=int, default=60_000)
     parser.add_argument("--n_pairs_eval", type=int, default=1_000)
     args = parser.parse_args(argv)
     for flag in ("n_train", "n_eval", "n_sft", "n_pairs", "n_pairs_eval"):

@@ -1,7 +1,7 @@
 """Train the demo's small reward model: a stock `Qwen3ForSequenceClassification` (num_labels=1)
 fitted with the Bradley-Terry loss -logsigmoid(r_chosen - r_rejected) on preference pairs.
 
-Rebuild the shipped artifact (from the repository root; ~50 minutes on one core). The RM is larger
+Rebuild the shipped artifact (from the repository root; ~55 minutes on one core). The RM is larger
 than the policy it judges (hidden 256 vs 128): it has to do the arithmetic it scores, so its trunk
 starts from a 256-wide SFT model trained by the project's SFT script on the same data (~30 minutes):
 
@@ -225,7 +225,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num_hidden_layers", type=int, default=4)
     p.add_argument("--num_attention_heads", type=int, default=4)
     p.add_argument("--rope_theta", type=float, default=1e4)
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=1, help="one pass over 60k fresh pairs (88.5%% held-out) beat three over 20k (87.2%%)")
     p.add_argument("--max_steps", type=int, default=0, help="stop after this many optimizer steps (0 = all epochs)")
     p.add_argument("--batch_size", type=int, default=32, help="pairs per step")
     p.add_argument("--learning_rate", type=float, default=7e-4, help="7e-4 beat 1e-3 and 2e-3 from the 256-wide SFT trunk")
