@@ -2,7 +2,7 @@
 
 Rebuild everything the demo needs, from the repository root:
 
-    python scripts/make_demo_data.py            # dataset/demo_*.jsonl  (~2 s)
+    python scripts/make_demo_data.py            # dataset/demo_*.jsonl  (~6 s)
     python scripts/train_tokenizer.py           # model/tokenizer*.json (~20 s)
 
 Writes into --out_dir:
