@@ -1,12 +1,12 @@
 """A lean single-token decode step for dense Qwen3 / Llama trunks (MiniMind's two architectures).
 
 Why: at PPO's rollout shapes (a handful of rows, one new token per step) a decode step is a few
-MFLOP per layer, so its time is weight bandwidth plus per-call overhead; transformers' layer runs ~25 small ops (norms
-upcast and downcast, separate q/k/v and gate/up projections, mask building, cache bookkeeping).
-This step runs the same math with the q/k/v and gate/up weights concatenated (one matmul each) and
-the mask built once per token; the rotary helper and embedding are transformers' own, the
-norms read their weight and eps off transformers' modules. Under bf16 autocast the weights are cast once per `sample()` call
-instead of on every matmul. scripts/bench_ppo.py at 512x8, batch 8, bf16, 2 threads: generating
+MFLOP per layer, so its time is weight bandwidth plus per-call overhead; transformers' layer runs
+~25 small ops (norms upcast and downcast, separate q/k/v and gate/up projections, mask building,
+cache bookkeeping). This step runs the same math with the q/k/v and gate/up weights concatenated
+(one matmul each) and the mask built once per token; the rotary helper and embedding are
+transformers' own, the norms read their weight and eps off transformers' modules. Under bf16
+autocast the weights are cast once per `sample()` call instead of on every matmul. scripts/bench_ppo.py at 512x8, batch 8, bf16, 2 threads: generating
 64 tokens 1.91 -> 1.66 s; in fp32 the matmuls are weight-bandwidth bound and it gains little.
 
 Exactness: the same operations in the same dtypes as transformers' Qwen3/Llama layers (norms in

@@ -70,7 +70,7 @@ def test_rm_encoding_matches_the_ppo_scorer(tok):
     conv = [USER, {"role": "assistant", "content": FULL}]
     ours = rm_script.encode_conversations(tok, [conv], max_length=512)[0]
     model = rm_script.build_reward_model(tok, hidden_size=16, num_hidden_layers=1, num_heads=2, max_length=64)
-    assert ours == RewardModelScorer(model, tok)._tokenize(conv)
+    assert ours == RewardModelScorer(model, tok)._tokenize([conv])[0]
     assert rm_script.encode_conversations(tok, [conv], max_length=5)[0] == ours[-5:]  # keeps the end
 
 

@@ -250,11 +250,12 @@ class RewardModelScorer:
             return self.tokenizer.apply_chat_template(conversation, tokenize=False), False
         return "\n".join(f"{m['role']}: {m['content']}" for m in conversation), True
 
-    def _tokenize(self, conversation: list[dict]) -> list[int]:
-        text, add_special = self._render(conversation)
-        ids = self.tokenizer(text, add_special_tokens=add_special, verbose=False)["input_ids"]
+    def _tokenize(self, conversations: list[list[dict]]) -> list[list[int]]:
+        rendered = [self._render(conv) for conv in conversations]
+        add_special = rendered[0][1]  # the same for every conversation: it depends on the template only
+        ids = self.tokenizer([text for text, _ in rendered], add_special_tokens=add_special, verbose=False)["input_ids"]
         # Keep the END: the classifier reads the last token, and the reply is at the end.
-        return list(ids)[-self.max_length:]
+        return [list(row)[-self.max_length:] for row in ids]
 
     def _pad(self, rows: list[list[int]]) -> tuple[Tensor, Tensor]:
         width = max(len(r) for r in rows)
@@ -277,7 +278,7 @@ class RewardModelScorer:
             scores = torch.tensor(raw, dtype=torch.float32)
         else:
             device = next(self.model.parameters()).device
-            rows = [self._tokenize(conv) for conv in conversations]
+            rows = self._tokenize(conversations)
             # Batch by length so batches carry little padding; scores return in input order.
             order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
             scores = torch.empty(len(rows), dtype=torch.float32)
