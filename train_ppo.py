@@ -102,8 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--reward_fn", action="append", default=[], help="custom reward module:function (repeatable), fn(prompt, reply, reference) -> float")
     a = p.add_argument_group("ppo").add_argument
     a("--epochs", type=int, default=1, help="passes over the prompt data")
-    a("--max_steps", type=int, default=150, help="stop after this many PPO steps (0 = no limit)")
-    a("--ppo_update_iters", type=int, default=2, help="PPO epochs over each rollout batch")
+    a("--max_steps", type=int, default=250, help="stop after this many PPO steps (0 = no limit)")
+    a("--ppo_update_iters", type=int, default=1,
+      help="PPO epochs over each rollout batch (demo: 1 epoch x 250 steps matched 2 x 150 in accuracy at 2/3 the step time)")
     a("--mini_batch_size", type=int, default=16, help="rows per optimizer step (per process)")
     a("--accumulation_steps", type=int, default=1, help="micro-batches per minibatch (memory)")
     a("--learning_rate", type=float, default=5e-5, help="actor LR")

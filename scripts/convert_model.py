@@ -6,7 +6,7 @@
     # ... and the PPO critic from a resume file, as a stock token-classification model
     python scripts/convert_model.py to_hf --weights out/ppo_actor_128.pth --hidden_size 128 \\
         --num_hidden_layers 4 --out_dir out/ppo_actor_128_hf \\
-        --critic_resume checkpoints/ppo_actor_128_resume_step00000150.pth
+        --critic_resume checkpoints/ppo_actor_128_resume_step00000250.pth
     # HF -> native (Qwen3, Llama or Qwen3-MoE directories whose shapes MiniMind can express)
     python scripts/convert_model.py to_native --hf_dir out/ppo_actor_128_hf --out out/ppo_actor_128.pth
 

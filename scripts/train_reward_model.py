@@ -41,7 +41,7 @@ from transformers import LlamaForSequenceClassification, Qwen3Config, Qwen3ForSe
 
 from model.loader import load_policy, load_reward_model, load_tokenizer  # noqa: E402
 from model.weights import WeightsError, read_state_dict  # noqa: E402
-from trainer.rewards import RewardModelScorer  # noqa: E402
+from trainer.rewards import RewardModelScorer, pad_ids  # noqa: E402
 
 
 def encode_conversations(tokenizer: Any, conversations: list[list[dict]], max_length: int) -> list[list[int]]:
@@ -78,17 +78,6 @@ def read_pairs(path: str | Path, tokenizer: Any, max_length: int) -> tuple[list[
     return encode_conversations(tokenizer, chosen, max_length), encode_conversations(tokenizer, rejected, max_length), kinds
 
 
-def collate(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded input_ids [N, T] and attention_mask [N, T] (the scorer's default padding side)."""
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        input_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        attention_mask[i, : len(r)] = 1
-    return input_ids, attention_mask
-
-
 def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, center_coef: float = 0.0) -> torch.Tensor:
     """-log sigmoid(r_chosen - r_rejected), averaged over pairs, plus center_coef * mean((r_chosen + r_rejected)^2).
 
@@ -111,7 +100,7 @@ def calibration_scale(scores: torch.Tensor, clip: float, quantile: float = 0.98,
 
 def rewards_of(model: torch.nn.Module, rows: list[list[int]], pad_id: int) -> torch.Tensor:
     """Scalar reward per row [N] (fp32)."""
-    input_ids, attention_mask = collate(rows, pad_id)
+    input_ids, attention_mask = pad_ids(rows, pad_id)  # right-padded, as the scorer pads by default
     return model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0].float()
 
 

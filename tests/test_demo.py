@@ -44,8 +44,8 @@ def test_short_default_ppo_improves_format_and_accuracy_beyond_noise(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     shutil.copy(SFT, out / SFT.name)
-    flags = ["--save_dir", str(out), "--max_steps", "30", "--run_dir", str(tmp_path / "run"),
-             "--checkpoint_dir", str(tmp_path / "ckpt"), "--swanlab_mode", "disabled", "--save_interval", "30",
+    flags = ["--save_dir", str(out), "--max_steps", "50", "--run_dir", str(tmp_path / "run"),
+             "--checkpoint_dir", str(tmp_path / "ckpt"), "--swanlab_mode", "disabled", "--save_interval", "50",
              "--reward_model_path", str(RM), "--data_path", str(ROOT / "dataset" / "demo_train.jsonl")]
     run_train(flags, cwd=tmp_path, timeout=1200)
     before, after = _evaluate(SFT), _evaluate(out / "ppo_actor_128.pth")

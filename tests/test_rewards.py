@@ -16,6 +16,7 @@ from trainer.rewards import (
     extract_answer,
     format_reward,
     load_reward_fn,
+    pad_ids,
     tag_reward,
 )
 
@@ -233,6 +234,13 @@ def test_rm_batch_scores_equal_one_by_one(padding_side, template):
     assert batched.shape == (5,) and batched.dtype == torch.float32
     torch.testing.assert_close(batched, single, atol=1e-5, rtol=1e-5)
     assert batched.std() > 1e-3  # different conversations score differently
+
+
+def test_pad_ids_right_and_left():
+    ids, mask = pad_ids([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [8, 0, 0]] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    ids, mask = pad_ids([[5, 6, 7], [8]], pad_id=0, left=True)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
 
 
 def test_rm_scores_come_back_in_input_order_when_batched_by_length():

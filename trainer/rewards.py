@@ -191,6 +191,18 @@ def _import_file(path: Path) -> Any:
 
 # ----------------------------------------------------------------------------- reward model
 
+def pad_ids(rows: list[list[int]], pad_id: int, left: bool = False) -> tuple[Tensor, Tensor]:
+    """input_ids [N, T] and attention_mask [N, T] for token-id rows of any lengths, padded on one side."""
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        span = slice(width - len(r), width) if left else slice(0, len(r))
+        input_ids[i, span] = torch.tensor(r, dtype=torch.long)
+        attention_mask[i, span] = 1
+    return input_ids, attention_mask
+
+
 class RewardModelScorer:
     """A frozen external reward model, in one of two forms:
 
@@ -257,17 +269,6 @@ class RewardModelScorer:
         # Keep the END: the classifier reads the last token, and the reply is at the end.
         return [list(row)[-self.max_length:] for row in ids]
 
-    def _pad(self, rows: list[list[int]]) -> tuple[Tensor, Tensor]:
-        width = max(len(r) for r in rows)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        left = getattr(self.tokenizer, "padding_side", "right") == "left"
-        for i, r in enumerate(rows):
-            span = slice(width - len(r), width) if left else slice(0, len(r))
-            input_ids[i, span] = torch.tensor(r, dtype=torch.long)
-            attention_mask[i, span] = 1
-        return input_ids, attention_mask
-
     @torch.no_grad()
     def score(self, conversations: list[list[dict]]) -> Tensor:
         """One clipped fp32 score per conversation (messages ending with the assistant reply)."""
@@ -284,7 +285,8 @@ class RewardModelScorer:
             scores = torch.empty(len(rows), dtype=torch.float32)
             for start in range(0, len(order), self.batch_size):
                 idx = order[start:start + self.batch_size]
-                ids, attn = self._pad([rows[i] for i in idx])
+                ids, attn = pad_ids([rows[i] for i in idx], self.pad_id,
+                                    left=getattr(self.tokenizer, "padding_side", "right") == "left")
                 out = self.model(input_ids=ids.to(device), attention_mask=attn.to(device))
                 scores[idx] = out.logits[:, 0].float().cpu()
         return scores.clamp(-self.clip, self.clip)
