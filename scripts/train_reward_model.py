@@ -41,6 +41,7 @@ from transformers import LlamaForSequenceClassification, Qwen3Config, Qwen3ForSe
 
 from model.loader import load_policy, load_reward_model, load_tokenizer  # noqa: E402
 from model.weights import WeightsError, read_state_dict  # noqa: E402
+from scripts.train_sft import adamw, lr_at  # noqa: E402
 from trainer.rewards import RewardModelScorer, pad_ids  # noqa: E402
 
 
@@ -113,13 +114,6 @@ def pair_accuracy(margins: torch.Tensor, kinds: list[str]) -> dict[str, float]:
     out = {"all": sum(wins) / len(wins)}
     out.update({k: sum(v) / len(v) for k, v in sorted(groups.items())})
     return out
-
-
-def lr_at(step: int, total_steps: int, warmup_steps: int, base_lr: float, min_lr_ratio: float) -> float:
-    if step < warmup_steps:
-        return base_lr * (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return base_lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 def build_reward_model(tokenizer: Any, hidden_size: int, num_hidden_layers: int, num_heads: int,
@@ -261,12 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     model.set_attn_implementation("eager")
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
-    decay = [p for name, p in model.named_parameters() if p.ndim >= 2 and "embed_tokens" not in name]
-    no_decay = [p for name, p in model.named_parameters() if not (p.ndim >= 2 and "embed_tokens" not in name)]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.learning_rate, betas=(0.9, 0.95),
-    )
+    optimizer = adamw(model, args.learning_rate, args.weight_decay)
     use_amp = args.dtype == "bfloat16"
     print(f"RM: {n} train pairs, {len(ev_chosen)} eval pairs, {n_params / 1e6:.2f}M parameters, {total_steps} steps "
           f"of {args.batch_size} pairs ({total_steps * args.batch_size / n:.2f} epochs), lr {args.learning_rate}")

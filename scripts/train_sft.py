@@ -135,6 +135,18 @@ def lr_at(step: int, total_steps: int, warmup_steps: int, base_lr: float, min_lr
     return base_lr * (min_lr_ratio + (1.0 - min_lr_ratio) * cosine)
 
 
+def adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW (betas 0.9 / 0.95) with no weight decay on norms and embeddings (1-D gains; the tied
+    embedding is also the head)."""
+    decays = [p.ndim >= 2 and "embed_tokens" not in name for name, p in model.named_parameters()]
+    params = [p for _, p in model.named_parameters()]
+    return torch.optim.AdamW(
+        [{"params": [p for p, d in zip(params, decays) if d], "weight_decay": weight_decay},
+         {"params": [p for p, d in zip(params, decays) if not d], "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.95),
+    )
+
+
 def sft_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
              tokens_per_batch: float | None = None) -> torch.Tensor:
     """Next-token cross-entropy over target tokens; logits only where a target exists.
@@ -213,13 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     model.set_attn_implementation("eager")
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
-    # No weight decay on norms and embeddings (1-D gains; the tied embedding is also the head).
-    decay = [p for name, p in model.named_parameters() if p.ndim >= 2 and "embed_tokens" not in name]
-    no_decay = [p for name, p in model.named_parameters() if not (p.ndim >= 2 and "embed_tokens" not in name)]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.learning_rate, betas=(0.9, 0.95),
-    )
+    optimizer = adamw(model, args.learning_rate, args.weight_decay)
     amp_dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
     print(f"SFT: {n} conversations, {n_params / 1e6:.2f}M parameters, {total_steps} steps of {args.batch_size} "
           f"({total_steps * args.batch_size / n:.2f} epochs), lr {args.learning_rate}, {torch.get_num_threads()} threads")
