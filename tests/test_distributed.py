@@ -321,7 +321,7 @@ def test_collective_decisions_do_not_hang(world, tmp_path):
     data = tmp_path / "prompts11.jsonl"
     data.write_text("\n".join(lines) + "\n", encoding="utf-8")
     flags = tiny_flags(world, tmp_path, device="cpu", data_path=str(data), batch_size=2, mini_batch_size=2, epochs=2,
-                       max_steps=0, early_stop_kl=1e-9, rm_weight=0, save_interval=1, keep_checkpoints=10,
+                       max_steps=0, early_stop_kl=1e-9, ppo_update_iters=2, rm_weight=0, save_interval=1, keep_checkpoints=10,
                        save_weight="collective", reward_fn=f"{FIXTURES / 'dist_rewards.py'}:nan_on_rank1_first_call")
     r, secs = _timed_run(flags, tmp_path, procs=2, timeout=240)
     print(f"2-process collective-decisions run: {secs:.1f} s")

@@ -146,14 +146,14 @@ def _run_script(name: str, *flags: str, cwd: Path) -> str:
 def test_rebuild_commands_make_loadable_deterministic_artifacts(tmp_path):
     """The README's rebuild chain (SFT policy -> RM from that trunk) on a slice of the demo data:
     the same seed gives byte-identical policy weights, and both artifacts load through PPO's loaders."""
+    from dataset.demo_task import generate_all
     from model.loader import load_policy, load_reward_model
 
-    data = Path(__file__).resolve().parents[1] / "dataset"
-    (tmp_path / "sft.jsonl").write_text("".join((data / "demo_sft.jsonl").open(encoding="utf-8").readlines()[:64]),
-                                        encoding="utf-8")
-    pairs = (data / "demo_pairs.jsonl").open(encoding="utf-8").readlines()
-    (tmp_path / "pairs.jsonl").write_text("".join(pairs[:64]), encoding="utf-8")
-    (tmp_path / "pairs_eval.jsonl").write_text("".join(pairs[64:96]), encoding="utf-8")
+    # The SFT and pair files are not shipped (make_demo_data.py writes them): a small seeded slice.
+    files = generate_all(0, n_train=0, n_eval=0, n_sft=64, n_pairs=64, n_pairs_eval=32)
+    for name, stem in (("sft", "demo_sft"), ("pairs", "demo_pairs"), ("pairs_eval", "demo_pairs_eval")):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in files[stem]),
+                                                encoding="utf-8")
     tiny = ["--hidden_size", "32", "--num_hidden_layers", "1", "--num_attention_heads", "2"]
     for run in ("a", "b"):
         _run_script("train_sft", "--data_path", "sft.jsonl", *tiny, "--num_key_value_heads", "1", "--max_steps", "4",
@@ -169,7 +169,7 @@ def test_rebuild_commands_make_loadable_deterministic_artifacts(tmp_path):
     rm, rm_tok = load_reward_model(tmp_path / "rm")
     assert rm.config.num_labels == 1 and rm.config.hidden_size == 32
     # The figure the script prints is what PPO's scorer gets from the saved directory.
-    rows = [json.loads(line) for line in pairs[64:96]]
+    rows = files["demo_pairs_eval"]
     scorer = RewardModelScorer(rm, rm_tok, max_length=512, batch_size=32, clip=float("inf"))
     s_chosen, s_rejected = rm_script.score_pairs(scorer, rows)
     acc = rm_script.pair_accuracy(s_chosen - s_rejected, [r["kind"] for r in rows])
