@@ -47,7 +47,7 @@ from trainer.ppo import (  # noqa: E402
     AdaptiveKLController, FixedKLController, compute_gae, compute_token_rewards,
     kl_penalty, masked_mean, policy_loss, value_loss,
 )
-from trainer.provenance import append_resume_record, mark_run_end, write_run_json  # noqa: E402
+from trainer.provenance import append_resume_record, changed_inputs, mark_run_end, write_run_json  # noqa: E402
 from trainer.rewards import RewardModelScorer, compute_rewards, load_reward_fn  # noqa: E402
 from trainer.rollout import Rollout, attention_implementation, critic_forward, generate_rollout, policy_forward  # noqa: E402
 
@@ -149,6 +149,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--checkpoint_dir", default="checkpoints")
     a("--keep_checkpoints", type=int, default=2)
     a("--from_resume", type=int, default=0, choices=[0, 1], help="continue from the newest resume file")
+    a("--resume_check_inputs", type=int, default=1, choices=[0, 1],
+      help="refuse to resume if the starting weights, reward model or prompts changed since the run began (sha256s in run.json)")
     a("--run_dir", default=None, help="metrics.jsonl, run.json, plots (default runs/<save_weight>_<hidden>)")
     a("--log_interval", type=int, default=1)
     a("--sample_interval", type=int, default=10, help="log a table of sample generations every N steps")
@@ -491,6 +493,15 @@ def main(argv: list[str] | None = None) -> None:
             say(f"no resume file {args.checkpoint_dir}/{prefix}_step*.pth: starting a new run")
         else:
             state, path, changes = found
+            # The reference and reward model are rebuilt from these files, not saved: other bytes would
+            # silently change what the KL and reward measure from here on.
+            changed = changed_inputs(state.get("run") or {})
+            if changed and not args.resume_check_inputs:
+                say(f"warning: {', '.join(changed)} changed since this run started; continuing with the new bytes")
+            elif changed:
+                raise SystemExit(f"error: {', '.join(changed)} changed since this run started (its resume file {path} recorded "
+                                 f"other sha256s): restore the original file(s), start a new run without --from_resume, "
+                                 f"or pass --resume_check_inputs 0 to continue with the new ones")
             trainables = dict(actor=actor, critic=critic, optims=optims, scheds=scheds, kl_ctl=kl_ctl,
                               old_actor=old_actor, scaler=scaler)
             ckpt.load_training_state(state, **trainables)

@@ -274,6 +274,27 @@ def test_harmless_flag_changes_are_allowed_and_reported(world, short_run, tmp_pa
     assert ckpt.read_resume(tmp_path / "ckpt" / _name(4))["args"]["max_steps"] == 4
 
 
+def test_changed_starting_weights_refuse_to_resume_unless_asked(tmp_path):
+    """The reference model is rebuilt from --from_weight on resume: a retrained SFT file under the same
+    name would silently change what the KL measures, so the resume is refused with a one-line error."""
+    from model.loader import build_minimind
+    from model.weights import save_native_weights
+
+    w = make_tiny_world(tmp_path, n_prompts=16)
+    code, out = run_main(tiny_flags(w, tmp_path, max_steps=1))
+    assert code is None, out[-3000:]
+    sft = Path(w["save_dir"]) / "full_sft_64.pth"
+    torch.manual_seed(7)
+    save_native_weights(build_minimind(64, w["layers"]), sft, dtype=torch.float32)
+    code, out = run_main(tiny_flags(w, tmp_path, max_steps=2, from_resume=1))
+    msg = _one_line_error(code)
+    assert str(sft) in msg and "--resume_check_inputs 0" in msg
+    assert [p.name for p in ckpt.list_resume_files(tmp_path / "ckpt", PREFIX)] == [_name(1)]  # nothing trained
+    code, out = run_main(tiny_flags(w, tmp_path, max_steps=2, from_resume=1, resume_check_inputs=0))
+    assert code is None, out[-3000:]
+    assert resumed_step(out) == 1 and f"warning: {sft} changed since this run started" in out
+
+
 # ------------------------------------------------------------------------------ 4. safety
 class _RunsCode:
     def __init__(self, marker: Path) -> None:

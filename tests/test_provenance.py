@@ -8,6 +8,7 @@ from pathlib import Path
 
 from trainer.provenance import (
     append_resume_record,
+    changed_inputs,
     code_version,
     hash_path,
     mark_run_end,
@@ -55,6 +56,21 @@ def test_write_run_json_records_everything(tmp_path):
     manifest = f"config.json\0{cfg}\nsub/model.safetensors\0{st}\n".encode()
     assert w_dir["sha256"] == hashlib.sha256(manifest).hexdigest()
     assert w_missing == {"path": str(tmp_path / "gone.pth"), "sha256": None, "missing": True}
+
+
+def test_changed_inputs_names_exactly_the_files_whose_bytes_changed(tmp_path):
+    data, weights, hf = make_inputs(tmp_path)
+    info = write_run_json(tmp_path / "run", args={}, world_size=1, device="cpu", seed=0, data_path=str(data),
+                          weight_paths=[str(weights), str(hf)])
+    assert changed_inputs(info) == []
+    weights.write_bytes(bytes(range(256)) * 5000)  # rewritten, same bytes: not a change
+    assert changed_inputs(info) == []
+    (hf / "sub" / "model.safetensors").write_bytes(b"\x00\x02" * 100)  # one shard of a directory
+    data.write_bytes(data.read_bytes() + b'{"conversations": []}\n')
+    assert changed_inputs(info) == [str(data), str(hf)]
+    weights.unlink()  # gone: left to the loader's own error
+    assert changed_inputs(info) == [str(data), str(hf)]
+    assert changed_inputs({}) == []  # a resume file from before run.json had hashes
 
 
 def test_no_data_path_and_no_weights(tmp_path):

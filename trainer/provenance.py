@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["write_run_json", "mark_run_end", "append_resume_record", "code_version", "library_versions",
-           "sha256_file", "hash_path", "read_run_json"]
+           "sha256_file", "hash_path", "read_run_json", "changed_inputs"]
 
 RUN_JSON = "run.json"
 _CHUNK = 1 << 20
@@ -159,3 +159,10 @@ def append_resume_record(run_dir: str | Path, record: dict) -> dict:
     info["status"] = "running"
     _write(run_dir, info)
     return info
+
+
+def changed_inputs(run: dict) -> list[str]:
+    """Paths among a run's recorded inputs (prompt data, weights, reward model) whose bytes differ now
+    from when the run started. Paths that no longer exist are left to the loaders' own errors."""
+    records = [r for r in [run.get("data"), *run.get("weights", [])] if isinstance(r, dict) and r.get("sha256")]
+    return [r["path"] for r in records if Path(r["path"]).exists() and hash_path(r["path"])["sha256"] != r["sha256"]]
