@@ -47,7 +47,7 @@ from trainer.ppo import (  # noqa: E402
     AdaptiveKLController, FixedKLController, compute_gae, compute_token_rewards,
     kl_penalty, masked_mean, policy_loss, value_loss,
 )
-from trainer.provenance import append_resume_record, changed_inputs, mark_run_end, write_run_json  # noqa: E402
+from trainer.provenance import append_resume_record, changed_inputs, mark_run_end, rehash_inputs, write_run_json  # noqa: E402
 from trainer.rewards import RewardModelScorer, compute_rewards, load_reward_fn  # noqa: E402
 from trainer.rollout import Rollout, attention_implementation, critic_forward, generate_rollout, policy_forward  # noqa: E402
 
@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
     prefix = ckpt.resume_prefix(args.save_weight, args.hidden_size, bool(args.use_moe))
     run_dir = Path(args.run_dir or f"runs/{args.save_weight}_{args.hidden_size}{'_moe' if args.use_moe else ''}")
     flags = vars(args).copy()
-    resumed, resume_rng = None, None
+    resumed, resume_rng, resumed_changed = None, None, []
     if args.from_resume:
         say = print if info.is_main else (lambda m: None)
         try:
@@ -498,6 +498,7 @@ def main(argv: list[str] | None = None) -> None:
             changed = changed_inputs(state.get("run") or {})
             if changed and not args.resume_check_inputs:
                 say(f"warning: {', '.join(changed)} changed since this run started; continuing with the new bytes")
+                resumed_changed = changed
             elif changed:
                 raise SystemExit(f"error: {', '.join(changed)} changed since this run started (its resume file {path} recorded "
                                  f"other sha256s): restore the original file(s), start a new run without --from_resume, "
@@ -511,7 +512,7 @@ def main(argv: list[str] | None = None) -> None:
             # (swanlab.init uses python's `random`), so the next step sees exactly the saved state.
             resume_rng = rngs[info.rank] if info.rank < len(rngs) else ckpt.seed_rngs(args.seed + info.rank + 1000003 * step)
             resumed = {"path": str(path), "step": step, "world_size": info.world_size,
-                       "saved_world_size": state["world_size"], "flag_changes": changes}
+                       "saved_world_size": state["world_size"], "flag_changes": changes, "changed_inputs": resumed_changed}
             say(f"resumed from {path} at step {step} (epoch {epoch}, sample {consumed})")
             if state["world_size"] != info.world_size:
                 say(f"world size changed {state['world_size']} -> {info.world_size}: continuing at global sample "
@@ -543,6 +544,8 @@ def main(argv: list[str] | None = None) -> None:
     if info.is_main:
         if resumed:
             provenance = append_resume_record(run_dir, resumed)
+            if resumed_changed:  # accepted with --resume_check_inputs 0: later resumes check the new bytes
+                provenance = rehash_inputs(run_dir, resumed_changed)
         else:
             provenance = write_run_json(run_dir, args=flags, world_size=info.world_size, device=str(info.device),
                                         seed=args.seed, data_path=args.data_path,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import random
 import shutil
@@ -293,6 +294,12 @@ def test_changed_starting_weights_refuse_to_resume_unless_asked(tmp_path):
     code, out = run_main(tiny_flags(w, tmp_path, max_steps=2, from_resume=1, resume_check_inputs=0))
     assert code is None, out[-3000:]
     assert resumed_step(out) == 1 and f"warning: {sft} changed since this run started" in out
+    # Accepted once: run.json now records the new bytes, so the next resume needs no flag.
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["resumes"][-1]["changed_inputs"] == [str(sft)]
+    code, out = run_main(tiny_flags(w, tmp_path, max_steps=3, from_resume=1))
+    assert code is None, out[-3000:]
+    assert resumed_step(out) == 2 and "warning" not in out
 
 
 # ------------------------------------------------------------------------------ 4. safety

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["write_run_json", "mark_run_end", "append_resume_record", "code_version", "library_versions",
-           "sha256_file", "hash_path", "read_run_json", "changed_inputs"]
+           "sha256_file", "hash_path", "read_run_json", "changed_inputs", "rehash_inputs"]
 
 RUN_JSON = "run.json"
 _CHUNK = 1 << 20
@@ -166,3 +166,16 @@ def changed_inputs(run: dict) -> list[str]:
     from when the run started. Paths that no longer exist are left to the loaders' own errors."""
     records = [r for r in [run.get("data"), *run.get("weights", [])] if isinstance(r, dict) and r.get("sha256")]
     return [r["path"] for r in records if Path(r["path"]).exists() and hash_path(r["path"])["sha256"] != r["sha256"]]
+
+
+def rehash_inputs(run_dir: str | Path, paths: list[str]) -> dict:
+    """Record the current bytes of `paths` (inputs a resumed run accepted as changed) in run.json's
+    data/weights entries, so the next resume checks against what the run now uses. Returns run.json."""
+    info = read_run_json(run_dir)
+    records = [info.get("data"), *info.get("weights", [])]
+    for i, r in enumerate(records):
+        if isinstance(r, dict) and r.get("path") in paths:
+            records[i] = hash_path(r["path"])
+    info["data"], info["weights"] = records[0], records[1:]
+    _write(run_dir, info)
+    return info
