@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
     prefix = ckpt.resume_prefix(args.save_weight, args.hidden_size, bool(args.use_moe))
     run_dir = Path(args.run_dir or f"runs/{args.save_weight}_{args.hidden_size}{'_moe' if args.use_moe else ''}")
     flags = vars(args).copy()
-    resumed, resume_rng, resumed_changed = None, None, []
+    resumed, resume_rng, resumed_changed = None, None, {}
     if args.from_resume:
         say = print if info.is_main else (lambda m: None)
         try:
@@ -495,14 +495,13 @@ def main(argv: list[str] | None = None) -> None:
             state, path, changes = found
             # The reference and reward model are rebuilt from these files, not saved: other bytes would
             # silently change what the KL and reward measure from here on.
-            changed = changed_inputs(state.get("run") or {})
-            if changed and not args.resume_check_inputs:
-                say(f"warning: {', '.join(changed)} changed since this run started; continuing with the new bytes")
-                resumed_changed = changed
-            elif changed:
-                raise SystemExit(f"error: {', '.join(changed)} changed since this run started (its resume file {path} recorded "
+            resumed_changed = changed_inputs(state.get("run") or {})
+            if resumed_changed and args.resume_check_inputs:
+                raise SystemExit(f"error: {', '.join(resumed_changed)} changed since this run started (its resume file {path} recorded "
                                  f"other sha256s): restore the original file(s), start a new run without --from_resume, "
                                  f"or pass --resume_check_inputs 0 to continue with the new ones")
+            if resumed_changed:
+                say(f"warning: {', '.join(resumed_changed)} changed since this run started; continuing with the new bytes")
             trainables = dict(actor=actor, critic=critic, optims=optims, scheds=scheds, kl_ctl=kl_ctl,
                               old_actor=old_actor, scaler=scaler)
             ckpt.load_training_state(state, **trainables)
@@ -512,7 +511,7 @@ def main(argv: list[str] | None = None) -> None:
             # (swanlab.init uses python's `random`), so the next step sees exactly the saved state.
             resume_rng = rngs[info.rank] if info.rank < len(rngs) else ckpt.seed_rngs(args.seed + info.rank + 1000003 * step)
             resumed = {"path": str(path), "step": step, "world_size": info.world_size,
-                       "saved_world_size": state["world_size"], "flag_changes": changes, "changed_inputs": resumed_changed}
+                       "saved_world_size": state["world_size"], "flag_changes": changes, "changed_inputs": list(resumed_changed)}
             say(f"resumed from {path} at step {step} (epoch {epoch}, sample {consumed})")
             if state["world_size"] != info.world_size:
                 say(f"world size changed {state['world_size']} -> {info.world_size}: continuing at global sample "

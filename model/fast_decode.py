@@ -6,8 +6,9 @@ MFLOP per layer, so its time is weight bandwidth plus per-call overhead; transfo
 cache bookkeeping). This step runs the same math with the q/k/v and gate/up weights concatenated
 (one matmul each) and the mask built once per token; the rotary helper and embedding are
 transformers' own, the norms read their weight and eps off transformers' modules. Under bf16
-autocast the weights are cast once per `sample()` call instead of on every matmul. scripts/bench_ppo.py at 512x8, batch 8, bf16, 2 threads: generating
-64 tokens 1.91 -> 1.66 s; in fp32 the matmuls are weight-bandwidth bound and it gains little.
+autocast the weights are cast once per `sample()` call instead of on every matmul.
+scripts/bench_ppo.py at 512x8, batch 8, bf16, 2 threads: generating 64 tokens 1.91 -> 1.66 s; in
+fp32 the matmuls are weight-bandwidth bound and it gains little.
 
 Exactness: the same operations in the same dtypes as transformers' Qwen3/Llama layers (norms in
 fp32 then cast back to the input dtype, rotary in the residual dtype, SDPA with a boolean padding

@@ -62,15 +62,15 @@ def test_changed_inputs_names_exactly_the_files_whose_bytes_changed(tmp_path):
     data, weights, hf = make_inputs(tmp_path)
     info = write_run_json(tmp_path / "run", args={}, world_size=1, device="cpu", seed=0, data_path=str(data),
                           weight_paths=[str(weights), str(hf)])
-    assert changed_inputs(info) == []
+    assert list(changed_inputs(info)) == []
     weights.write_bytes(bytes(range(256)) * 5000)  # rewritten, same bytes: not a change
-    assert changed_inputs(info) == []
+    assert list(changed_inputs(info)) == []
     (hf / "sub" / "model.safetensors").write_bytes(b"\x00\x02" * 100)  # one shard of a directory
     data.write_bytes(data.read_bytes() + b'{"conversations": []}\n')
-    assert changed_inputs(info) == [str(data), str(hf)]
+    assert list(changed_inputs(info)) == [str(data), str(hf)]
     weights.unlink()  # gone: left to the loader's own error
-    assert changed_inputs(info) == [str(data), str(hf)]
-    assert changed_inputs({}) == []  # a resume file from before run.json had hashes
+    assert list(changed_inputs(info)) == [str(data), str(hf)]
+    assert list(changed_inputs({})) == []  # a resume file from before run.json had hashes
 
 
 def test_no_data_path_and_no_weights(tmp_path):

@@ -3,6 +3,9 @@
 import importlib.util
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,10 +135,6 @@ def test_reward_model_starts_from_the_policy_trunk(tok, tmp_path):
 
 
 def _run_script(name: str, *flags: str, cwd: Path) -> str:
-    import os
-    import subprocess
-    import sys
-
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, str(SCRIPTS / f"{name}.py"), "--num_threads", "1", *flags],
                        cwd=cwd, env=env, capture_output=True, text=True, timeout=600)

@@ -161,21 +161,24 @@ def append_resume_record(run_dir: str | Path, record: dict) -> dict:
     return info
 
 
-def changed_inputs(run: dict) -> list[str]:
-    """Paths among a run's recorded inputs (prompt data, weights, reward model) whose bytes differ now
-    from when the run started. Paths that no longer exist are left to the loaders' own errors."""
-    records = [r for r in [run.get("data"), *run.get("weights", [])] if isinstance(r, dict) and r.get("sha256")]
-    return [r["path"] for r in records if Path(r["path"]).exists() and hash_path(r["path"])["sha256"] != r["sha256"]]
+def changed_inputs(run: dict) -> dict[str, dict]:
+    """{path: its hash record now} for a run's recorded inputs (prompt data, weights, reward model) whose
+    bytes differ from when the run started. Paths that no longer exist are left to the loaders' errors."""
+    out = {}
+    for r in [run.get("data"), *run.get("weights", [])]:
+        if isinstance(r, dict) and r.get("sha256") and Path(r["path"]).exists():
+            now = hash_path(r["path"])
+            if now["sha256"] != r["sha256"]:
+                out[r["path"]] = now
+    return out
 
 
-def rehash_inputs(run_dir: str | Path, paths: list[str]) -> dict:
-    """Record the current bytes of `paths` (inputs a resumed run accepted as changed) in run.json's
-    data/weights entries, so the next resume checks against what the run now uses. Returns run.json."""
+def rehash_inputs(run_dir: str | Path, changed: dict[str, dict]) -> dict:
+    """Put `changed` (inputs a resumed run accepted, from changed_inputs) into run.json's data/weights
+    entries, so the next resume checks against what the run now uses. Returns run.json."""
     info = read_run_json(run_dir)
     records = [info.get("data"), *info.get("weights", [])]
-    for i, r in enumerate(records):
-        if isinstance(r, dict) and r.get("path") in paths:
-            records[i] = hash_path(r["path"])
+    records = [changed.get(r["path"], r) if isinstance(r, dict) else r for r in records]
     info["data"], info["weights"] = records[0], records[1:]
     _write(run_dir, info)
     return info

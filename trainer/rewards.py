@@ -282,11 +282,11 @@ class RewardModelScorer:
             rows = self._tokenize(conversations)
             # Batch by length so batches carry little padding; scores return in input order.
             order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+            left = getattr(self.tokenizer, "padding_side", "right") == "left"
             scores = torch.empty(len(rows), dtype=torch.float32)
             for start in range(0, len(order), self.batch_size):
                 idx = order[start:start + self.batch_size]
-                ids, attn = pad_ids([rows[i] for i in idx], self.pad_id,
-                                    left=getattr(self.tokenizer, "padding_side", "right") == "left")
+                ids, attn = pad_ids([rows[i] for i in idx], self.pad_id, left=left)
                 out = self.model(input_ids=ids.to(device), attention_mask=attn.to(device))
                 scores[idx] = out.logits[:, 0].float().cpu()
         return scores.clamp(-self.clip, self.clip)
