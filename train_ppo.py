@@ -47,7 +47,7 @@ from trainer.ppo import (  # noqa: E402
     AdaptiveKLController, FixedKLController, compute_gae, compute_token_rewards,
     kl_penalty, masked_mean, policy_loss, value_loss,
 )
-from trainer.provenance import append_resume_record, changed_inputs, mark_run_end, rehash_inputs, write_run_json  # noqa: E402
+from trainer.provenance import append_resume_record, mark_run_end, rehash_inputs, write_run_json  # noqa: E402
 from trainer.rewards import RewardModelScorer, compute_rewards, load_reward_fn  # noqa: E402
 from trainer.rollout import Rollout, attention_implementation, critic_forward, generate_rollout, policy_forward  # noqa: E402
 
@@ -477,50 +477,20 @@ def main(argv: list[str] | None = None) -> None:
     optims, scheds = build_optimizers(args, actor, critic, total_steps)
     scaler = torch.amp.GradScaler(info.device.type) if dtype == torch.float16 else None
 
-    # ---- resume
-    step, epoch, consumed, nonfinite_run, swan_id = 0, 0, 0, 0, None
+    # ---- resume: weights, optimizers, schedulers, KL controller, position in the data, RNG
     prefix = ckpt.resume_prefix(args.save_weight, args.hidden_size, bool(args.use_moe))
     run_dir = Path(args.run_dir or f"runs/{args.save_weight}_{args.hidden_size}{'_moe' if args.use_moe else ''}")
     flags = vars(args).copy()
-    resumed, resume_rng, resumed_changed = None, None, {}
+    resumed = None
     if args.from_resume:
-        say = print if info.is_main else (lambda m: None)
+        trainables = dict(actor=actor, critic=critic, optims=optims, scheds=scheds, kl_ctl=kl_ctl, old_actor=old_actor, scaler=scaler)
         try:
-            found = ckpt.find_resume(args.checkpoint_dir, args.save_weight, prefix, flags, info=say)
+            resumed = ckpt.resume_run(args.checkpoint_dir, args.save_weight, prefix, flags, trainables,
+                                      check_inputs=bool(args.resume_check_inputs), seed=args.seed, rank=info.rank,
+                                      world_size=info.world_size, say=print if info.is_main else (lambda m: None))
         except ckpt.ResumeError as e:
             raise SystemExit(f"error: {e}")
-        if found is None:
-            say(f"no resume file {args.checkpoint_dir}/{prefix}_step*.pth: starting a new run")
-        else:
-            state, path, changes = found
-            # The reference and reward model are rebuilt from these files, not saved: other bytes would
-            # silently change what the KL and reward measure from here on.
-            resumed_changed = changed_inputs(state.get("run") or {})
-            if resumed_changed and args.resume_check_inputs:
-                raise SystemExit(f"error: {', '.join(resumed_changed)} changed since this run started (its resume file {path} recorded "
-                                 f"other sha256s): restore the original file(s), start a new run without --from_resume, "
-                                 f"or pass --resume_check_inputs 0 to continue with the new ones")
-            if resumed_changed:
-                say(f"warning: {', '.join(resumed_changed)} changed since this run started; continuing with the new bytes")
-            trainables = dict(actor=actor, critic=critic, optims=optims, scheds=scheds, kl_ctl=kl_ctl,
-                              old_actor=old_actor, scaler=scaler)
-            ckpt.load_training_state(state, **trainables)
-            step, epoch, consumed, nonfinite_run = state["step"], state["epoch"], state["consumed"], state["nonfinite_run"]
-            swan_id, rngs = state.get("swanlab_id"), state["rng"]
-            # Restored just before the loop, after start-up code that draws random numbers
-            # (swanlab.init uses python's `random`), so the next step sees exactly the saved state.
-            resume_rng = rngs[info.rank] if info.rank < len(rngs) else ckpt.seed_rngs(args.seed + info.rank + 1000003 * step)
-            resumed = {"path": str(path), "step": step, "world_size": info.world_size,
-                       "saved_world_size": state["world_size"], "flag_changes": changes, "changed_inputs": list(resumed_changed)}
-            say(f"resumed from {path} at step {step} (epoch {epoch}, sample {consumed})")
-            if state["world_size"] != info.world_size:
-                say(f"world size changed {state['world_size']} -> {info.world_size}: continuing at global sample "
-                    f"{consumed} of epoch {epoch} (no sample repeated or skipped); each process now takes "
-                    f"{args.batch_size} of {args.batch_size * info.world_size} prompts per step")
-                if info.world_size > len(rngs):
-                    say(f"ranks {len(rngs)}..{info.world_size - 1} have no saved RNG state: seeded from --seed, rank and step")
-            for c in changes:
-                say(f"flag changed on resume: {c}")
+    step, epoch, consumed, nonfinite_run = (resumed.step, resumed.epoch, resumed.consumed, resumed.nonfinite_run) if resumed else (0, 0, 0, 0)
 
     # ---- DDP: only the trained models are wrapped; generation uses the unwrapped module.
     actor_train, critic_train = actor, critic
@@ -538,13 +508,13 @@ def main(argv: list[str] | None = None) -> None:
     logger = RunLogger(run_dir=run_dir, enabled=info.is_main,
                        swanlab_mode="disabled" if not args.use_wandb else args.swanlab_mode,
                        project=args.wandb_project, experiment_name=f"{args.save_weight}_{args.hidden_size}",
-                       config=flags, total_steps=total_steps, start_step=step, resume_id=swan_id)
+                       config=flags, total_steps=total_steps, start_step=step, resume_id=resumed.swanlab_id if resumed else None)
     provenance = None
     if info.is_main:
         if resumed:
-            provenance = append_resume_record(run_dir, resumed)
-            if resumed_changed:  # accepted with --resume_check_inputs 0: later resumes check the new bytes
-                provenance = rehash_inputs(run_dir, resumed_changed)
+            provenance = append_resume_record(run_dir, resumed.record)
+            if resumed.changed_inputs:  # accepted with --resume_check_inputs 0: later resumes check the new bytes
+                provenance = rehash_inputs(run_dir, resumed.changed_inputs)
         else:
             provenance = write_run_json(run_dir, args=flags, world_size=info.world_size, device=str(info.device),
                                         seed=args.seed, data_path=args.data_path,
@@ -571,8 +541,8 @@ def main(argv: list[str] | None = None) -> None:
         ckpt.save_resume(state, args.checkpoint_dir, prefix, step, args.keep_checkpoints)
 
     # ---- the loop
-    if resume_rng is not None:
-        ckpt.restore_rng_state(resume_rng)
+    if resumed:  # after start-up code that draws random numbers (swanlab.init uses `random`)
+        ckpt.restore_rng_state(resumed.rng)
     done = step >= total_steps
     while not done and epoch < args.epochs:
         for idx in shard_batches(len(ds), args.seed, epoch, consumed, info.rank, info.world_size, args.batch_size):

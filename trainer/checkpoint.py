@@ -18,6 +18,7 @@ import pickle
 import random
 import re
 import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from model.weights import atomic_torch_save
+from trainer.provenance import changed_inputs
 
 FORMAT_VERSION = 1
 
@@ -246,3 +248,57 @@ def load_training_state(state: dict, *, actor, critic, optims: dict, scheds: dic
         old_actor.load_state_dict(state["old_actor"])
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
+
+
+@dataclass
+class Resumed:
+    """Where a resumed run picks up, as `resume_run` read it from the newest usable resume file."""
+
+    step: int
+    epoch: int
+    consumed: int  # global samples of `epoch` already trained on
+    nonfinite_run: int
+    swanlab_id: str | None
+    rng: dict  # this rank's RNG state: restore it just before the loop (start-up code draws numbers)
+    record: dict  # the entry for run.json's resume log
+    changed_inputs: dict = field(default_factory=dict)  # {path: new hash record}, accepted by check_inputs=False
+
+
+def resume_run(checkpoint_dir: str | Path, save_weight: str, prefix: str, flags: dict, trainables: dict, *,
+               check_inputs: bool, seed: int, rank: int, world_size: int,
+               say: Callable[[str], None] = print) -> Resumed | None:
+    """Load the newest usable resume file into `trainables` (load_training_state's keywords).
+
+    None when there is nothing to resume. Raises ResumeError for a file from an incompatible run,
+    and, with check_inputs, when a starting-weights file, reward model or prompt file differs from
+    the sha256 the run recorded: the reference and reward model are rebuilt from those files, not
+    saved, so other bytes would silently change what the KL and the reward measure."""
+    found = find_resume(checkpoint_dir, save_weight, prefix, flags, info=say)
+    if found is None:
+        say(f"no resume file {checkpoint_dir}/{prefix}_step*.pth: starting a new run")
+        return None
+    state, path, changes = found
+    changed = changed_inputs(state.get("run") or {})
+    if changed and check_inputs:
+        raise ResumeError(f"{', '.join(changed)} changed since this run started (its resume file {path} recorded "
+                          f"other sha256s): restore the original file(s), start a new run without --from_resume, "
+                          f"or pass --resume_check_inputs 0 to continue with the new ones")
+    if changed:
+        say(f"warning: {', '.join(changed)} changed since this run started; continuing with the new bytes")
+    load_training_state(state, **trainables)
+    step, saved_world = state["step"], state["world_size"]
+    rngs = state["rng"]
+    rng = rngs[rank] if rank < len(rngs) else seed_rngs(seed + rank + 1000003 * step)
+    say(f"resumed from {path} at step {step} (epoch {state['epoch']}, sample {state['consumed']})")
+    if saved_world != world_size:
+        say(f"world size changed {saved_world} -> {world_size}: continuing at global sample {state['consumed']} of "
+            f"epoch {state['epoch']} (no sample repeated or skipped); each process now takes "
+            f"{flags['batch_size']} of {flags['batch_size'] * world_size} prompts per step")
+        if world_size > len(rngs):
+            say(f"ranks {len(rngs)}..{world_size - 1} have no saved RNG state: seeded from --seed, rank and step")
+    for c in changes:
+        say(f"flag changed on resume: {c}")
+    record = {"path": str(path), "step": step, "world_size": world_size, "saved_world_size": saved_world,
+              "flag_changes": changes, "changed_inputs": list(changed)}
+    return Resumed(step=step, epoch=state["epoch"], consumed=state["consumed"], nonfinite_run=state["nonfinite_run"],
+                   swanlab_id=state.get("swanlab_id"), rng=rng, record=record, changed_inputs=changed)
