@@ -300,6 +300,11 @@ def make_experience(args, batch, models, tok, rm_scorer, custom_fns, kl_ctl, inf
     ro.extras["finite"] = finite
 
     n_tok = mask.sum(1)
+    # What each per-rank mean below is a mean over, so DDP's reduction gives the global mean.
+    ro.extras["metric_weights"] = {"ppo/entropy": n_tok.sum().item(),
+                                   **{f"reward/{k}": torch.isfinite(v).sum().item() for k, v in comps.items()}}
+    if "accuracy" in comps:
+        ro.extras["metric_weights"]["accuracy"] = ro.extras["metric_weights"]["reward/accuracy"]
     metrics = {
         "reward/total": rewards.mean().item(),
         **{f"reward/{k}": (v.nanmean().item() if torch.isfinite(v).any() else float("nan")) for k, v in comps.items()},
@@ -559,7 +564,7 @@ def main(argv: list[str] | None = None) -> None:
             metrics["lr/critic"] = optims["critic"].param_groups[0]["lr"]
             # Reduce first: the adaptive KL controller must see the global kl_ref, or each rank
             # steers its own coefficient and the ranks (and the resume file) disagree.
-            metrics = D.reduce_mean(metrics, info)
+            metrics = D.reduce_mean(metrics, info, weights=ro.extras["metric_weights"])
             if not metrics["nonfinite"]:
                 kl_ctl.update(metrics["kl_ref"], args.batch_size * args.num_generations * info.world_size)
             nonfinite_run = nonfinite_run + 1 if metrics["nonfinite"] else 0

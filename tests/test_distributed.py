@@ -179,6 +179,8 @@ def _gloo_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         rows = slice(rank, None, world)  # this rank's share of the global batch
         res = {
             "mean": D.reduce_mean({"a": float(rank), "acc": 0.25 if rank == 0 else math.nan, "none": math.nan}, info),
+            # rank 0: mean 1.0 over 3 tokens, rank 1: mean 4.0 over 1 token -> global token mean 7/4
+            "weighted": D.reduce_mean({"ent": 1.0 + 3 * rank, "a": float(rank)}, info, weights={"ent": 3.0 - 2 * rank}),
             "any_one": D.any_rank(rank == 1, info),
             "any_none": D.any_rank(False, info),
             "sum": D.sum_global(torch.tensor(float(rank + 1)), info).item(),
@@ -219,6 +221,7 @@ def test_collectives_over_two_gloo_processes(tmp_path):
         res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         m = res["mean"]
         assert m["a"] == 0.5 and m["acc"] == 0.25 and math.isnan(m["none"])  # NaN: mean over ranks that have it
+        assert res["weighted"] == {"ent": 1.75, "a": 0.5}  # a per-token mean weighs each rank by its tokens
         assert res["any_one"] is True and res["any_none"] is False
         assert res["sum"] == 3.0
         # Whitened over both ranks' tokens = one process whitening the whole batch.

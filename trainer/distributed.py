@@ -91,17 +91,23 @@ def any_rank(flag: bool, info: DistInfo) -> bool:
     return bool(t.item() > 0)
 
 
-def reduce_mean(values: dict[str, float], info: DistInfo) -> dict[str, float]:
-    """Mean of each scalar over ranks (equal per-rank batches, so this is the global mean).
-    NaN entries (e.g. accuracy with no reference on a rank) are averaged over the ranks that have them."""
+def reduce_mean(values: dict[str, float], info: DistInfo, weights: dict[str, float] | None = None) -> dict[str, float]:
+    """Global mean of each scalar: sum over ranks of value x weight / sum of weights.
+
+    `weights[k]` is what this rank's value of k is a mean over (its token count for a per-token
+    mean, its count of non-NaN entries for a NaN-aware mean); keys without one weigh 1, which is
+    exact for per-sample means since every rank holds the same number of samples. NaN entries
+    (e.g. accuracy with no reference on a rank) are left out, with their weight."""
     if not info.enabled or not values:
         return dict(values)
     keys = sorted(values)
+    weights = weights or {}
     vals = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=info.device)
-    finite = torch.isfinite(vals)
-    stacked = torch.stack([torch.where(finite, vals, torch.zeros_like(vals)), finite.double()])
+    w = torch.tensor([float(weights.get(k, 1.0)) for k in keys], dtype=torch.float64, device=info.device)
+    w = torch.where(torch.isfinite(vals), w, torch.zeros_like(w))
+    stacked = torch.stack([torch.where(w > 0, vals * w, torch.zeros_like(vals)), w])
     dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
-    means = stacked[0] / stacked[1].clamp(min=1)
+    means = stacked[0] / stacked[1].clamp(min=1e-12)
     means = torch.where(stacked[1] > 0, means, torch.full_like(means, float("nan")))
     return {k: float(v) for k, v in zip(keys, means.tolist())}
 
