@@ -5,6 +5,8 @@ Rebuild (from the repository root; nothing is downloaded):
     python scripts/make_demo_data.py        # the demo data (the tokenizer regenerates its text too)
     python scripts/train_tokenizer.py       # writes model/tokenizer.json, model/tokenizer_config.json,
                                             # model/chat_template.jinja  (~15-25 s on 2 cores)
+    python scripts/train_tokenizer.py --split_digits --out_dir out/rm_tokenizer
+                                            # the reward model's copy: numbers split into single digits
 
 Layout: <|endoftext|> = 0 (pad, unk), <|im_start|> = 1 (bos), <|im_end|> = 2 (eos), and the
 added NON-special tokens <think> = 3, </think> = 4 (they survive skip_special_tokens=True).
@@ -64,7 +66,8 @@ CHAT_TEMPLATE = """\
 # digits by position (with one token per digit, a 1.7M-parameter policy did not learn to copy
 # operands within a 5-minute SFT budget); and a tag such as <answer> or </answer> stays one
 # piece, so the reasoning format can merge into few tokens.
-PRETOKENIZE_PATTERN = (r"""</?[A-Za-z_]+>|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}{1,3}"""
+NUMBER_CHUNK = r" ?\p{N}{1,3}"
+PRETOKENIZE_PATTERN = (r"""</?[A-Za-z_]+>|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|""" + NUMBER_CHUNK +
                        r"""| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
 
 # Standard-library folders whose docstrings are not English prose or are version-specific.
@@ -204,6 +207,29 @@ def wrap_and_save(tokenizer, out_dir: Path):
     return hf_tokenizer
 
 
+def split_digits_copy(src_dir: Path, out_dir: Path) -> None:
+    """Copy the tokenizer in `src_dir` to `out_dir` with numbers cut into single digits.
+
+    Same vocabulary and ids; only the pre-tokenizer changes, so "106" becomes "1", "0", "6"
+    instead of one token. The demo reward model reads this copy: checking that "10" and "6" in the
+    working make "106" in the answer is a copy task over digits but a lookup over ~1,000 number
+    tokens for a 5M-parameter model (digit-wise numbers are what PaLM and LLaMA use for arithmetic).
+    """
+    from tokenizers import Tokenizer
+
+    spec = json.loads((src_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    split = next((p for p in spec.get("pre_tokenizer", {}).get("pretokenizers", [])
+                  if p.get("type") == "Split" and NUMBER_CHUNK in p["pattern"].get("Regex", "")), None)
+    if split is None:
+        raise SystemExit(f"train_tokenizer: {src_dir / 'tokenizer.json'} has no {NUMBER_CHUNK!r} rule to change; "
+                         "--split_digits works on the project's own tokenizer (python scripts/train_tokenizer.py)")
+    split["pattern"]["Regex"] = split["pattern"]["Regex"].replace(NUMBER_CHUNK, r" ?\p{N}")
+    tokenizer = Tokenizer.from_str(json.dumps(spec))
+    hf_tokenizer = wrap_and_save(tokenizer, out_dir)
+    if hf_tokenizer("x 106")["input_ids"] != hf_tokenizer("x 1")["input_ids"] + hf_tokenizer("06")["input_ids"]:
+        raise RuntimeError("split_digits_copy: numbers did not split into digits")
+
+
 # ---------------------------------------------------------------- reporting
 
 def length_report(hf_tokenizer, seed: int) -> str:
@@ -268,7 +294,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--corpus_file", type=Path, default=CORPUS_FILE)
     parser.add_argument("--extract_chatterbot", type=Path, metavar="DATA_DIR",
                         help="one-off: rebuild --corpus_file from chatterbot_corpus/data and exit")
+    parser.add_argument("--split_digits", action="store_true",
+                        help="no training: copy --from_dir's tokenizer to --out_dir with numbers split into "
+                             "single digits (the demo reward model's tokenizer)")
+    parser.add_argument("--from_dir", type=Path, default=ROOT / "model", help="tokenizer that --split_digits copies")
     args = parser.parse_args(argv)
+
+    if args.split_digits:
+        if args.out_dir.resolve() == args.from_dir.resolve():
+            parser.error("--split_digits: give an --out_dir other than --from_dir (e.g. out/rm_tokenizer)")
+        if not (args.from_dir / "tokenizer.json").is_file():
+            parser.error(f"--from_dir {args.from_dir}: no tokenizer.json there")
+        split_digits_copy(args.from_dir, args.out_dir)
+        print(f"saved the digit-split copy of {args.from_dir} to {args.out_dir}")
+        return
 
     if args.extract_chatterbot is not None:
         if not (args.extract_chatterbot / "chinese").is_dir():

@@ -150,3 +150,26 @@ def test_train_bpe_fixes_the_special_layout():
     enc = tokenizer.encode("<think>\n12+3\n</think>")
     assert enc.tokens[:5] == ["<think>", "Ċ", "1", "2", "+"]
     assert tokenizer.decode(enc.ids, skip_special_tokens=True) == "<think>\n12+3\n</think>"
+
+
+# ---------------------------------------------------------------- the reward model's digit-split copy
+
+def test_split_digits_copy_keeps_ids_and_splits_numbers(tok, tmp_path):
+    script = load_script()
+    script.main(["--split_digits", "--out_dir", str(tmp_path / "rm_tok")])
+    digits = AutoTokenizer.from_pretrained(str(tmp_path / "rm_tok"))
+    assert len(digits) == len(tok) and digits.get_vocab() == tok.get_vocab()
+    assert (digits.pad_token_id, digits.eos_token_id, digits.padding_side) == (tok.pad_token_id, tok.eos_token_id, "left")
+    text = "<think>\nones: 9+3=12, write 2 carry 1\ntens: 6+2+1=9\n</think>\n<answer>\n106\n</answer>"
+    assert digits.convert_ids_to_tokens(digits.encode("106 + 2")) == ["1", "0", "6", "Ġ+", "Ġ2"]
+    assert digits.decode(digits.encode(text)) == text
+    assert tok.encode("no numbers here, <think> </think>") == digits.encode("no numbers here, <think> </think>")
+    messages = [{"role": "user", "content": "12 + 5 = ?"}, {"role": "assistant", "content": "17"}]
+    assert render(digits, messages) == render(tok, messages)
+
+
+def test_split_digits_refuses_a_foreign_tokenizer(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "tokenizer.json").write_text(json.dumps({"pre_tokenizer": {"type": "ByteLevel"}}))
+    with pytest.raises(SystemExit, match="no .* rule to change"):
+        load_script().main(["--split_digits", "--from_dir", str(tmp_path / "src"), "--out_dir", str(tmp_path / "out")])

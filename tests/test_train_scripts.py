@@ -143,8 +143,9 @@ def _run_script(name: str, *flags: str, cwd: Path) -> str:
 
 
 def test_rebuild_commands_make_loadable_deterministic_artifacts(tmp_path):
-    """The README's rebuild chain (SFT policy -> RM from that trunk) on a slice of the demo data:
-    the same seed gives byte-identical policy weights, and both artifacts load through PPO's loaders."""
+    """The README's rebuild chain on a slice of the demo data: SFT policy; the RM's digit-split
+    tokenizer, its SFT base and the RM from that trunk. The same seed gives byte-identical policy
+    weights, and both artifacts load through PPO's loaders."""
     from dataset.demo_task import generate_all
     from model.loader import load_policy, load_reward_model
 
@@ -161,12 +162,16 @@ def test_rebuild_commands_make_loadable_deterministic_artifacts(tmp_path):
     policy, tok = load_policy(weights=tmp_path / "a" / "sft_32.pth", hidden_size=32, num_hidden_layers=1)
     assert policy.config.vocab_size == len(tok)
 
+    _load("train_tokenizer").main(["--split_digits", "--out_dir", str(tmp_path / "rm_tok")])
+    _run_script("train_sft", "--data_path", "sft.jsonl", *tiny, "--num_key_value_heads", "1", "--max_steps", "4",
+                "--batch_size", "8", "--tokenizer_path", "rm_tok", "--save_dir", "base", "--save_weight", "rm_base", cwd=tmp_path)
     out = _run_script("train_reward_model", "--data_path", "pairs.jsonl", "--eval_data_path", "pairs_eval.jsonl",
-                      "--init_from", "a/sft_32.pth", "--max_steps", "4", "--batch_size", "8",
-                      "--save_path", "rm", cwd=tmp_path)
+                      "--init_from", "base/rm_base_32.pth", "--tokenizer_path", "rm_tok", "--max_steps", "4",
+                      "--batch_size", "8", "--save_path", "rm", cwd=tmp_path)
     reported = float(out.split("held-out pair accuracy (reloaded, RewardModelScorer, fp32):")[1].split()[0])
     rm, rm_tok = load_reward_model(tmp_path / "rm")
     assert rm.config.num_labels == 1 and rm.config.hidden_size == 32
+    assert rm_tok.tokenize("x 106") == ["x", "Ġ1", "0", "6"]  # the RM directory carries the digit-split tokenizer
     # The figure the script prints is what PPO's scorer gets from the saved directory.
     rows = files["demo_pairs_eval"]
     scorer = RewardModelScorer(rm, rm_tok, max_length=512, batch_size=32, clip=float("inf"))
