@@ -4,7 +4,7 @@ reward model keeps its held-out pair accuracy.
 
 Noise: 4 binomial standard errors of a difference of two rates on the 500 held-out prompts (~12.6
 accuracy points at p = 0.5). That is far above the measured run-to-run spread of the default run
-(greedy accuracy 64.6 / 64.0 / 63.8% over seeds 42 / 1 / 2, see README), so the bar is conservative."""
+(greedy accuracy 64.2 / 64.4 / 64.6% over seeds 42 / 1 / 2, see README), so the bar is conservative."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_shipped_reward_model_meets_its_held_out_pair_accuracy():
     scorer = RewardModelScorer(rm, rm_tok, max_length=512, batch_size=250, clip=float("inf"))
     s_chosen, s_rejected = score_pairs(scorer, rows)
     acc = pair_accuracy(s_chosen - s_rejected, [r["kind"] for r in rows])
-    assert acc["all"] >= 0.875, acc  # README: 88.5% (the issue's target, 90%, is not met)
+    assert acc["all"] >= 0.94, acc  # README: 95.1% (the target is 90%)
     # Format-level preferences are what the RM must never get wrong.
     for kind in ("full_vs_plain", "correct_vs_broken", "full_vs_wrong_plain"):
         assert acc[kind] >= 0.98, (kind, acc)
