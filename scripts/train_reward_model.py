@@ -1,7 +1,7 @@
 """Train the demo's small reward model: a stock `Qwen3ForSequenceClassification` (num_labels=1)
 fitted with the Bradley-Terry loss -logsigmoid(r_chosen - r_rejected) on preference pairs.
 
-Rebuild the shipped artifact (from the repository root; ~40 minutes on one core). The RM is larger
+Rebuild the shipped artifact (from the repository root; ~50 minutes on one core). The RM is larger
 than the policy it judges (hidden 256 vs 128) and reads numbers digit by digit: it has to check the
 arithmetic it scores. Its tokenizer is a copy of the project's with numbers split into single
 digits (same vocabulary), and its trunk starts from a 256-wide SFT model trained by the project's
