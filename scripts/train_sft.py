@@ -37,7 +37,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from dataset.rlaif import render_prompt  # noqa: E402
 from model.loader import build_minimind, load_tokenizer  # noqa: E402
-from model.weights import native_weight_path, save_native_weights  # noqa: E402
+from model.weights import WeightsError, native_weight_path, save_native_weights  # noqa: E402
 
 IGNORE_INDEX = -100
 THINK_PREFIX = "<think>\n"
@@ -205,7 +205,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     t0 = time.time()
 
-    tokenizer = load_tokenizer(args.tokenizer_path)
+    try:
+        tokenizer = load_tokenizer(args.tokenizer_path)
+    except (WeightsError, OSError) as e:  # e.g. the RM's out/rm_tokenizer not made yet
+        raise SystemExit(f"error: {e}")
     inputs, labels = read_sft_jsonl(args.data_path, tokenizer, args.max_seq_len)
     n = len(inputs)
     lengths = [len(x) for x in inputs]

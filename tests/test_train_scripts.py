@@ -56,6 +56,11 @@ def test_sft_rejects_replies_without_the_think_prefix(tok):
         sft.encode_sft_example(tok, [USER], "f.jsonl:4")
 
 
+def test_sft_missing_tokenizer_is_a_one_line_error(tmp_path):
+    with pytest.raises(SystemExit, match="--tokenizer_path .*missing_tok: not a local directory"):
+        sft.main(["--tokenizer_path", str(tmp_path / "missing_tok"), "--max_steps", "1"])
+
+
 def test_sft_collate_and_loss_mask():
     ids, labels = sft.collate_right_pad([[1, 2, 3], [4, 5]], [[-100, 2, 3], [-100, 5]], pad_id=0)
     assert ids.tolist() == [[1, 2, 3], [4, 5, 0]]
