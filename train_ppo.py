@@ -300,14 +300,14 @@ def make_experience(args, batch, models, tok, rm_scorer, custom_fns, kl_ctl, inf
     ro.extras["finite"] = finite
 
     n_tok = mask.sum(1)
+    counted = {k: torch.isfinite(v).sum().item() for k, v in comps.items()}  # NaN = component not defined for a row
     # What each per-rank mean below is a mean over, so DDP's reduction gives the global mean.
-    ro.extras["metric_weights"] = {"ppo/entropy": n_tok.sum().item(),
-                                   **{f"reward/{k}": torch.isfinite(v).sum().item() for k, v in comps.items()}}
+    ro.extras["metric_weights"] = {"ppo/entropy": n_tok.sum().item(), **{f"reward/{k}": n for k, n in counted.items()}}
     if "accuracy" in comps:
-        ro.extras["metric_weights"]["accuracy"] = ro.extras["metric_weights"]["reward/accuracy"]
+        ro.extras["metric_weights"]["accuracy"] = counted["accuracy"]
     metrics = {
         "reward/total": rewards.mean().item(),
-        **{f"reward/{k}": (v.nanmean().item() if torch.isfinite(v).any() else float("nan")) for k, v in comps.items()},
+        **{f"reward/{k}": (v.nanmean().item() if counted[k] else float("nan")) for k, v in comps.items()},
         "format_rate": (comps["format"] > 0).float().mean().item(),
         "kl_ref": ((ro.old_logprobs - ro.ref_logprobs) * mask).sum(1).mean().item(),
         "kl_coef": kl_ctl.value,
@@ -317,8 +317,8 @@ def make_experience(args, batch, models, tok, rm_scorer, custom_fns, kl_ctl, inf
         "time/generate": t1 - t0,
         "time/score": t2 - t1,
     }
-    if "accuracy" in comps and torch.isfinite(comps["accuracy"]).any():
-        metrics["accuracy"] = comps["accuracy"].nanmean().item()
+    if counted.get("accuracy"):
+        metrics["accuracy"] = metrics["reward/accuracy"]
     if rep > 1:  # spread of rewards among the responses to the same prompt
         metrics["reward/group_std"] = rewards.view(-1, rep).std(dim=1).mean().item()
     metrics["tokens_generated"] = float(n_tok.sum().item())

@@ -38,7 +38,11 @@ def _local_dir(path: str | os.PathLike, flag: str) -> Path:
 def load_tokenizer(path: str | os.PathLike | None = None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """A tokenizer directory (ours in model/, a MiniMind one, or an HF model's); pad defaults to eos."""
     p = _local_dir(path or DEFAULT_TOKENIZER_DIR, "--tokenizer_path")
-    tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:  # e.g. an empty folder: transformers' own message is several lines
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise WeightsError(f"--tokenizer_path {p}: no loadable tokenizer there ({first})") from e
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token  # needed for left-padded batches; masked out everywhere
     return tok

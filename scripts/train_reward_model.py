@@ -239,11 +239,12 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.num_threads)
     torch.manual_seed(args.seed)
     t0 = time.time()
-    if not (Path(args.tokenizer_path) / "tokenizer.json").is_file():
-        raise SystemExit(f"--tokenizer_path {args.tokenizer_path}: no tokenizer.json there; make the RM's digit-split "
-                         f"tokenizer with `python scripts/train_tokenizer.py --split_digits --out_dir {args.tokenizer_path}` "
-                         f"(or pass the tokenizer the --init_from model was trained with, e.g. --tokenizer_path model)")
-    tokenizer = load_tokenizer(args.tokenizer_path)
+    try:
+        tokenizer = load_tokenizer(args.tokenizer_path)
+    except (WeightsError, OSError) as e:
+        raise SystemExit(f"error: {e}; make the RM's digit-split tokenizer with `python scripts/train_tokenizer.py "
+                         f"--split_digits --out_dir {args.tokenizer_path}` (or pass the tokenizer the --init_from model "
+                         f"was trained with, e.g. --tokenizer_path model)")
     pad_id = tokenizer.pad_token_id
     chosen, rejected, kinds = read_pairs(args.data_path, tokenizer, args.max_length)
     ev_chosen, ev_rejected, ev_kinds = read_pairs(args.eval_data_path, tokenizer, args.max_length)

@@ -18,7 +18,7 @@ import pickle
 import random
 import re
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -261,7 +261,7 @@ class Resumed:
     swanlab_id: str | None
     rng: dict  # this rank's RNG state: restore it just before the loop (start-up code draws numbers)
     record: dict  # the entry for run.json's resume log
-    changed_inputs: dict = field(default_factory=dict)  # {path: new hash record}, accepted by check_inputs=False
+    changed_inputs: dict  # {path: new hash record}, accepted with check_inputs=False
 
 
 def resume_run(checkpoint_dir: str | Path, save_weight: str, prefix: str, flags: dict, trainables: dict, *,
