@@ -48,6 +48,7 @@ from trainer.ppo import (  # noqa: E402
     kl_penalty, masked_mean, policy_loss, value_loss,
 )
 from trainer.provenance import append_resume_record, mark_run_end, rehash_inputs, write_run_json  # noqa: E402
+from trainer.parallel import run_side_by_side, use_parallel_update  # noqa: E402
 from trainer.rewards import RewardModelScorer, compute_rewards, load_reward_fn  # noqa: E402
 from trainer.rollout import Rollout, attention_implementation, critic_forward, generate_rollout, policy_forward  # noqa: E402
 
@@ -141,6 +142,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            "auto = eager under bf16 on CPU (update 1.85 vs 2.31 s at 512x8, scripts/bench_ppo.py; in fp32 sdpa "
            "was faster, 3.15 vs 3.55 s), else the model's own")
     a("--num_threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    a("--parallel_update", type=int, default=-1, choices=[-1, 0, 1],
+      help="actor and critic forward/backward side by side, one CPU core each, instead of one after the other "
+           "on all cores (update X -> Y s at 512x8 bf16, scripts/bench_ppo.py; holds both graphs at once); "
+           "-1 = on for single-process CPU runs under bf16 with >= 2 threads")
     a("--seed", type=int, default=42)
     a = p.add_argument_group("output").add_argument
     a("--save_dir", default="out", help="where weights are read (--from_weight) and written")
@@ -339,9 +344,10 @@ def ppo_update(args, ro: Rollout, models, optims, scheds, step: int, info, autoc
     stats: dict[str, list[float]] = {}
     stopped_early, nonfinite = False, False
     micro = args.mini_batch_size // args.accumulation_steps
+    cpu_bf16 = info.device.type == "cpu" and args.dtype == "bfloat16" and not args.use_compile
+    parallel = use_parallel_update(args.parallel_update, info.device, info.enabled, cpu_bf16)
     train_attn = args.train_attn_implementation
     if train_attn == "auto":  # torch's CPU flash-attention backward under bf16 is slow at PPO's short sequences
-        cpu_bf16 = info.device.type == "cpu" and args.dtype == "bfloat16" and not args.use_compile
         train_attn = "eager" if cpu_bf16 else None
     with attention_implementation(train_attn, actor, critic):
         for _ in range(args.ppo_update_iters):
@@ -357,32 +363,40 @@ def ppo_update(args, ro: Rollout, models, optims, scheds, step: int, info, autoc
                     ctx = contextlib.nullcontext() if sync or not info.enabled else _no_sync(actor, critic)
                     scale = part.response_mask.sum() / n_tokens * info.world_size
                     # Actor and critic share no parameters, so each loss gets its own backward: only one
-                    # graph's activations are alive at a time (the peak-memory term at 512x8), same gradients.
-                    with ctx:
-                        if train_actor:
-                            with autocast():
-                                logprobs, entropy = policy_forward(actor, part.sequences, part.attention_mask, ro.response_len,
-                                                                   1.0 if args.greedy else args.temperature,
-                                                                   with_entropy=args.entropy_coef > 0)
-                                pg_loss, pg_stats = policy_loss(logprobs, part.old_logprobs, part.advantages, part.response_mask, args.clip_epsilon)
-                                loss = pg_loss * scale
-                                if args.kl_placement == "loss":
-                                    kl = masked_mean(kl_penalty(logprobs, part.ref_logprobs, args.kl_estimator), part.response_mask)
-                                    loss = loss + models["kl_ctl"].value * kl * scale
-                                if args.entropy_coef > 0:
-                                    loss = loss - args.entropy_coef * masked_mean(entropy, part.response_mask) * scale
-                            approx_kl_sum += pg_stats["approx_kl"] * part.response_mask.sum()
-                            _append(stats, {"loss/policy": pg_loss.item(), "ppo/clipfrac": pg_stats["clipfrac"], "ppo/ratio": pg_stats["ratio"]})
-                            bad = bad or not bool(torch.isfinite(loss))
-                            (scaler.scale(loss) if scaler else loss).backward()
-                            del logprobs, entropy, loss
+                    # graph's activations are alive at a time (the peak-memory term at 512x8), same gradients;
+                    # with --parallel_update they run side by side on two cores (two graphs alive).
+
+                    def actor_part(part=part, scale=scale) -> tuple[dict, bool, torch.Tensor]:
+                        with autocast():
+                            logprobs, entropy = policy_forward(actor, part.sequences, part.attention_mask, ro.response_len,
+                                                               1.0 if args.greedy else args.temperature,
+                                                               with_entropy=args.entropy_coef > 0)
+                            pg_loss, pg_stats = policy_loss(logprobs, part.old_logprobs, part.advantages, part.response_mask, args.clip_epsilon)
+                            loss = pg_loss * scale
+                            if args.kl_placement == "loss":
+                                kl = masked_mean(kl_penalty(logprobs, part.ref_logprobs, args.kl_estimator), part.response_mask)
+                                loss = loss + models["kl_ctl"].value * kl * scale
+                            if args.entropy_coef > 0:
+                                loss = loss - args.entropy_coef * masked_mean(entropy, part.response_mask) * scale
+                        (scaler.scale(loss) if scaler else loss).backward()
+                        stats = {"loss/policy": pg_loss.item(), "ppo/clipfrac": pg_stats["clipfrac"], "ppo/ratio": pg_stats["ratio"]}
+                        return stats, not bool(torch.isfinite(loss)), pg_stats["approx_kl"] * part.response_mask.sum()
+
+                    def critic_part(part=part, scale=scale) -> tuple[dict, bool, None]:
                         with autocast():
                             values = critic_forward(critic, part.sequences, part.attention_mask, ro.response_len)
                             v_loss, v_stats = value_loss(values, part.values, part.returns, part.response_mask, args.cliprange_value or None)
                             loss = args.vf_coef * v_loss * scale
-                        _append(stats, {"loss/value": v_loss.item(), "value/clipfrac": v_stats["value_clipfrac"]})
-                        bad = bad or not bool(torch.isfinite(loss))
                         (scaler.scale(loss) if scaler else loss).backward()
+                        return {"loss/value": v_loss.item(), "value/clipfrac": v_stats["value_clipfrac"]}, not bool(torch.isfinite(loss)), None
+
+                    with ctx:
+                        parts = [actor_part, critic_part] if train_actor else [critic_part]
+                        for part_stats, part_bad, kl_sum in run_side_by_side(parts, parallel):
+                            _append(stats, part_stats)
+                            bad = bad or part_bad
+                            if kl_sum is not None:
+                                approx_kl_sum += kl_sum
                 approx_kl = (D.sum_global(approx_kl_sum, info) / n_tokens).item()
                 stats.setdefault("ppo/approx_kl", []).append(approx_kl)
                 # Decisions taken together on every rank, before any optimizer moves.
@@ -442,6 +456,10 @@ def main(argv: list[str] | None = None) -> None:
     info = D.init_distributed(args.device)
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
+    try:
+        use_parallel_update(args.parallel_update, info.device, info.enabled, cpu_bf16=False)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
     # Same seed + flags -> same run on CPU; each rank samples differently.
     random.seed(args.seed + info.rank)
     np.random.seed(args.seed + info.rank)

@@ -255,7 +255,8 @@ def run_config(cfg: dict) -> dict:
             "--ppo_update_iters", "1", "--max_gen_len", str(cfg["gen_len"]), "--max_seq_len", str(cfg["prompt_len"]),
             "--dtype", cfg["dtype"], "--update_old_actor_freq", str(cfg["update_old_actor_freq"]),
             "--frozen_low_precision", str(cfg["frozen_low_precision"]), "--use_compile", str(cfg["use_compile"]),
-            "--num_threads", str(cfg["num_threads"]), "--suppress_eos", "1", "--seed", str(cfg["seed"]),
+            "--num_threads", str(cfg["num_threads"]), "--parallel_update", str(cfg.get("parallel_update", -1)),
+            "--suppress_eos", "1", "--seed", str(cfg["seed"]),
             "--warmup_steps", "0", "--max_steps", str(cfg["warmup"] + cfg["steps"] + 1),
             "--rm_weight", "0.5" if cfg["reward_model"] else "0",
             "--reward_model_path", cfg["reward_model"] or "none", *cfg.get("extra_args", [])]
@@ -414,6 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--frozen_low_precision", default="1", help="comma list of 0/1: reference/old actor/RM held in --dtype")
     a("--use_compile", default="0", help="comma list of 0/1: torch.compile the training forward (actor_train, critic_train)")
     a("--num_threads", default="0", help="comma list of torch thread counts (0 = torch default)")
+    a("--parallel_update", default="-1", help="comma list of -1/0/1: actor and critic update side by side on one core each (-1 = train_ppo's auto)")
     a("--batch_size", type=int, default=8)
     a("--prompt_len", type=int, default=64)
     a("--gen_len", type=int, default=64)
@@ -449,9 +451,11 @@ def expand_configs(o: argparse.Namespace) -> list[dict]:
                 for flp in ints(o.frozen_low_precision):
                     for d in dtypes:
                         for old in old_modes:
+                          for par in ints(o.parallel_update):
                             cfgs.append({
                                 "name": f"{h}x{l}", "hidden": h, "layers": l, "dtype": d, "update_old_actor_freq": old,
                                 "frozen_low_precision": flp, "use_compile": comp, "num_threads": threads,
+                                "parallel_update": par,
                                 "batch_size": o.batch_size, "prompt_len": o.prompt_len, "gen_len": o.gen_len,
                                 "prompts": o.prompts, "steps": steps, "warmup": o.warmup, "count_flops": o.count_flops,
                                 "seed": o.seed, "reward_model": None, "extra_args": o.extra.split() if o.extra else [],
@@ -477,7 +481,7 @@ def run_child(cfg: dict, timeout: int) -> dict:
 def fmt_row(r: dict) -> str:
     c = r["config"]
     label = (f"{c['name']:>6} {c['dtype'][:4]:>4} old={c['update_old_actor_freq']} flp={c['frozen_low_precision']} "
-             f"cmp={c['use_compile']} thr={c['num_threads'] or 'def'}")
+             f"cmp={c['use_compile']} thr={c['num_threads'] or 'def'} par={c.get('parallel_update', -1)}")
     if not r.get("ok"):
         return f"{label} | FAILED: {r.get('error')}"
     t, m = r["time_s"], r["memory_mb"]

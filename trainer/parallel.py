@@ -1,0 +1,45 @@
+"""Run independent pieces of work side by side on a CPU, one core each.
+
+Why: at PPO's update shapes on a CPU (a few thousand tokens, hidden ~512) most ops are small
+elementwise kernels, and splitting each across two cores barely pays (the 512x8 bf16 update took
+3.58 s on one thread and 3.18 s on two, scripts/bench_ppo.py). The actor's and the critic's
+forward/backward share no tensor, so instead each runs whole on its own core.
+
+Each worker thread runs its ops single-threaded (torch's thread count is per thread under
+OpenMP), so results do not depend on scheduling: a run is as deterministic as a sequential one.
+They differ from a two-thread sequential run only in the rounding of the kernels' reductions.
+Autocast and grad mode are thread-local, so each piece enters its own contexts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def run_side_by_side(fns: Sequence[Callable[[], Any]], parallel: bool) -> list[Any]:
+    """fns() -> their results, in order. parallel: each on its own single-threaded worker;
+    else one after the other in the calling thread. An exception in any piece is re-raised here."""
+    if not parallel or len(fns) < 2:
+        return [fn() for fn in fns]
+    with ThreadPoolExecutor(max_workers=len(fns), initializer=_one_thread) as pool:
+        futures = [pool.submit(fn) for fn in fns]
+        return [f.result() for f in futures]
+
+
+def use_parallel_update(flag: int, device: torch.device, distributed: bool, cpu_bf16: bool) -> bool:
+    """`--parallel_update`: 1/0 as given; -1 (auto) = on for single-process CPU runs under bf16
+    autocast with >= 2 torch threads, where the benchmark shows it pays. DDP stays sequential: its
+    gradient hooks would issue collectives from two threads in an order no other rank shares."""
+    if flag == 1 and (distributed or device.type != "cpu"):
+        raise ValueError("--parallel_update 1 is for single-process CPU runs (use -1 or 0 under torchrun or on CUDA)")
+    if flag >= 0:
+        return bool(flag)
+    return not distributed and device.type == "cpu" and cpu_bf16 and torch.get_num_threads() >= 2
