@@ -289,7 +289,8 @@ def test_bench_quick_smoke_writes_documented_json(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_ppo.py"), "--quick", "--sizes", "64x2", "--steps", "1",
-           "--batch_size", "2", "--prompt_len", "8", "--gen_len", "4", "--num_threads", "1", "--json", str(out)]
+           "--batch_size", "2", "--prompt_len", "8", "--gen_len", "4", "--num_threads", "1", "--json", str(out),
+           "--parallel_update", "1", "--minimind_s", "8.8"]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(out.read_text())
@@ -305,6 +306,7 @@ def test_bench_quick_smoke_writes_documented_json(tmp_path):
     assert res["params"]["actor"] > 0 and res["memory_mb"]["peak_rss"] > res["memory_mb"]["baseline_imports"]
     assert res["flops"]["update_analytic"] > 0 and 0 < res["update_peak_share"]
     assert res["config"]["dtype"] == "bfloat16" and res["config"]["update_old_actor_freq"] == 0
+    assert res["config"]["parallel_update"] == 1 and rep["minimind_here_s"] == 8.8
     assert "gen t/s" in r.stdout and "64x2" in r.stdout  # the table was printed
 
 
