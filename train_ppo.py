@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import math
 import random
 import sys
@@ -365,33 +366,11 @@ def ppo_update(args, ro: Rollout, models, optims, scheds, step: int, info, autoc
                     # Actor and critic share no parameters, so each loss gets its own backward: only one
                     # graph's activations are alive at a time (the peak-memory term at 512x8), same gradients;
                     # with --parallel_update they run side by side on two cores (two graphs alive).
-
-                    def actor_part(part=part, scale=scale) -> tuple[dict, bool, torch.Tensor]:
-                        with autocast():
-                            logprobs, entropy = policy_forward(actor, part.sequences, part.attention_mask, ro.response_len,
-                                                               1.0 if args.greedy else args.temperature,
-                                                               with_entropy=args.entropy_coef > 0)
-                            pg_loss, pg_stats = policy_loss(logprobs, part.old_logprobs, part.advantages, part.response_mask, args.clip_epsilon)
-                            loss = pg_loss * scale
-                            if args.kl_placement == "loss":
-                                kl = masked_mean(kl_penalty(logprobs, part.ref_logprobs, args.kl_estimator), part.response_mask)
-                                loss = loss + models["kl_ctl"].value * kl * scale
-                            if args.entropy_coef > 0:
-                                loss = loss - args.entropy_coef * masked_mean(entropy, part.response_mask) * scale
-                        (scaler.scale(loss) if scaler else loss).backward()
-                        stats = {"loss/policy": pg_loss.item(), "ppo/clipfrac": pg_stats["clipfrac"], "ppo/ratio": pg_stats["ratio"]}
-                        return stats, not bool(torch.isfinite(loss)), pg_stats["approx_kl"] * part.response_mask.sum()
-
-                    def critic_part(part=part, scale=scale) -> tuple[dict, bool, None]:
-                        with autocast():
-                            values = critic_forward(critic, part.sequences, part.attention_mask, ro.response_len)
-                            v_loss, v_stats = value_loss(values, part.values, part.returns, part.response_mask, args.cliprange_value or None)
-                            loss = args.vf_coef * v_loss * scale
-                        (scaler.scale(loss) if scaler else loss).backward()
-                        return {"loss/value": v_loss.item(), "value/clipfrac": v_stats["value_clipfrac"]}, not bool(torch.isfinite(loss)), None
-
+                    parts = [functools.partial(_critic_backward, args, critic, part, scale, autocast, scaler)]
+                    if train_actor:
+                        parts.insert(0, functools.partial(_actor_backward, args, actor, part, scale, models["kl_ctl"].value,
+                                                          autocast, scaler))
                     with ctx:
-                        parts = [actor_part, critic_part] if train_actor else [critic_part]
                         for part_stats, part_bad, kl_sum in run_side_by_side(parts, parallel):
                             _append(stats, part_stats)
                             bad = bad or part_bad
@@ -428,6 +407,34 @@ def ppo_update(args, ro: Rollout, models, optims, scheds, step: int, info, autoc
     out["nonfinite"] = float(nonfinite)
     out["value/explained_var"] = D.explained_variance_global(ro.values, ro.returns, ro.response_mask, info)
     return out
+
+
+def _actor_backward(args, actor, part: Rollout, scale: torch.Tensor, kl_coef: float, autocast, scaler) -> tuple[dict, bool, torch.Tensor]:
+    """Clipped policy loss (+ KL in the loss, entropy bonus) of one micro-batch, backward.
+    Returns its stats, whether the loss was non-finite, and its token-summed approx-KL."""
+    with autocast():
+        logprobs, entropy = policy_forward(actor, part.sequences, part.attention_mask, part.response_len,
+                                           1.0 if args.greedy else args.temperature, with_entropy=args.entropy_coef > 0)
+        pg_loss, pg_stats = policy_loss(logprobs, part.old_logprobs, part.advantages, part.response_mask, args.clip_epsilon)
+        loss = pg_loss * scale
+        if args.kl_placement == "loss":
+            kl = masked_mean(kl_penalty(logprobs, part.ref_logprobs, args.kl_estimator), part.response_mask)
+            loss = loss + kl_coef * kl * scale
+        if args.entropy_coef > 0:
+            loss = loss - args.entropy_coef * masked_mean(entropy, part.response_mask) * scale
+    (scaler.scale(loss) if scaler else loss).backward()
+    stats = {"loss/policy": pg_loss.item(), "ppo/clipfrac": pg_stats["clipfrac"], "ppo/ratio": pg_stats["ratio"]}
+    return stats, not bool(torch.isfinite(loss)), pg_stats["approx_kl"] * part.response_mask.sum()
+
+
+def _critic_backward(args, critic, part: Rollout, scale: torch.Tensor, autocast, scaler) -> tuple[dict, bool, None]:
+    """Clipped value loss of one micro-batch, backward. Returns its stats and whether it was non-finite."""
+    with autocast():
+        values = critic_forward(critic, part.sequences, part.attention_mask, part.response_len)
+        v_loss, v_stats = value_loss(values, part.values, part.returns, part.response_mask, args.cliprange_value or None)
+        loss = args.vf_coef * v_loss * scale
+    (scaler.scale(loss) if scaler else loss).backward()
+    return {"loss/value": v_loss.item(), "value/clipfrac": v_stats["value_clipfrac"]}, not bool(torch.isfinite(loss)), None
 
 
 def _append(stats: dict, new: dict) -> None:

@@ -29,9 +29,14 @@ def run_side_by_side(fns: Sequence[Callable[[], Any]], parallel: bool) -> list[A
     else one after the other in the calling thread. An exception in any piece is re-raised here."""
     if not parallel or len(fns) < 2:
         return [fn() for fn in fns]
-    with ThreadPoolExecutor(max_workers=len(fns), initializer=_one_thread) as pool:
-        futures = [pool.submit(fn) for fn in fns]
-        return [f.result() for f in futures]
+    threads = torch.get_num_threads()
+    try:
+        with ThreadPoolExecutor(max_workers=len(fns), initializer=_one_thread) as pool:
+            futures = [pool.submit(fn) for fn in fns]
+            return [f.result() for f in futures]
+    finally:
+        # torch also keeps the last count set by any thread as the default for threads it starts later.
+        torch.set_num_threads(threads)
 
 
 def use_parallel_update(flag: int, device: torch.device, distributed: bool, cpu_bf16: bool) -> bool:
