@@ -28,6 +28,9 @@ trainer's behaviour is unchanged. Reported per step (medians over the timed step
   update_actor_fwd / update_critic_fwd / update_optimizer (AdamW steps) / update_backward (the rest:
                      losses, backward, grad clipping)
   sync_old           old_actor.load_state_dict(actor.state_dict()) when --update_old_actor_freq > 0
+With --parallel_update on (train_ppo's default for CPU bf16), the actor's and the critic's forward
+overlap in time: each is its own thread's wall time, so the remainder update_backward is understated;
+`update` itself is exact.
 The same split is kept in process CPU seconds (`cpu_s`); the table's cpu/wall column is the noise
 check: on a quiet machine it is close to the thread count, far below it the process waited for a core.
 
