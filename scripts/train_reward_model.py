@@ -25,13 +25,14 @@ remote code) and with `model.loader.load_reward_model(dir)`.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -199,6 +200,18 @@ def evaluate_pairs(model: torch.nn.Module, chosen: list[list[int]], rejected: li
     return pair_accuracy(torch.cat(margins), kinds)
 
 
+def heap_trimmer() -> Callable[[], None]:
+    """glibc's malloc_trim(0): hand the heap's free pages back to the OS (a no-op without glibc).
+    Why: every step frees ~2 GB of activations whose shapes change with the batch's padded length;
+    glibc keeps them, fragmented, so RSS climbs over the run (4.7 GB at step 250 at 1 thread, 7.8 GB
+    after the full 1,875 steps). Live tensors are untouched, so training is bit-identical."""
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    return lambda: trim(0)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Train the demo reward model (Bradley-Terry, CPU, bf16 autocast).")
     p.add_argument("--data_path", default="dataset/demo_pairs.jsonl")
@@ -227,6 +240,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_length", type=int, default=512, help="tokens per scored conversation (end kept)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="autocast dtype on CPU")
     p.add_argument("--num_threads", type=int, default=0, help="torch threads (0 = all cores)")
+    p.add_argument("--malloc_trim_interval", type=int, default=1,
+                   help="every N steps give freed heap memory back to the OS (glibc malloc_trim; 0 = never). Peak RSS "
+                        "over the first 250 steps at 1 thread: 0: 4.7 GB and climbing (7.8 GB after all 1,875 steps), "
+                        "10: 3.6 GB and climbing, 1: 2.5 GB, flat from step 100, for ~7-10%% more time per step")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--log_interval", type=int, default=50)
     p.add_argument("--eval_interval", type=int, default=500)
@@ -271,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"RM: {n} train pairs, {len(ev_chosen)} eval pairs, {n_params / 1e6:.2f}M parameters, {total_steps} steps "
           f"of {args.batch_size} pairs ({total_steps * args.batch_size / n:.2f} epochs), lr {args.learning_rate}")
 
+    trim_heap = heap_trimmer()
     step, running, running_acc, t_train = 0, 0.0, 0.0, time.time()
     for epoch in range(args.epochs):
         order = np.random.default_rng([args.seed, epoch]).permutation(n)
@@ -296,6 +314,8 @@ def main(argv: list[str] | None = None) -> None:
             running += loss.item()
             running_acc += (r_chosen > r_rejected).float().mean().item()
             step += 1
+            if args.malloc_trim_interval > 0 and step % args.malloc_trim_interval == 0:
+                trim_heap()
             if step % args.log_interval == 0:
                 elapsed = time.time() - t_train
                 print(f"step {step:5d}/{total_steps}  loss {running / args.log_interval:.4f}  "
