@@ -49,7 +49,7 @@ from trainer.ppo import (  # noqa: E402
     kl_penalty, masked_mean, policy_loss, value_loss,
 )
 from trainer.provenance import append_resume_record, mark_run_end, rehash_inputs, write_run_json  # noqa: E402
-from trainer.parallel import run_side_by_side, use_parallel_update  # noqa: E402
+from trainer.parallel import check_parallel_update, run_side_by_side, use_parallel_update  # noqa: E402
 from trainer.rewards import RewardModelScorer, compute_rewards, load_reward_fn  # noqa: E402
 from trainer.rollout import Rollout, attention_implementation, critic_forward, generate_rollout, policy_forward  # noqa: E402
 
@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
     try:
-        use_parallel_update(args.parallel_update, info.device, info.enabled, cpu_bf16=False)
+        check_parallel_update(args.parallel_update, info.device, info.enabled)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     # Same seed + flags -> same run on CPU; each rank samples differently.

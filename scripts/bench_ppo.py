@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import itertools
 import json
 import os
 import platform
@@ -450,23 +451,16 @@ def expand_configs(o: argparse.Namespace) -> list[dict]:
     steps = o.steps if o.steps is not None else (2 if o.quick else 5)
     if steps < 1 or o.warmup < 0:
         raise SystemExit("error: --steps must be >= 1 and --warmup >= 0")
-    cfgs = []
-    for h, l in sizes:
-        for threads in ints(o.num_threads):
-            for comp in ints(o.use_compile):
-                for flp in ints(o.frozen_low_precision):
-                    for d in dtypes:
-                        for old in old_modes:
-                          for par in ints(o.parallel_update):
-                            cfgs.append({
-                                "name": f"{h}x{l}", "hidden": h, "layers": l, "dtype": d, "update_old_actor_freq": old,
-                                "frozen_low_precision": flp, "use_compile": comp, "num_threads": threads,
-                                "parallel_update": par,
-                                "batch_size": o.batch_size, "prompt_len": o.prompt_len, "gen_len": o.gen_len,
-                                "prompts": o.prompts, "steps": steps, "warmup": o.warmup, "count_flops": o.count_flops,
-                                "seed": o.seed, "reward_model": None, "extra_args": o.extra.split() if o.extra else [],
-                            })
-    return cfgs
+    # Every comma list expands the matrix (the last list varies fastest).
+    matrix = itertools.product(sizes, ints(o.num_threads), ints(o.use_compile), ints(o.frozen_low_precision),
+                               dtypes, old_modes, ints(o.parallel_update))
+    return [{
+        "name": f"{h}x{l}", "hidden": h, "layers": l, "dtype": d, "update_old_actor_freq": old,
+        "frozen_low_precision": flp, "use_compile": comp, "num_threads": threads, "parallel_update": par,
+        "batch_size": o.batch_size, "prompt_len": o.prompt_len, "gen_len": o.gen_len,
+        "prompts": o.prompts, "steps": steps, "warmup": o.warmup, "count_flops": o.count_flops,
+        "seed": o.seed, "reward_model": None, "extra_args": o.extra.split() if o.extra else [],
+    } for (h, l), threads, comp, flp, d, old, par in matrix]
 
 
 def run_child(cfg: dict, timeout: int) -> dict:

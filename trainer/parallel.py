@@ -39,12 +39,17 @@ def run_side_by_side(fns: Sequence[Callable[[], Any]], parallel: bool) -> list[A
         torch.set_num_threads(threads)
 
 
-def use_parallel_update(flag: int, device: torch.device, distributed: bool, cpu_bf16: bool) -> bool:
-    """`--parallel_update`: 1/0 as given; -1 (auto) = on for single-process CPU runs under bf16
-    autocast with >= 2 torch threads, where the benchmark shows it pays. DDP stays sequential: its
-    gradient hooks would issue collectives from two threads in an order no other rank shares."""
+def check_parallel_update(flag: int, device: torch.device, distributed: bool) -> None:
+    """ValueError for `--parallel_update 1` where it cannot run. DDP stays sequential: its gradient
+    hooks would issue collectives from two threads in an order no other rank shares."""
     if flag == 1 and (distributed or device.type != "cpu"):
         raise ValueError("--parallel_update 1 is for single-process CPU runs (use -1 or 0 under torchrun or on CUDA)")
+
+
+def use_parallel_update(flag: int, device: torch.device, distributed: bool, cpu_bf16: bool) -> bool:
+    """`--parallel_update`: 1/0 as given; -1 (auto) = on for single-process CPU runs under bf16
+    autocast with >= 2 torch threads, where the benchmark shows it pays."""
+    check_parallel_update(flag, device, distributed)
     if flag >= 0:
         return bool(flag)
     return not distributed and device.type == "cpu" and cpu_bf16 and torch.get_num_threads() >= 2
