@@ -247,7 +247,7 @@ def run_config(cfg: dict) -> dict:
 
     import train_ppo as T
     from model.loader import eos_token_ids, load_tokenizer
-    from trainer.distributed import DistInfo
+    from trainer.run.distributed import DistInfo
     from trainer.ppo import FixedKLController
 
     load_tokenizer()

@@ -23,7 +23,7 @@ import torch
 
 from tests.helpers import ROOT, make_tiny_world, read_metrics, run_train, tiny_flags
 from train_ppo import main, shard_batches
-from trainer import checkpoint as ckpt
+from trainer.run import checkpoint as ckpt
 
 PREFIX = "ppo_actor_64_resume"
 TIMING_KEYS = ("time", "tokens_per_s")  # plus every "time/..." key
@@ -38,7 +38,7 @@ def run_main(flags: list[str]) -> tuple[object, str]:
     subprocess), without the end-of-run PNGs (seconds of matplotlib, not under test here).
     Returns (SystemExit code or None, stdout + stderr)."""
     buf, threads, code = io.StringIO(), torch.get_num_threads(), None
-    no_plots = mock.patch("trainer.plots.plot_run", side_effect=ValueError("not drawn in tests"))
+    no_plots = mock.patch("trainer.run.plots.plot_run", side_effect=ValueError("not drawn in tests"))
     try:
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf), no_plots:
             main(flags)

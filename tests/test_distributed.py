@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, make_tiny_world, read_metrics, run_train, tiny_flags
-from trainer import distributed as D
+from trainer.run import distributed as D
 from trainer.ppo import explained_variance, masked_whiten
 
 FIXTURES = ROOT / "tests" / "fixtures"

@@ -11,8 +11,8 @@ import train_ppo as T
 from dataset.rlaif import RLAIFDataset, collate_left_pad, read_rlaif_jsonl
 from model.loader import eos_token_ids
 from tests.helpers import ROOT
-from trainer.distributed import DistInfo
-from trainer.parallel import run_side_by_side, use_parallel_update
+from trainer.run.distributed import DistInfo
+from trainer.run.parallel import run_side_by_side, use_parallel_update
 
 
 def test_side_by_side_runs_each_piece_single_threaded_and_keeps_order():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from matplotlib import image as mpimg
 
-from trainer.plots import collect_series, ema, figure_specs, plot_run, read_metrics
+from trainer.run.plots import collect_series, ema, figure_specs, plot_run, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,7 @@ import re
 from datetime import datetime
 from pathlib import Path
 
-from trainer.provenance import (
+from trainer.run.provenance import (
     append_resume_record,
     changed_inputs,
     code_version,

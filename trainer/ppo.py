@@ -13,31 +13,35 @@ References
 Shapes: B = batch rows, R = response length. `response_mask` is [B, R], 1/True for real response
 tokens (up to and including EOS), 0/False for the pads after it. Masking uses torch.where rather
 than multiplication so garbage (inf/nan) in pad positions cannot leak into results or gradients.
+Batch statistics (whitening, explained variance) take an optional `reduce` that sums over ranks, so
+the same formula serves one process and DDP. Entropy lives with the log-probs it shares a softmax
+with (model/generation.py: token_logprobs).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 __all__ = [
     "masked_mean",
-    "masked_var",
     "masked_whiten",
     "kl_penalty",
     "compute_token_rewards",
     "compute_gae",
     "policy_loss",
     "value_loss",
-    "entropy_from_logits",
     "explained_variance",
     "FixedKLController",
     "AdaptiveKLController",
 ]
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+# Sums a statistics tensor over data-parallel ranks (trainer.run.distributed.all_reduce_sum); None = one process.
+Reduce = Callable[[Tensor], Tensor]
 
 
 def _as_bool(mask: Tensor) -> Tensor:
@@ -64,33 +68,29 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return total.sum(dim) / count.sum(dim).clamp(min=1)
 
 
-def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
-    """Variance of x over all masked positions (Bessel-corrected when `unbiased`)."""
-    m = _as_bool(mask)
-    n = int(m.sum())
-    if n == 0:
-        raise ValueError("masked_var: the mask selects no tokens (every response is empty)")
-    mean = masked_mean(x, m)
-    var = masked_mean((x - mean) ** 2, m)
-    if unbiased:
-        # With one token the unbiased variance is undefined; 0 makes whitening map it to 0.
-        var = var * (n / (n - 1)) if n > 1 else torch.zeros_like(var)
-    return var
+def _summed(stats: Tensor, reduce: Reduce | None) -> list[float]:
+    """Sums over this rank's tokens, summed over every rank by `reduce` (None: one process)."""
+    return (reduce(stats) if reduce is not None else stats).tolist()
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
-    """(x - mean) / std using only the masked tokens' statistics; pads of the result are 0.
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8,
+                  reduce: Reduce | None = None) -> Tensor:
+    """(x - mean) / std over the masked tokens (unbiased variance); pads of the result are 0.
 
     With shift_mean=False the mean is added back (only the scale is normalised), as done for
-    rewards so that their sign is kept.
+    rewards so that their sign is kept. `reduce` sums a float64 tensor over ranks (an all_reduce):
+    N processes with B/N rows each then whiten exactly as one process with all B rows. One pass of
+    sums keeps it to one collective; float64 keeps sq - n*mean^2 from cancelling badly.
     """
     m = _as_bool(mask)
-    mean = masked_mean(x, m)
-    var = masked_var(x, m)
-    whitened = (x - mean) * torch.rsqrt(var + eps)
+    xd = torch.where(m, x.double(), torch.zeros((), dtype=torch.float64, device=x.device))
+    total, sq, n = _summed(torch.stack([xd.sum(), (xd * xd).sum(), m.sum().double()]), reduce)
+    mean = total / max(n, 1.0)
+    var = (sq - n * mean * mean) / max(n - 1.0, 1.0)  # one token: 0, so it whitens to 0
+    out = (x.float() - mean) / math.sqrt(max(var, 0.0) + eps)
     if not shift_mean:
-        whitened = whitened + mean
-    return _zero_pads(whitened, m)
+        out = out + mean
+    return _zero_pads(out, m)
 
 
 # ----------------------------------------------------------------------------- KL and rewards
@@ -225,28 +225,22 @@ def value_loss(
     return loss, {"value_clipfrac": clipfrac}
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of softmax(logits) over the last dim, per position, in fp32.
-
-    -inf logits (e.g. a banned token) are raised to the lowest finite float so 0 * log 0 gives 0
-    and gradients stay finite.
-    """
-    z = logits.float().clamp(min=torch.finfo(torch.float32).min)
-    logp = torch.log_softmax(z, dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
-
-
-def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
-    """1 - Var[R - V] / Var[R] over masked tokens; nan when Var[R] is 0 or there are no tokens."""
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor, reduce: Reduce | None = None) -> float:
+    """1 - Var[R - V] / Var[R] over the masked tokens (population variances; of every rank's tokens
+    with `reduce`, as in masked_whiten); nan when Var[R] is 0 or there are no tokens."""
     m = _as_bool(mask)
-    if not bool(m.any()):
+    zero = torch.zeros((), dtype=torch.float64, device=returns.device)
+    r = torch.where(m, returns.detach().double(), zero)
+    d = torch.where(m, (returns.detach() - values.detach()).double(), zero)
+    n, r_sum, r_sq, d_sum, d_sq = _summed(torch.stack([m.sum().double(), r.sum(), (r * r).sum(), d.sum(), (d * d).sum()]), reduce)
+    if n == 0:
         return math.nan
-    v = values.detach().float()
-    r = returns.detach().float()
-    var_r = float(masked_var(r, m, unbiased=False))
-    if var_r == 0.0 or not math.isfinite(var_r):
+    var_r = r_sq / n - (r_sum / n) ** 2
+    var_d = d_sq / n - (d_sum / n) ** 2
+    # Single-pass variances leave rounding residue: constant returns must still give nan.
+    if not math.isfinite(var_r) or var_r <= 1e-12 * max(r_sq / n, 1e-30):
         return math.nan
-    return 1.0 - float(masked_var(r - v, m, unbiased=False)) / var_r
+    return 1.0 - var_d / var_r
 
 
 # ----------------------------------------------------------------------------- KL controllers

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from model.generation import sample, token_logprobs
+from trainer.ppo import masked_mean
 
 
 def _hf_models(module: nn.Module) -> list[nn.Module]:
@@ -117,7 +118,7 @@ class Rollout:
     advantages: torch.Tensor | None = None  # [B, R]
     returns: torch.Tensor | None = None  # [B, R]
     entropy: torch.Tensor | None = None  # [B, R] policy entropy per token, from the sampling pass (return_logprobs)
-    extras: dict = field(default_factory=dict)
+    rewards_finite: bool = True  # False: a reward was NaN/inf, and the update skips this step on every rank
 
     @property
     def response_len(self) -> int:
@@ -126,7 +127,7 @@ class Rollout:
     def index(self, idx: torch.Tensor) -> "Rollout":
         """A minibatch view (rows `idx`) of every tensor field."""
         pick = lambda t: t[idx] if isinstance(t, torch.Tensor) else t
-        return Rollout(**{k: pick(v) for k, v in self.__dict__.items() if k != "extras"}, extras=self.extras)
+        return Rollout(**{k: pick(v) for k, v in self.__dict__.items()})
 
 
 @torch.no_grad()
@@ -164,3 +165,32 @@ def generate_rollout(
         sequences=s.sequences, attention_mask=full_mask, response_mask=s.response_mask.float(),
         has_eos=s.has_eos, prompt_len=input_ids.shape[1], old_logprobs=s.logprobs, entropy=s.entropy,
     )
+
+
+def rollout_metrics(ro: Rollout, comps: dict[str, torch.Tensor], entropy: torch.Tensor, kl_coef: float,
+                    num_generations: int) -> tuple[dict[str, float], dict[str, float]]:
+    """This rank's metrics of a scored rollout, and what each is a mean over (its token count, or the
+    rows where it is defined), so DDP's reduction (trainer.run.distributed.reduce_mean) is the global mean.
+    comps: each reward component [B] (NaN where undefined), entropy [B, R] of the sampling policy."""
+    mask, rewards = ro.response_mask, ro.rewards
+    n_tok = mask.sum(1)
+    counted = {k: torch.isfinite(v).sum().item() for k, v in comps.items()}  # NaN = component not defined for a row
+    weights = {"ppo/entropy": n_tok.sum().item(), **{f"reward/{k}": n for k, n in counted.items()}}
+    if "accuracy" in comps:
+        weights["accuracy"] = counted["accuracy"]
+    metrics = {
+        "reward/total": rewards.mean().item(),
+        **{f"reward/{k}": (v.nanmean().item() if counted[k] else float("nan")) for k, v in comps.items()},
+        "format_rate": (comps["format"] > 0).float().mean().item(),
+        "kl_ref": ((ro.old_logprobs - ro.ref_logprobs) * mask).sum(1).mean().item(),  # k1 summed per response
+        "kl_coef": kl_coef,
+        "ppo/entropy": masked_mean(entropy, mask).item(),
+        "response/length": n_tok.float().mean().item(),
+        "response/eos_rate": ro.has_eos.float().mean().item(),
+    }
+    if counted.get("accuracy"):
+        metrics["accuracy"] = metrics["reward/accuracy"]
+    if num_generations > 1:  # spread of rewards among the responses to the same prompt
+        metrics["reward/group_std"] = rewards.view(-1, num_generations).std(dim=1).mean().item()
+    metrics["tokens_generated"] = float(n_tok.sum().item())
+    return metrics, weights

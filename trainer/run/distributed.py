@@ -8,8 +8,9 @@ CPU processes work, which is how CI tests DDP here). `LOCAL_RANK` picks the devi
 
 from __future__ import annotations
 
-import math
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -112,6 +113,16 @@ def reduce_mean(values: dict[str, float], info: DistInfo, weights: dict[str, flo
     return {k: float(v) for k, v in zip(keys, means.tolist())}
 
 
+@contextlib.contextmanager
+def no_sync(*models: torch.nn.Module) -> Iterator[None]:
+    """DDP's no_sync on every wrapped model: gradient accumulation without an all-reduce per micro-batch."""
+    with contextlib.ExitStack() as stack:
+        for model in models:
+            if hasattr(model, "no_sync"):
+                stack.enter_context(model.no_sync())
+        yield
+
+
 def all_gather_objects(obj, info: DistInfo) -> list:
     """Every rank's `obj` (e.g. RNG states for the resume file), in rank order."""
     if not info.enabled:
@@ -137,40 +148,17 @@ def sum_global(x: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return x
 
 
-def masked_whiten_global(x: torch.Tensor, mask: torch.Tensor, info: DistInfo, eps: float = 1e-8) -> torch.Tensor:
-    """Whiten x over the masked tokens of ALL ranks (unbiased variance), so N processes with B/N
-    rows each compute the same advantages as one process with B rows. Pads come out as 0."""
-    m = mask.bool()
-    # One pass of sums, so one all_reduce; float64 keeps sq - n*mean^2 from cancelling badly.
-    xd = torch.where(m, x.double(), torch.zeros((), dtype=torch.float64, device=x.device))
-    stats = torch.stack([xd.sum(), (xd * xd).sum(), m.sum().double()])
-    if info.enabled:
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM)
-    total, sq, n = stats.tolist()
-    mean = total / max(n, 1.0)
-    var = (sq - n * mean * mean) / max(n - 1.0, 1.0)
-    out = (x.float() - mean) / math.sqrt(max(var, 0.0) + eps)
-    return torch.where(m, out, torch.zeros((), device=x.device))
+def rank_sum(info: DistInfo) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The `reduce` of trainer.ppo's batch statistics: sums a tensor over ranks (None for one process),
+    so whitening and explained variance see every rank's tokens."""
+    if not info.enabled:
+        return None
 
-
-def explained_variance_global(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, info: DistInfo) -> float:
-    """1 - Var[R - V] / Var[R] over the masked tokens of ALL ranks (population variances, as
-    trainer.ppo.explained_variance); nan when Var[R] is 0 or no rank has a token."""
-    m = mask.bool()
-    r = torch.where(m, returns.detach().double(), torch.zeros((), dtype=torch.float64, device=returns.device))
-    d = torch.where(m, (returns.detach() - values.detach()).double(), torch.zeros((), dtype=torch.float64, device=returns.device))
-    stats = torch.stack([m.sum().double(), r.sum(), (r * r).sum(), d.sum(), (d * d).sum()])
-    if info.enabled:
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM)
-    n, r_sum, r_sq, d_sum, d_sq = stats.tolist()
-    if n == 0:
-        return math.nan
-    var_r = r_sq / n - (r_sum / n) ** 2
-    var_d = d_sq / n - (d_sum / n) ** 2
-    # Single-pass variances leave rounding residue: constant returns must still give nan.
-    if not math.isfinite(var_r) or var_r <= 1e-12 * max(r_sq / n, 1e-30):
-        return math.nan
-    return 1.0 - var_d / var_r
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+    return reduce
 
 
 def shard_batches(n: int, seed: int, epoch: int, start: int, rank: int, world: int, batch: int) -> list[list[int]]:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from model.weights import atomic_torch_save
-from trainer.provenance import changed_inputs
+from trainer.run.provenance import changed_inputs
 
 FORMAT_VERSION = 1
 

@@ -374,7 +374,7 @@ class RunLogger:
             self._run = None
         if plots:
             try:
-                from trainer.plots import plot_run
+                from trainer.run.plots import plot_run
 
                 paths = plot_run(self.run_dir)
                 self.info(f"plots: {len(paths)} PNGs in {self.run_dir / 'plots'}")

@@ -1,6 +1,6 @@
 """PNG plots of a run's metrics.jsonl: one figure per metric family plus an overview.
 
-    from trainer.plots import plot_run
+    from trainer.run.plots import plot_run
     paths = plot_run("runs/ppo_actor_512")          # -> runs/ppo_actor_512/plots/*.png
 
 Each panel draws the raw series faintly and an exponential moving average on top, so a noisy
