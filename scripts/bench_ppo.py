@@ -6,8 +6,8 @@
         --frozen_low_precision 0,1 --json bench.json     # levers: every comma list expands the matrix
 
 What is measured. Every configuration runs in a fresh subprocess (so peak RSS is per config), builds
-the models with `train_ppo.build_models` and `train_ppo.build_optimizers`, as `train_ppo.main()` does,
-from a namespace made by `train_ppo.parse_args` (random init: `--from_weight none`), then runs `--warmup` untimed steps and
+the run with `trainer.run.setup.setup`, as `train_ppo.main()` does, from a namespace made by
+`train_ppo.parse_args` (random init: `--from_weight none`), then runs `--warmup` untimed steps and
 `--steps` timed steps of `make_experience` + `ppo_update`, refreshing the old actor like main()'s
 loop. The work per step is fixed: `--batch_size` prompts of exactly `--prompt_len` tokens,
 `--gen_len` new tokens with EOS suppressed (train_ppo's hidden `--suppress_eos 1`), one update epoch
@@ -16,17 +16,17 @@ of one minibatch. Prompts: `random` = uniform token ids in [3, vocab) (no specia
 exactly `--prompt_len` columns (same FLOPs, exercises the padding-mask path). The reward model is a
 negligible 1-layer, hidden-32 sequence classifier (`--reward_model tiny`) or none.
 
-Phase timers come from wrapping the functions train_ppo calls (generate_rollout, policy_forward,
-critic_forward, compute_rewards) and AdamW step hooks; the wrappers only read the clock, so the
-trainer's behaviour is unchanged. Reported per step (medians over the timed steps):
+Phase timers are the trainer's own: make_experience and ppo_update take a timer (trainer/run/timing.py)
+and time their phases with it; the bench passes one that also sums CPU seconds and counts FLOPs.
+Reported per step (medians over the timed steps):
   generate           sampling with KV cache (generate_rollout)
   score_old          old log-probs + entropy (actor itself, or the frozen old-actor copy)
   score_ref          reference log-probs
   score_critic       critic values
   score_reward       decode + rule rewards + reward model (compute_rewards)
   score_other        the rest of make_experience (KL, GAE, whitening, metrics)
-  update_actor_fwd / update_critic_fwd / update_optimizer (AdamW steps) / update_backward (the rest:
-                     losses, backward, grad clipping)
+  update_actor_fwd / update_critic_fwd / update_optimizer (grad clipping + AdamW steps) / update_backward
+                     (the rest: losses, backward)
   sync_old           old_actor.load_state_dict(actor.state_dict()) when --update_old_actor_freq > 0
 With --parallel_update on (train_ppo's default for CPU bf16), the actor's and the critic's forward
 overlap in time: each is its own thread's wall time, so the remainder update_backward is understated;
@@ -69,7 +69,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -79,6 +79,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
+
+from trainer.run.timing import PhaseTimer  # noqa: E402
 
 MB = 1024 * 1024
 # shared/notes/cpu-speed.md: MiniMind train_ppo.py, 512x8, same work, fp32, on another machine (an AMD EPYC).
@@ -161,46 +163,42 @@ def now() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-class PhaseTimer:
-    """Accumulates (wall, cpu) time per phase name for the current step; wrappers only read clocks."""
+class BenchTimer(PhaseTimer):
+    """The trainer's phase timer (wall seconds per phase), plus process CPU seconds and, on the
+    warm-up step, FLOPs of the phases that do not nest another counted one."""
 
-    def __init__(self) -> None:
-        self.phase = "idle"
-        self.acc: dict[str, tuple[float, float]] = {}
-        self.count_flops = False
+    FLOP_PHASES = ("generate", "score_old", "score_ref", "score_critic", "score_reward", "update")
+
+    def __init__(self, count_flops: bool = False) -> None:
+        super().__init__()
+        self.cpu: dict[str, float] = {}
         self.flops: dict[str, float] = {}
+        self.count_flops = count_flops
 
-    def add(self, key: str, start: tuple[float, float]) -> None:
-        end, old = now(), self.acc.get(key, (0.0, 0.0))
-        self.acc[key] = (old[0] + end[0] - start[0], old[1] + end[1] - start[1])
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        counter = None
+        if self.count_flops and name in self.FLOP_PHASES:
+            from torch.utils.flop_counter import FlopCounterMode
 
-    def wrap(self, fn: Callable, name_of: Callable[..., str]) -> Callable:
-        def timed(*a, **k):
-            key = name_of(*a, **k)
-            if self.count_flops:
-                from torch.utils.flop_counter import FlopCounterMode
-
-                with FlopCounterMode(display=False) as fc:
-                    t = now()
-                    out = fn(*a, **k)
-                self.flops[key] = self.flops.get(key, 0.0) + fc.get_total_flops()
-            else:
-                t = now()
-                out = fn(*a, **k)
-            self.add(key, t)
-            return out
-
-        return timed
+            counter = FlopCounterMode(display=False)
+        start = now()
+        try:
+            with counter or contextlib.nullcontext():
+                yield
+        finally:
+            end = now()
+            self.add(name, end[0] - start[0])
+            with self._lock:
+                self.cpu[name] = self.cpu.get(name, 0.0) + end[1] - start[1]
+            if counter is not None:
+                self.flops[name] = self.flops.get(name, 0.0) + counter.get_total_flops()
 
 
-def split_step(t: list[float], acc: dict[str, float]) -> dict[str, float]:
-    """One step's TIME_KEYS from the loop's clock reads t0..t3 and the wrappers' sums."""
-    t0, t1, t2, t3 = t
-    rec = {"step": t3 - t0, "sync_old": t1 - t0, "generate": acc.get("generate", 0.0), "update": t3 - t2}
-    rec["score"] = (t2 - t1) - rec["generate"]
-    for k in ("score_old", "score_ref", "score_critic", "score_reward", "update_actor_fwd", "update_critic_fwd",
-              "update_optimizer"):
-        rec[k] = acc.get(k, 0.0)
+def split_step(acc: dict[str, float]) -> dict[str, float]:
+    """One step's TIME_KEYS from a timer's per-phase sums (wall or CPU seconds)."""
+    rec = {k: acc.get(k, 0.0) for k in TIME_KEYS}
+    rec["score"] = rec["step"] - rec["sync_old"] - rec["generate"] - rec["update"]  # the rest of make_experience
     rec["score_other"] = rec["score"] - rec["score_old"] - rec["score_ref"] - rec["score_critic"] - rec["score_reward"]
     rec["update_backward"] = rec["update"] - rec["update_actor_fwd"] - rec["update_critic_fwd"] - rec["update_optimizer"]
     return rec
@@ -243,12 +241,11 @@ def make_tiny_rm(path: Path, vocab: int, pad_id: int) -> None:
 
 def run_config(cfg: dict) -> dict:
     """One configuration, in this (fresh) process. Returns the result dict (RESULT_KEYS)."""
-    import numpy as np
 
     import train_ppo as T
-    from model.loader import eos_token_ids, load_tokenizer
+    from model.loader import load_tokenizer
     from trainer.run.distributed import DistInfo
-    from trainer.ppo import FixedKLController
+    from trainer.run.setup import setup
 
     load_tokenizer()
     rss_base = rss_now_mb()  # torch + transformers + project imported, tokenizer loaded, no model yet
@@ -265,49 +262,16 @@ def run_config(cfg: dict) -> dict:
             "--rm_weight", "0.5" if cfg["reward_model"] else "0",
             "--reward_model_path", cfg["reward_model"] or "none", *cfg.get("extra_args", [])]
     args = T.parse_args(argv)
-    info = DistInfo()
-    if args.num_threads > 0:
-        torch.set_num_threads(args.num_threads)
-    torch.manual_seed(args.seed)
-    np.random.seed(args.seed)
-    dtype = T.DTYPES[args.dtype]
-    frozen_dtype = dtype if args.frozen_low_precision else torch.float32
-    amp = dtype != torch.float32
 
-    def autocast():
-        return torch.autocast(device_type=info.device.type, dtype=dtype) if amp else contextlib.nullcontext()
-
-    # ---- models, as train_ppo.main() builds them
+    # ---- the run, built by the trainer's own set-up (models, optimizers, precision, compile)
     t_build = time.perf_counter()
-    actor, tok, ref, critic, old_actor, rm_scorer = T.build_models(args, info.device, frozen_dtype)
-    kl_ctl = FixedKLController(args.kl_coef)
+    built = setup(args, DistInfo())
+    s, m, opt, kl_ctl = built.settings, built.models, built.optim, built.kl_ctl
+    actor, critic, ref, old_actor, rm_scorer, optims = m.actor, m.critic, m.ref, m.old_actor, m.rm_scorer, opt.optims
     total = cfg["warmup"] + cfg["steps"]
-    optims, scheds = T.build_optimizers(args, actor, critic, total)
-    scaler = torch.amp.GradScaler(info.device.type) if dtype == torch.float16 else None
-    actor_train, critic_train = actor, critic
-    if args.use_compile:
-        actor_train, critic_train = torch.compile(actor_train), torch.compile(critic_train)
-    models = {"actor": actor, "critic": critic, "ref": ref, "old_actor": old_actor, "kl_ctl": kl_ctl,
-              "eos_ids": eos_token_ids(actor, tok), "actor_train": actor_train, "critic_train": critic_train}
     build_s = time.perf_counter() - t_build
     rss_models = rss_now_mb()
-    batch = make_batch(tok, args.batch_size, cfg["prompt_len"], cfg["prompts"], args.seed)
-
-    # ---- phase timers: wrap what train_ppo calls (clock reads only)
-    pt = PhaseTimer()
-    policy_key = lambda model, *a, **k: ("update_actor_fwd" if pt.phase == "update" else
-                                         "score_ref" if model is ref else "score_old")
-    for o in optims.values():
-        o.register_step_pre_hook(lambda *_: setattr(pt, "_t_opt", now()))
-        o.register_step_post_hook(lambda *_: pt.add("update_optimizer", pt._t_opt))
-    patches = {
-        "generate_rollout": pt.wrap(T.generate_rollout, lambda *a, **k: "generate"),
-        "policy_forward": pt.wrap(T.policy_forward, policy_key),
-        "critic_forward": pt.wrap(T.critic_forward, lambda *a, **k: "update_critic_fwd" if pt.phase == "update" else "score_critic"),
-        "compute_rewards": pt.wrap(T.compute_rewards, lambda *a, **k: "score_reward"),
-    }
-    for name, fn in patches.items():
-        setattr(T, name, fn)
+    batch = make_batch(m.tok, args.batch_size, cfg["prompt_len"], cfg["prompts"], args.seed)
 
     per_step: list[dict[str, float]] = []
     per_step_cpu: list[dict[str, float]] = []
@@ -315,31 +279,22 @@ def run_config(cfg: dict) -> dict:
     flops_counted: dict[str, float] = {}
     error = None
     try:
-        for step in range(total):
+        for step in range(total):  # train_ppo.main's loop body, with a timer that also counts CPU time and FLOPs
             counting = step == 0 < cfg["warmup"] and cfg["count_flops"] and not args.use_compile
-            pt.acc, pt.flops, pt.count_flops = {}, {}, counting
-            t0 = now()
-            if old_actor is not None and step % args.update_old_actor_freq == 0:
-                old_actor.load_state_dict(actor.state_dict())
-            t1 = now()
-            pt.phase = "score"
-            ro, metrics, _ = T.make_experience(args, batch, models, tok, rm_scorer, {}, kl_ctl, info, autocast)
-            t2 = now()
-            pt.phase = "update"
+            timer = BenchTimer(count_flops=counting)
+            with timer("step"):
+                with timer("sync_old"):
+                    if old_actor is not None and step % args.update_old_actor_freq == 0:
+                        old_actor.load_state_dict(actor.state_dict())
+                exp = T.make_experience(args, batch, m, s, kl_ctl.value, {}, timer)
+                with timer("update"):
+                    T.ppo_update(args, exp.rollout, m, opt, step, s, kl_ctl.value, timer)
+            ro = exp.rollout
             if counting:
-                from torch.utils.flop_counter import FlopCounterMode
-
-                pt.count_flops = False  # one counter for the whole update (forward + backward)
-                with FlopCounterMode(display=False) as fc:
-                    T.ppo_update(args, ro, models, optims, scheds, step, info, autocast, scaler)
-                flops_counted = {**pt.flops, "update": fc.get_total_flops()}
-            else:
-                T.ppo_update(args, ro, models, optims, scheds, step, info, autocast, scaler)
-            t3 = now()
-            pt.phase = "idle"
+                flops_counted = dict(timer.flops)
             if ro.sequences.shape[1] != cfg["prompt_len"] + cfg["gen_len"]:
                 raise RuntimeError(f"response length {ro.response_len} != --gen_len {cfg['gen_len']} (EOS not suppressed?)")
-            recs = [split_step([t[i] for t in (t0, t1, t2, t3)], {k: v[i] for k, v in pt.acc.items()}) for i in (0, 1)]
+            recs = split_step(timer.wall), split_step(timer.cpu)
             if step == 0:
                 first_step_s = recs[0]["step"]
             if step >= cfg["warmup"]:

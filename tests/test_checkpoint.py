@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, make_tiny_world, read_metrics, run_train, tiny_flags
-from train_ppo import main, shard_batches
+from train_ppo import main
+from trainer.run.distributed import shard_batches
 from trainer.run import checkpoint as ckpt
 
 PREFIX = "ppo_actor_64_resume"

@@ -119,31 +119,6 @@ def test_cuda_flag_without_cuda_is_one_line():
         D.resolve_device("cuda")
 
 
-def test_masked_whiten_global_equals_masked_whiten_single_process():
-    # Hand-computed: tokens [1, 2, 3] -> mean 2, unbiased var 1 -> [-1, 0, 1]; pads (even inf) -> 0.
-    x = torch.tensor([[1.0, 2.0, float("inf")], [3.0, float("nan"), 7.0]])
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    out = D.masked_whiten_global(x, mask, SINGLE)
-    s = 1 / math.sqrt(1 + 1e-8)
-    assert torch.allclose(out, torch.tensor([[-s, 0.0, 0.0], [s, 0.0, 0.0]]), atol=1e-7)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(6, 9, generator=g) * 3 + 10  # a large mean: one-pass sums must not cancel
-    mask = (torch.rand(6, 9, generator=g) > 0.3).float()
-    assert torch.allclose(D.masked_whiten_global(x, mask, SINGLE), masked_whiten(x, mask), atol=1e-5)
-
-
-def test_explained_variance_global_matches_single_process():
-    g = torch.Generator().manual_seed(1)
-    returns, values = torch.randn(5, 7, generator=g), torch.randn(5, 7, generator=g)
-    mask = (torch.rand(5, 7, generator=g) > 0.4).float()
-    assert D.explained_variance_global(values, returns, mask, SINGLE) == pytest.approx(
-        explained_variance(values, returns, mask), abs=1e-6)
-    # Perfect critic -> 1; constant returns or no tokens -> nan (not a huge number from rounding).
-    assert D.explained_variance_global(returns, returns, mask, SINGLE) == pytest.approx(1.0)
-    assert math.isnan(D.explained_variance_global(values, torch.full((5, 7), 0.3), mask, SINGLE))
-    assert math.isnan(D.explained_variance_global(values, returns, torch.zeros(5, 7), SINGLE))
-
-
 def test_shard_batches_interleaves_one_global_stream():
     shard_batches = D.shard_batches
     n, seed, batch = 23, 42, 3
@@ -184,8 +159,8 @@ def _gloo_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             "any_one": D.any_rank(rank == 1, info),
             "any_none": D.any_rank(False, info),
             "sum": D.sum_global(torch.tensor(float(rank + 1)), info).item(),
-            "whiten": D.masked_whiten_global(x[rows], mask[rows], info),
-            "ev": D.explained_variance_global(values[rows], x[rows], mask[rows], info),
+            "whiten": masked_whiten(x[rows], mask[rows], reduce=D.rank_sum(info)),
+            "ev": explained_variance(values[rows], x[rows], mask[rows], reduce=D.rank_sum(info)),
             "gathered": D.all_gather_objects({"rank": rank}, info),
             "bcast": D.broadcast_object(f"from {rank}", info),
         }

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from model.generation import Samples, response_mask_from_tokens, sample
+from model.generation import Samples, response_mask_from_tokens, sample, token_logprobs
 from model.loader import build_minimind
 
 EOS, PAD = 2, 0
@@ -423,3 +425,17 @@ def test_fast_decode_declines_what_it_does_not_reproduce():
     eager = build_minimind(64, 2, vocab_size=64)
     eager.set_attn_implementation("eager")
     assert fast_decoder(eager, "cpu") is None
+
+
+def test_token_logprobs_entropy_hand_computed():
+    """The one entropy the trainer logs (sampler and scorer share token_logprobs): fp32, even from bf16."""
+    logits = torch.tensor([[0.0, 0.0], [1000.0, 1000.0], [0.0, -1e9]])
+    lp, ent = token_logprobs(logits, torch.tensor([0, 1, 0]), with_entropy=True)
+    torch.testing.assert_close(ent, torch.tensor([math.log(2), math.log(2), 0.0]))
+    torch.testing.assert_close(lp, torch.tensor([-math.log(2), -math.log(2), 0.0]))
+    lp, ent = token_logprobs(torch.zeros(1, 3, dtype=torch.bfloat16), torch.tensor([2]), with_entropy=True)
+    assert ent.dtype == lp.dtype == torch.float32
+    torch.testing.assert_close(ent, torch.tensor([math.log(3.0)]))
+    # Temperature: softmax(logits / T); T = 2 turns [0, 2 ln 4] into [0, ln 4]: probs 1/5, 4/5.
+    lp, _ = token_logprobs(torch.tensor([[0.0, 2 * math.log(4.0)]]), torch.tensor([1]), temperature=2.0)
+    torch.testing.assert_close(lp, torch.tensor([math.log(4 / 5)]))

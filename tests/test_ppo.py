@@ -11,11 +11,9 @@ from trainer.ppo import (
     FixedKLController,
     compute_gae,
     compute_token_rewards,
-    entropy_from_logits,
     explained_variance,
     kl_penalty,
     masked_mean,
-    masked_var,
     masked_whiten,
     policy_loss,
     value_loss,
@@ -51,8 +49,6 @@ def test_masked_whiten_ignores_pads():
     x = torch.tensor([[1.0, 3.0, 100.0], [5.0, 7.0, -50.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
     # real tokens 1, 3, 5, 7: mean 4; squared deviations 9 + 1 + 1 + 9 = 20; unbiased var 20/3
-    close(masked_var(x, mask), 20.0 / 3.0)
-    close(masked_var(x, mask, unbiased=False), 5.0)
     std = math.sqrt(20.0 / 3.0)  # 2.5820
     expected = torch.tensor([[-3.0, -1.0, 0.0], [1.0, 3.0, 0.0]]) / std
     close(masked_whiten(x, mask), expected)
@@ -65,9 +61,38 @@ def test_masked_whiten_ignores_pads():
     close(masked_whiten(x2, mask), expected)
 
 
-def test_masked_var_empty_mask_errors():
-    with pytest.raises(ValueError, match="no tokens"):
-        masked_var(torch.ones(2, 2), torch.zeros(2, 2))
+def test_masked_whiten_edge_cases():
+    # One token: unbiased variance undefined -> 0, so it whitens to 0; no tokens: all zeros, no error
+    # (under DDP a rank-local error would leave the other ranks waiting in the collective).
+    close(masked_whiten(torch.tensor([[5.0, 1.0]]), torch.tensor([[1, 0]])), [[0.0, 0.0]])
+    close(masked_whiten(torch.ones(2, 2), torch.zeros(2, 2)), torch.zeros(2, 2))
+    # A large mean: the one-pass float64 sums must not cancel (two-pass reference computed here).
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 9, generator=g) * 3 + 1e3
+    mask = (torch.rand(6, 9, generator=g) > 0.3).float()
+    real = x[mask.bool()].double()
+    expected = torch.where(mask.bool(), (x.double() - real.mean()) / real.std(), 0.0).float()
+    close(masked_whiten(x, mask), expected, tol=1e-4)
+
+
+def test_batch_statistics_take_a_cross_rank_reduce():
+    """`reduce` sums the statistics over ranks: here a fake "other rank" adds its own sums, and the
+    result equals one process whitening both halves together."""
+    g = torch.Generator().manual_seed(2)
+    x, mask = torch.randn(4, 5, generator=g) + 2.0, (torch.rand(4, 5, generator=g) > 0.3).float()
+    values = torch.randn(4, 5, generator=g)
+
+    sums = {}
+
+    def record(t):
+        sums["mine"] = t
+        return t
+    masked_whiten(x[2:], mask[2:], reduce=record)
+    out = masked_whiten(x[:2], mask[:2], reduce=lambda t: t + sums["mine"])
+    close(out, masked_whiten(x, mask)[:2], tol=1e-6)
+    explained_variance(values[2:], x[2:], mask[2:], reduce=record)
+    ev = explained_variance(values[:2], x[:2], mask[:2], reduce=lambda t: t + sums["mine"])
+    assert ev == pytest.approx(explained_variance(values, x, mask), abs=1e-9)
 
 
 # ------------------------------------------------------------------ KL estimators
@@ -208,18 +233,6 @@ def test_value_loss_clipped_and_unclipped():
 
 
 # ------------------------------------------------------------------ entropy, explained variance
-
-def test_entropy_from_logits():
-    logits = torch.tensor([[0.0, 0.0], [1000.0, 1000.0], [0.0, float("-inf")]])
-    close(entropy_from_logits(logits), [LN2, LN2, 0.0])
-    # three equal logits in bf16 -> ln 3 in fp32
-    ent = entropy_from_logits(torch.zeros(1, 3, dtype=torch.bfloat16))
-    assert ent.dtype == torch.float32
-    close(ent, [math.log(3.0)])
-    x = torch.tensor([[0.3, float("-inf"), -1.0]], requires_grad=True)
-    entropy_from_logits(x).sum().backward()
-    assert torch.isfinite(x.grad).all()
-
 
 def test_explained_variance():
     returns = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
