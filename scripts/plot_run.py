@@ -2,7 +2,7 @@
 
 Reads RUN_DIR/metrics.jsonl and writes PNGs (reward, kl, value, response, lr, accuracy, overview)
 into RUN_DIR/plots/ (or --out_dir), printing each written path. The plotting lives in
-trainer/plots.py so the trainer can call it at the end of a run.
+trainer/run/plots.py so the trainer can call it at the end of a run.
 """
 
 from __future__ import annotations
