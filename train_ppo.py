@@ -137,18 +137,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            "on all cores (512x8 bf16 update ~2.0 -> ~1.7 s on 2 cores, peak RSS +~450 MB: both graphs are alive "
            "at once); -1 = on for single-process CPU runs under bf16 with >= 2 threads")
     a("--seed", type=int, default=42)
+    a("--deterministic", type=int, default=0, choices=[0, 1],
+      help="torch's deterministic algorithms and a fixed cuBLAS workspace: exact repeats on GPU too, slower "
+           "(CPU runs repeat exactly without it)")
+    a("--ddp_timeout", type=int, default=1800,
+      help="seconds a collective waits for a missing rank before the run fails (NCCL waits this long for a dead peer)")
     a = p.add_argument_group("output").add_argument
     a("--save_dir", default="out", help="where weights are read (--from_weight) and written")
     a("--save_weight", default="ppo_actor", help="output name: <save_dir>/<save_weight>_<hidden>.pth")
     a("--save_interval", type=int, default=50, help="PPO steps between saves")
     a("--checkpoint_dir", default="checkpoints")
     a("--keep_checkpoints", type=int, default=2)
-    a("--from_resume", type=int, default=0, choices=[0, 1], help="continue from the newest resume file")
+    a("--from_resume", type=int, default=0, choices=[0, 1, 2],
+      help="1: continue from the newest resume file (an error if there is none); 2: continue if there is one, "
+           "else start (preemptible jobs); 0: a new run (refused where another run left resume files)")
     a("--resume_check_inputs", type=int, default=1, choices=[0, 1],
       help="refuse to resume if the starting weights, reward model or prompts changed since the run began (sha256s in run.json)")
     a("--run_dir", default=None, help="metrics.jsonl, run.json, plots (default runs/<save_weight>_<hidden>)")
     a("--log_interval", type=int, default=1)
     a("--sample_interval", type=int, default=10, help="log a table of sample generations every N steps")
+    a = p.add_argument_group("MiniMind compatibility (accepted so MiniMind command lines run)").add_argument
+    a("--rollout_engine", default="torch", choices=["torch", "sglang"], help="torch: sampling in-process (sglang: not supported)")
+    a("--sglang_base_url", default=None, help="accepted; used only with --rollout_engine sglang (not supported)")
+    a("--sglang_model_path", default=None, help="accepted; as above")
+    a("--sglang_shared_path", default=None, help="accepted; as above")
+    a("--debug_mode", type=int, nargs="?", const=1, default=0, help="1: the sample table every --debug_interval steps")
+    a("--debug_interval", type=int, default=20)
+    a("--debug_log_ratio", type=int, nargs="?", const=1, default=0,
+      help="accepted: the first-minibatch ratio and approx-KL MiniMind prints are logged every step (ppo/ratio, ppo/approx_kl)")
     a("--swanlab_mode", default="local", choices=["local", "offline", "cloud", "disabled"])
     a("--use_wandb", type=int, default=1, choices=[0, 1], help="MiniMind's name for 'log to SwanLab' (0 = disabled)")
     a("--wandb_project", default="minippo", help="swanlab project")
@@ -172,28 +188,31 @@ def make_experience(args: argparse.Namespace, batch: dict, m: Models, s: Setting
                     custom_fns: dict, timer: PhaseTimer | None = None) -> Experience:
     """Rollout, score, reward, advantages for one batch of prompts."""
     timer = timer or PhaseTimer()
-    with timer("generate"), s.autocast():  # 1. rollout: [B*N, P+R] sequences, N = --num_generations
-        ro = generate_rollout(
-            m.actor, batch["input_ids"].to(s.device), batch["attention_mask"].to(s.device), max_new_tokens=args.max_gen_len,
-            eos_token_id=m.eos_ids or m.tok.eos_token_id, pad_token_id=m.tok.pad_token_id, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, greedy=bool(args.greedy), suppress_eos=bool(args.suppress_eos),
-            num_generations=args.num_generations, return_logprobs=bool(args.rollout_logprobs) and m.old_actor is None,
-            fast_decode=bool(args.fast_decode),
-        )
-    R, temp = ro.response_len, s.sample_temperature
-    with timer("score"):
-        with s.autocast():  # 2. score: log-probs under the temperature-scaled distribution that sampled (fp32 softmax)
-            entropy = ro.entropy
-            if ro.old_logprobs is None:  # a frozen old actor, or --rollout_logprobs 0: score the samples again
-                with timer("score_old"):
-                    ro.old_logprobs, entropy = policy_forward(m.old_actor or m.actor, ro.sequences, ro.attention_mask, R, temp,
-                                                              with_entropy=True)
-            with timer("score_ref"):
-                ro.ref_logprobs, _ = policy_forward(m.ref, ro.sequences, ro.attention_mask, R, temp)  # [B, R]
-            with timer("score_critic"):
-                ro.values = critic_forward(m.critic, ro.sequences, ro.attention_mask, R).float()  # [B, R]
-        with timer("score_reward"):  # 3. reward
-            responses, comps = score_responses(args, batch, ro, m, custom_fns)
+    # Steps 1-3 are rank-local: a failure on some ranks only (reward function, reward model, OOM) stops
+    # every rank here with its line, before the collectives of step 4.
+    with D.failing_together(s.info):
+        with timer("generate"), s.autocast():  # 1. rollout: [B*N, P+R] sequences, N = --num_generations
+            ro = generate_rollout(
+                m.actor, batch["input_ids"].to(s.device), batch["attention_mask"].to(s.device), max_new_tokens=args.max_gen_len,
+                eos_token_id=m.eos_ids or m.tok.eos_token_id, pad_token_id=m.tok.pad_token_id, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p, greedy=bool(args.greedy), suppress_eos=bool(args.suppress_eos),
+                num_generations=args.num_generations, return_logprobs=bool(args.rollout_logprobs) and m.old_actor is None,
+                fast_decode=bool(args.fast_decode),
+            )
+        R, temp = ro.response_len, s.sample_temperature
+        with timer("score"):
+            with s.autocast():  # 2. score: log-probs under the temperature-scaled distribution that sampled (fp32 softmax)
+                entropy = ro.entropy
+                if ro.old_logprobs is None:  # a frozen old actor, or --rollout_logprobs 0: score the samples again
+                    with timer("score_old"):
+                        ro.old_logprobs, entropy = policy_forward(m.old_actor or m.actor, ro.sequences, ro.attention_mask, R, temp,
+                                                                  with_entropy=True)
+                with timer("score_ref"):
+                    ro.ref_logprobs, _ = policy_forward(m.ref, ro.sequences, ro.attention_mask, R, temp)  # [B, R]
+                with timer("score_critic"):
+                    ro.values = critic_forward(m.critic, ro.sequences, ro.attention_mask, R).float()  # [B, R]
+            with timer("score_reward"):  # 3. reward
+                responses, comps = score_responses(args, batch, ro, m, custom_fns)
     compute_advantages(args, ro, kl_coef, s)  # 4. advantages
     metrics, weights = rollout_metrics(ro, comps, entropy, kl_coef, args.num_generations)
     samples = [{"prompt": batch["prompt"][i // args.num_generations][-200:], "response": responses[i],
@@ -257,10 +276,19 @@ def ppo_update(args: argparse.Namespace, ro: Rollout, m: Models, opt: Optim, ste
                     opt.zero_grad()  # the minibatch that crossed the limit does not step
                     break
                 with timer("update_optimizer"):
-                    for name, model in (("actor", m.actor_train), ("critic", m.critic_train))[0 if train_actor else 1:]:
+                    trained = (("actor", m.actor_train), ("critic", m.critic_train))[0 if train_actor else 1:]
+                    norms = {}
+                    for name, model in trained:
                         opt.scaler.unscale_(opt.optims[name])
-                        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-                        stats.setdefault(f"grad_norm/{name}", []).append(gn.item())
+                        norms[name] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).item()
+                        stats.setdefault(f"grad_norm/{name}", []).append(norms[name])
+                    # A NaN/inf gradient (a loss can be finite while its gradient is not) would make every weight
+                    # NaN; fp16's scaler skips such steps itself (its overflow is expected and not counted).
+                    if not opt.scaler.is_enabled() and D.any_rank(not all(map(np.isfinite, norms.values())), s.info):
+                        nonfinite = True
+                        opt.zero_grad()
+                        break
+                    for name, _ in trained:
                         opt.scaler.step(opt.optims[name])
                     opt.scaler.update()
                     opt.zero_grad()
@@ -340,7 +368,7 @@ def _critic_backward(args, critic, part: Rollout, scale: torch.Tensor, s: Settin
 # --------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    built = setup(args, D.init_distributed(args.device))  # threads, seeds, models, data, optimizers, DDP
+    built = setup(args, D.init_distributed(args.device, timeout_s=args.ddp_timeout))  # threads, seeds, models, data, optimizers, DDP
     s, m, opt, kl_ctl = built.settings, built.models, built.optim, built.kl_ctl
     with Run(args, built) as run:  # resume, run.json, logger; marks the run's end however it ends
         for batch in run.batches():

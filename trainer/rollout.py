@@ -176,8 +176,7 @@ def rollout_metrics(ro: Rollout, comps: dict[str, torch.Tensor], entropy: torch.
     n_tok = mask.sum(1)
     counted = {k: torch.isfinite(v).sum().item() for k, v in comps.items()}  # NaN = component not defined for a row
     weights = {"ppo/entropy": n_tok.sum().item(), **{f"reward/{k}": n for k, n in counted.items()}}
-    if "accuracy" in comps:
-        weights["accuracy"] = counted["accuracy"]
+    weights["accuracy"] = counted["accuracy"]
     metrics = {
         "reward/total": rewards.mean().item(),
         **{f"reward/{k}": (v.nanmean().item() if counted[k] else float("nan")) for k, v in comps.items()},
@@ -188,8 +187,8 @@ def rollout_metrics(ro: Rollout, comps: dict[str, torch.Tensor], entropy: torch.
         "response/length": n_tok.float().mean().item(),
         "response/eos_rate": ro.has_eos.float().mean().item(),
     }
-    if counted.get("accuracy"):
-        metrics["accuracy"] = metrics["reward/accuracy"]
+    # Always present (NaN with weight 0 where no row had a reference): every rank must reduce the same keys.
+    metrics["accuracy"] = metrics["reward/accuracy"]
     if num_generations > 1:  # spread of rewards among the responses to the same prompt
         metrics["reward/group_std"] = rewards.view(-1, num_generations).std(dim=1).mean().item()
     metrics["tokens_generated"] = float(n_tok.sum().item())

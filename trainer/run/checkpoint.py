@@ -14,9 +14,11 @@ refused, never skipped.
 
 from __future__ import annotations
 
+import errno
 import pickle
 import random
 import re
+import shutil
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from model.weights import atomic_torch_save
+from trainer.run.distributed import DistInfo, all_gather_objects, failing_together, on_main, stop_all
 from trainer.run.provenance import changed_inputs
 
 FORMAT_VERSION = 1
@@ -90,6 +93,27 @@ def save_resume(state: dict, checkpoint_dir: str | Path, prefix: str, step: int,
     return path
 
 
+def check_free_space(checkpoint_dir: str | Path, prefix: str, state: dict) -> None:
+    """OSError(ENOSPC) before writing when the folder cannot take one more resume file (the newest
+    one's size, or the state's tensor bytes for the first): keeping K files needs room for K+1."""
+    files = list_resume_files(checkpoint_dir, prefix)
+    need = files[0].stat().st_size if files else _tensor_bytes(state)
+    Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(checkpoint_dir).free
+    if free < need:
+        raise OSError(errno.ENOSPC, f"{free / 2**20:.0f} MB free, a resume file needs {need / 2**20:.0f} MB")
+
+
+def _tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
 def _verify_zip_crc(path: Path) -> None:
     """torch.load checks neither the CRC32s torch.save writes nor, for tensor bytes, anything else:
     a flipped bit would load as a silently different weight. testzip() reads every member."""
@@ -109,12 +133,15 @@ def _unsafe_detail(text: str) -> str:
     return text.splitlines()[0] if text else "weights_only load failed"
 
 
-def read_resume(path: str | Path) -> dict:
-    """Load one resume file (weights_only=True); ResumeError / UnsafeResumeError if unusable."""
+def read_resume(path: str | Path, verify: bool = True) -> dict:
+    """Load one resume file (weights_only=True, memory-mapped: the tensors are read as they are
+    copied into the models, not all into RAM first); ResumeError / UnsafeResumeError if unusable.
+    verify=False skips the CRC pass (other ranks, once rank 0 has checked the file)."""
     path = Path(path)
     try:
-        _verify_zip_crc(path)
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        if verify:
+            _verify_zip_crc(path)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except ResumeError:
         raise
     except Exception as e:
@@ -167,8 +194,24 @@ def check_compatible(saved_args: dict, args: dict, source: str = "the resume fil
             if k in saved_args and k not in IGNORED_FLAGS and saved_args[k] != args[k]]
 
 
-def capture_rng_state() -> dict:
-    """Python, numpy, torch CPU and CUDA generators, as weights_only-loadable values."""
+def cuda_rng_state(device: torch.device) -> torch.Tensor | None:
+    """This rank's own GPU generator (None off CUDA). Not every visible GPU's: a run resumed where
+    fewer GPUs are visible would index past them, and each rank only ever samples on its own."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def set_cuda_rng_state(state: torch.Tensor | list | None, device: torch.device) -> None:
+    if device.type != "cuda" or state is None:
+        return
+    if isinstance(state, list):  # files written before per-device states held every visible GPU's
+        if not state:
+            return
+        state = state[device.index or 0] if (device.index or 0) < len(state) else state[0]
+    torch.cuda.set_rng_state(state, device)
+
+
+def capture_rng_state(device: torch.device = torch.device("cpu")) -> dict:
+    """Python, numpy, torch CPU and this rank's CUDA generators, as weights_only-loadable values."""
     np_state = np.random.get_state(legacy=False)
     return {
         "python": random.getstate(),
@@ -180,11 +223,11 @@ def capture_rng_state() -> dict:
             "gauss": float(np_state["gauss"]),
         },
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": cuda_rng_state(device),
     }
 
 
-def restore_rng_state(state: dict) -> None:
+def restore_rng_state(state: dict, device: torch.device = torch.device("cpu")) -> None:
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     n = state["numpy"]
@@ -195,17 +238,16 @@ def restore_rng_state(state: dict) -> None:
         "gauss": n["gauss"],
     })
     torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and state.get("cuda"):
-        torch.cuda.set_rng_state_all(state["cuda"])
+    set_cuda_rng_state(state.get("cuda"), device)
 
 
-def seed_rngs(seed: int) -> dict:
+def seed_rngs(seed: int, device: torch.device = torch.device("cpu")) -> dict:
     """Seed python, numpy and torch (CPU and CUDA) from `seed`; returns the resulting state.
     For ranks that a resume file has no RNG state for (the world size grew)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-    return capture_rng_state()
+    return capture_rng_state(device)
 
 
 def find_resume(checkpoint_dir: str | Path, save_weight: str, prefix: str, flags: dict,
@@ -262,33 +304,53 @@ class Resumed:
     rng: dict  # this rank's RNG state: restore it just before the loop (start-up code draws numbers)
     record: dict  # the entry for run.json's resume log
     changed_inputs: dict  # {path: new hash record}, accepted with check_inputs=False
+    run_id: str | None  # the run the file belongs to (None in files written before run ids)
 
 
 def resume_run(checkpoint_dir: str | Path, save_weight: str, prefix: str, flags: dict, trainables: dict, *,
-               check_inputs: bool, seed: int, rank: int, world_size: int,
-               say: Callable[[str], None] = print) -> Resumed | None:
+               check_inputs: bool, seed: int, info: DistInfo, say: Callable[[str], None] = print) -> Resumed | None:
     """Load the newest usable resume file into `trainables` (load_training_state's keywords).
 
-    None when there is nothing to resume. Raises ResumeError for a file from an incompatible run,
-    and, with check_inputs, when a starting-weights file, reward model or prompt file differs from
-    the sha256 the run recorded: the reference and reward model are rebuilt from those files, not
-    saved, so other bytes would silently change what the KL and the reward measure."""
-    found = find_resume(checkpoint_dir, save_weight, prefix, flags, info=say)
-    if found is None:
-        say(f"no resume file {checkpoint_dir}/{prefix}_step*.pth: starting a new run")
+    Rank 0 chooses the file (CRC-checked, flags compared, inputs re-hashed) and every rank loads that
+    file; each rank then confirms what it read, so nodes without a shared --checkpoint_dir stop with
+    one line instead of one of them silently starting over. None when there is nothing to resume.
+    A file from an incompatible run is an error, and, with check_inputs, so is a starting-weights
+    file, reward model or prompt file whose sha256 differs from the run's: the reference and reward
+    model are rebuilt from those files, not saved, so other bytes would change what KL and reward measure."""
+    picked: dict = {}
+
+    def pick() -> dict | None:
+        found = find_resume(checkpoint_dir, save_weight, prefix, flags, info=say)
+        if found is None:
+            return None
+        state, path, changes = found
+        changed = changed_inputs(state.get("run") or {})
+        if changed and check_inputs:
+            raise ResumeError(f"{', '.join(changed)} changed since this run started (its resume file {path} recorded "
+                              f"other sha256s): restore the original file(s), start a new run without --from_resume, "
+                              f"or pass --resume_check_inputs 0 to continue with the new ones")
+        picked["state"] = state  # rank 0 has read it already
+        return {"path": str(path), "step": state["step"], "run_id": state.get("run_id"), "changes": changes, "changed": changed}
+
+    choice = on_main(pick, info)
+    if choice is None:
         return None
-    state, path, changes = found
-    changed = changed_inputs(state.get("run") or {})
-    if changed and check_inputs:
-        raise ResumeError(f"{', '.join(changed)} changed since this run started (its resume file {path} recorded "
-                          f"other sha256s): restore the original file(s), start a new run without --from_resume, "
-                          f"or pass --resume_check_inputs 0 to continue with the new ones")
-    if changed:
-        say(f"warning: {', '.join(changed)} changed since this run started; continuing with the new bytes")
+    path = choice["path"]
+    with failing_together(info):
+        try:
+            state = picked.get("state") or read_resume(path, verify=False)
+        except ResumeError as e:
+            raise ResumeError(f"{e}; rank 0 chose it: every rank must see rank 0's --checkpoint_dir (a shared filesystem)") from None
+    seen = all_gather_objects((state["step"], state.get("run_id")), info)
+    stop_all(None if all(x == seen[0] for x in seen) else
+             f"ranks read different resume files at {path} (step, run id per rank: {seen}): every rank must see "
+             f"rank 0's --checkpoint_dir (a shared filesystem)", info)
+    if choice["changed"]:
+        say(f"warning: {', '.join(choice['changed'])} changed since this run started; continuing with the new bytes")
     load_training_state(state, **trainables)
-    step, saved_world = state["step"], state["world_size"]
+    step, saved_world, rank, world_size = state["step"], state["world_size"], info.rank, info.world_size
     rngs = state["rng"]
-    rng = rngs[rank] if rank < len(rngs) else seed_rngs(seed + rank + 1000003 * step)
+    rng = rngs[rank] if rank < len(rngs) else seed_rngs(seed + rank + 1000003 * step, info.device)
     say(f"resumed from {path} at step {step} (epoch {state['epoch']}, sample {state['consumed']})")
     if saved_world != world_size:
         say(f"world size changed {saved_world} -> {world_size}: continuing at global sample {state['consumed']} of "
@@ -296,9 +358,10 @@ def resume_run(checkpoint_dir: str | Path, save_weight: str, prefix: str, flags:
             f"{flags['batch_size']} of {flags['batch_size'] * world_size} prompts per step")
         if world_size > len(rngs):
             say(f"ranks {len(rngs)}..{world_size - 1} have no saved RNG state: seeded from --seed, rank and step")
-    for c in changes:
+    for c in choice["changes"]:
         say(f"flag changed on resume: {c}")
-    record = {"path": str(path), "step": step, "world_size": world_size, "saved_world_size": saved_world,
-              "flag_changes": changes, "changed_inputs": list(changed)}
+    record = {"path": path, "step": step, "world_size": world_size, "saved_world_size": saved_world,
+              "flag_changes": choice["changes"], "changed_inputs": list(choice["changed"])}
     return Resumed(step=step, epoch=state["epoch"], consumed=state["consumed"], nonfinite_run=state["nonfinite_run"],
-                   swanlab_id=state.get("swanlab_id"), rng=rng, record=record, changed_inputs=changed)
+                   swanlab_id=state.get("swanlab_id"), rng=rng, record=record, changed_inputs=choice["changed"],
+                   run_id=state.get("run_id"))

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import zlib
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,58 @@ def cleanup(info: DistInfo) -> None:
         dist.destroy_process_group()
 
 
+def one_line(e: BaseException) -> str:
+    """An exception as one line: our SystemExit errors as they are, others as `Type: first line`."""
+    if isinstance(e, SystemExit):
+        text = str(e.code) if e.code is not None else "exit"
+    else:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        text = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    return text.removeprefix("error: ")
+
+
+def stop_all(error: str | None, info: DistInfo) -> None:
+    """Every rank calls this at the same point. If any rank brings an error, every rank stops: rank 0
+    with the first failing rank's one line, the others quietly (not one traceback per rank)."""
+    if not any_rank(error is not None, info):
+        return
+    errors = all_gather_objects(error, info)
+    rank, msg = next((r, e) for r, e in enumerate(errors) if e is not None)
+    raise SystemExit(f"error: {'rank ' + str(rank) + ': ' if info.enabled else ''}{msg}" if info.is_main else 1)
+
+
+@contextlib.contextmanager
+def failing_together(info: DistInfo) -> Iterator[None]:
+    """Around rank-local work that can fail on some ranks only (a bad file on one node, a reward
+    function that throws, OOM): the failure is agreed on at the end of the block, so no rank is left
+    waiting in a collective the failed rank never reaches (NCCL would wait for its timeout). The block
+    must not run collectives itself. One process: exceptions pass through unchanged."""
+    error = None
+    try:
+        yield
+    except (Exception, SystemExit) as e:  # KeyboardInterrupt passes: a second Ctrl-C exits at once
+        if not info.enabled:
+            raise
+        error = one_line(e)
+    if info.enabled:
+        stop_all(error, info)
+
+
+def on_main(fn: Callable[[], T], info: DistInfo) -> T:
+    """fn() on rank 0 only (file checks, hashing, choosing a resume file); its result, or its error,
+    reaches every rank."""
+    if not info.enabled:
+        return fn()
+    result, error = None, None
+    if info.is_main:
+        try:
+            result = fn()
+        except (Exception, SystemExit) as e:
+            error = one_line(e)
+    stop_all(error, info)
+    return broadcast_object(result, info)
+
+
 def any_rank(flag: bool, info: DistInfo) -> bool:
     """True on every rank if it is true on any: decisions such as early stop or skipping a
     non-finite step must be taken together, or one rank would wait forever in a collective."""
@@ -99,9 +155,10 @@ def reduce_mean(values: dict[str, float], info: DistInfo, weights: dict[str, flo
     mean, its count of non-NaN entries for a NaN-aware mean); keys without one weigh 1, which is
     exact for per-sample means since every rank holds the same number of samples. NaN entries
     (e.g. accuracy with no reference on a rank) are left out, with their weight."""
-    if not info.enabled or not values:
+    if not info.enabled:
         return dict(values)
     keys = sorted(values)
+    _check_same_keys(keys, info)
     weights = weights or {}
     vals = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=info.device)
     w = torch.tensor([float(weights.get(k, 1.0)) for k in keys], dtype=torch.float64, device=info.device)
@@ -121,6 +178,20 @@ def no_sync(*models: torch.nn.Module) -> Iterator[None]:
             if hasattr(model, "no_sync"):
                 stack.enter_context(model.no_sync())
         yield
+
+
+def _check_same_keys(keys: list[str], info: DistInfo) -> None:
+    """ValueError on every rank, naming the keys, when ranks would all-reduce different metric keys
+    (gloo aborts on the size mismatch; NCCL hangs or reads past the buffer)."""
+    crc = zlib.crc32("\n".join(keys).encode())
+    t = torch.tensor([crc, -crc], dtype=torch.int64, device=info.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if t[0].item() == -t[1].item():  # max == min: every rank has the same keys
+        return
+    per_rank = all_gather_objects(keys, info)
+    common = set.intersection(*map(set, per_rank))
+    diff = {r: sorted(set(k) - common) for r, k in enumerate(per_rank) if set(k) - common}
+    raise ValueError(f"ranks logged different metric keys (beyond the common ones: {diff}); every rank must log the same keys")
 
 
 def all_gather_objects(obj, info: DistInfo) -> list:

@@ -7,6 +7,10 @@ saving, and one way out (finished, stopped, or failed), on every rank.
             run.end_step(metrics, samples) # count, log, stop on non-finite steps, save
         run.finish()
 
+A run owns its folders: a lock on --checkpoint_dir and --run_dir keeps a second run out, a run id
+(run.json, every resume file) names it, a fresh run refuses a folder holding another run's resume
+files, and --from_resume 1 refuses a folder with nothing to resume. SIGTERM / SIGUSR1 / SIGINT stop
+the run after the current step, saved; non-finite weights are never saved.
 Only rank 0 writes (weights, resume files, run.json, logs); every rank takes part in the
 collectives a save needs (the RNG states are gathered from all ranks).
 """
@@ -14,19 +18,24 @@ collectives a save needs (the RNG states are gathered from all ranks).
 from __future__ import annotations
 
 import argparse
+import errno
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import torch
 import torch.distributed as dist
 
 from dataset.rlaif import collate_left_pad
 from model.weights import native_weight_path, save_native_weights
 from trainer.run import checkpoint as ckpt
 from trainer.run import distributed as D
+from trainer.run.lock import FolderLock
 from trainer.run.logging import RunLogger
 from trainer.run.provenance import append_resume_record, mark_run_end, rehash_inputs, write_run_json
 from trainer.run.setup import Setup, actor_weights_path
+from trainer.run.signals import StopRequest
 
 
 @dataclass
@@ -49,46 +58,81 @@ class Run:
         self.out_path = (Path(args.save_dir) / f"{args.save_weight}_hf" if args.actor_path
                          else native_weight_path(args.save_dir, args.save_weight, self.s.hidden_size, use_moe))
         self._closed = False
-        resumed = self._resume() if args.from_resume else None
-        self.pos = (Position(resumed.step, resumed.epoch, resumed.consumed, resumed.nonfinite_run)
-                    if resumed else Position())
-        self.logger = RunLogger(
-            run_dir=self.run_dir, enabled=info.is_main, swanlab_mode="disabled" if not args.use_wandb else args.swanlab_mode,
-            project=args.wandb_project, experiment_name=f"{args.save_weight}_{self.s.hidden_size}", config=flags,
-            total_steps=self.s.total_steps, start_step=self.pos.step, resume_id=resumed.swanlab_id if resumed else None)
-        self.provenance = self._write_provenance(resumed) if info.is_main else None
+        self._locks: list[FolderLock] = []
+        self.stop = StopRequest()
+        self.stopped_by: str | None = None  # the signal that stopped the run (every rank agrees on it)
+        try:
+            D.on_main(self._claim_folders, info)
+            resumed = self._resume() if args.from_resume else None
+            self.run_id = D.on_main(lambda: (resumed and resumed.run_id) or uuid.uuid4().hex[:12], info)
+            self.pos = (Position(resumed.step, resumed.epoch, resumed.consumed, resumed.nonfinite_run)
+                        if resumed else Position())
+            with D.failing_together(info):  # rank 0's start-up writes: a failure there must not strand the others
+                self.logger = RunLogger(
+                    run_dir=self.run_dir, enabled=info.is_main,
+                    swanlab_mode="disabled" if not args.use_wandb else args.swanlab_mode, project=args.wandb_project,
+                    experiment_name=f"{args.save_weight}_{self.s.hidden_size}", config=flags, total_steps=self.s.total_steps,
+                    start_step=self.pos.step, resume_id=resumed.swanlab_id if resumed else None)
+                self.provenance = self._write_provenance(resumed) if info.is_main else None
+        except BaseException:
+            self._release_locks()
+            raise
         if resumed:  # after start-up code that draws random numbers (swanlab.init uses `random`)
-            ckpt.restore_rng_state(resumed.rng)
+            ckpt.restore_rng_state(resumed.rng, info.device)
+        self.stop.install()
 
     # ---- start
+    def _claim_folders(self) -> None:
+        """Rank 0: one run per folder. Lock the checkpoint and run folders (a second run at once is
+        refused, naming the holder); a fresh run refuses a folder that holds another run's resume files
+        (its saves would be pruned by the old run's higher steps, and --from_resume would continue the
+        old run)."""
+        args = self.args
+        self._locks.append(FolderLock(args.checkpoint_dir, "--checkpoint_dir").acquire())
+        if self.run_dir.resolve() != Path(args.checkpoint_dir).resolve():
+            self._locks.append(FolderLock(self.run_dir, "--run_dir").acquire())
+        existing = ckpt.list_resume_files(args.checkpoint_dir, self.prefix)
+        if existing and not args.from_resume:
+            raise SystemExit(f"error: {args.checkpoint_dir}/ holds resume files of an earlier run ({existing[0].name}): "
+                             f"continue it with --from_resume 1, or start a new run with another --checkpoint_dir or "
+                             f"--save_weight (or move those files away)")
+
     def _resume(self) -> ckpt.Resumed | None:
-        m, o, info = self.built.models, self.built.optim, self.s.info
+        args, m, o, info = self.args, self.built.models, self.built.optim, self.s.info
         trainables = dict(actor=m.actor, critic=m.critic, optims=o.optims, scheds=o.scheds, kl_ctl=self.built.kl_ctl,
                           old_actor=m.old_actor, scaler=o.scaler)
+        say = print if info.is_main else (lambda msg: None)
         try:
-            return ckpt.resume_run(self.args.checkpoint_dir, self.args.save_weight, self.prefix, self.s.flags, trainables,
-                                   check_inputs=bool(self.args.resume_check_inputs), seed=self.args.seed, rank=info.rank,
-                                   world_size=info.world_size, say=print if info.is_main else (lambda msg: None))
+            resumed = ckpt.resume_run(args.checkpoint_dir, args.save_weight, self.prefix, self.s.flags, trainables,
+                                      check_inputs=bool(args.resume_check_inputs), seed=args.seed, info=info, say=say)
         except ckpt.ResumeError as e:
             raise SystemExit(f"error: {e}")
+        if resumed is None and args.from_resume == 1:  # a typo in a folder name must not start over and wipe the logs
+            raise SystemExit(f"error: --from_resume 1: nothing to resume in {args.checkpoint_dir}/ (no {self.prefix}_step*.pth): "
+                             f"check --checkpoint_dir, --save_weight and the model size flags, or use --from_resume 2 "
+                             f"to resume when there is something to resume and start a new run otherwise")
+        if resumed is None:
+            say(f"no resume file {args.checkpoint_dir}/{self.prefix}_step*.pth: starting a new run (--from_resume 2)")
+        return resumed
 
     def _write_provenance(self, resumed: ckpt.Resumed | None) -> dict:
         args, info = self.args, self.s.info
         if resumed:
-            provenance = append_resume_record(self.run_dir, resumed.record)
+            provenance = append_resume_record(self.run_dir, {**resumed.record, "run_id": self.run_id})
             if resumed.changed_inputs:  # accepted with --resume_check_inputs 0: later resumes check the new bytes
                 provenance = rehash_inputs(self.run_dir, resumed.changed_inputs)
         else:
             inputs = (actor_weights_path(args), args.actor_path, args.reward_model_path)
             provenance = write_run_json(self.run_dir, args=self.s.flags, world_size=info.world_size, device=str(info.device),
                                         seed=args.seed, data_path=args.data_path,
-                                        weight_paths=[str(p) for p in inputs if p and Path(p).exists()])
+                                        weight_paths=[str(p) for p in inputs if p and Path(p).exists()],
+                                        run_id=self.run_id)
         if self.built.n_bad_lines:
             self.logger.info(f"skipped {self.built.n_bad_lines} malformed lines in {args.data_path}")
         n_params = sum(p.numel() for p in self.built.models.actor.parameters())
         self.logger.info(f"actor {n_params / 1e6:.2f}M params | {len(self.built.dataset)} prompts | {self.s.total_steps} steps x "
                          f"{args.batch_size * info.world_size} prompts | device {info.device} x{info.world_size} | "
-                         f"dtype {self.s.dtype_name} | run dir {self.run_dir}")
+                         f"dtype {self.s.dtype_name} | run {self.run_id} in {self.run_dir}")
         return provenance
 
     # ---- the loop
@@ -97,57 +141,85 @@ class Run:
         return self.pos.step
 
     def batches(self) -> Iterator[dict]:
-        """This rank's prompt batches, epoch after epoch, from the saved position, until the last step."""
+        """This rank's prompt batches, epoch after epoch, from the saved position, until the last step
+        (or a stop signal, after the step that was running has been saved)."""
         args, info, pos, ds = self.args, self.s.info, self.pos, self.built.dataset
         pad_id = self.built.models.tok.pad_token_id
         while pos.step < self.s.total_steps and pos.epoch < args.epochs:
             for idx in D.shard_batches(len(ds), args.seed, pos.epoch, pos.consumed, info.rank, info.world_size, args.batch_size):
                 yield collate_left_pad([ds[i] for i in idx], pad_id=pad_id)
-                if pos.step >= self.s.total_steps:
+                if pos.step >= self.s.total_steps or self.stopped_by:
                     return
             pos.epoch, pos.consumed = pos.epoch + 1, 0
 
     def end_step(self, metrics: dict[str, float], samples: list[dict]) -> None:
         """After a step's update, with its globally reduced metrics: advance, log, stop after
-        --max_nonfinite non-finite steps in a row, save every --save_interval steps and at the end."""
+        --max_nonfinite non-finite steps in a row, save every --save_interval steps, at the end, and
+        when a stop signal reached any rank."""
         args, info, pos = self.args, self.s.info, self.pos
         pos.nonfinite_run = pos.nonfinite_run + 1 if metrics["nonfinite"] else 0
         metrics["tokens_per_s"] = metrics.pop("tokens_generated") * info.world_size / max(metrics["time/step"], 1e-9)
         pos.step += 1
         pos.consumed += args.batch_size * info.world_size
-        if pos.step % args.log_interval == 0 or pos.step == self.s.total_steps:
-            self.logger.log(metrics, pos.step)
-        if info.is_main and args.sample_interval and (pos.step % args.sample_interval == 0 or pos.step == 1):
-            self.logger.log_samples(samples, pos.step)
+        with D.failing_together(info):
+            try:
+                if pos.step % args.log_interval == 0 or pos.step == self.s.total_steps:
+                    self.logger.log(metrics, pos.step)
+                if info.is_main and self.s.sample_interval and (pos.step % self.s.sample_interval == 0 or pos.step == 1):
+                    self.logger.log_samples(samples, pos.step)
+            except OSError as e:
+                raise SystemExit(f"error: {_io_error(e, self.run_dir, 'writing the metrics of step ' + str(pos.step))}") from None
         if pos.nonfinite_run >= args.max_nonfinite:
             self.logger.info(f"stopping: {pos.nonfinite_run} non-finite steps in a row (no optimizer step was taken for them); "
                              f"the last good checkpoint in {args.checkpoint_dir}/ is intact. Lower --learning_rate or check --reward_fn.")
             self._close("stopped: non-finite", state="aborted", plots=False)
             raise SystemExit(2)
-        if pos.step % args.save_interval == 0 or pos.step >= self.s.total_steps:
+        if D.any_rank(self.stop.signal is not None, info):
+            self.stopped_by = self.stop.signal or "a signal on another rank"
+        if pos.step % args.save_interval == 0 or pos.step >= self.s.total_steps or self.stopped_by:
             self.save()
 
     def save(self) -> None:
-        """The policy in the usual place and a resume file (atomic; the last --keep_checkpoints kept)."""
-        args, info, m, o = self.args, self.s.info, self.built.models, self.built.optim
-        rngs = D.all_gather_objects(ckpt.capture_rng_state(), info)  # a collective: every rank takes part
-        if not info.is_main:
-            return
-        if args.actor_path:
-            m.actor.save_pretrained(self.out_path)
-            m.tok.save_pretrained(self.out_path)
-        else:
-            save_native_weights(m.actor, self.out_path)
+        """The policy in the usual place and a resume file (atomic; the last --keep_checkpoints kept).
+        Weights that are not finite are never written: the last good files stay."""
+        args, info, m = self.args, self.s.info, self.built.models
+        bad = not all(bool(torch.isfinite(p).all()) for p in (*m.actor.parameters(), *m.critic.parameters()))
+        if D.any_rank(bad, info):
+            raise SystemExit(f"error: the weights are not finite after step {self.pos.step}: nothing was saved; the last good "
+                             f"checkpoint in {args.checkpoint_dir}/ is intact. Lower --learning_rate or --grad_clip.")
+        rngs = D.all_gather_objects(ckpt.capture_rng_state(info.device), info)  # a collective: every rank takes part
+        with D.failing_together(info):
+            if info.is_main:
+                self._write(rngs)
+
+    def _write(self, rngs: list[dict]) -> None:
+        args, m, o = self.args, self.built.models, self.built.optim
         state = ckpt.training_state(actor=m.actor, critic=m.critic, optims=o.optims, scheds=o.scheds, kl_ctl=self.built.kl_ctl,
                                     old_actor=m.old_actor, scaler=o.scaler)
         state.update(step=self.pos.step, epoch=self.pos.epoch, consumed=self.pos.consumed, nonfinite_run=self.pos.nonfinite_run,
-                     rng=rngs, world_size=info.world_size, args=self.s.flags, swanlab_id=self.logger.id, run=self.provenance or {})
-        ckpt.save_resume(state, args.checkpoint_dir, self.prefix, self.pos.step, args.keep_checkpoints)
+                     rng=rngs, world_size=self.s.info.world_size, args=self.s.flags, swanlab_id=self.logger.id,
+                     run=self.provenance or {}, run_id=self.run_id)
+        try:
+            ckpt.check_free_space(args.checkpoint_dir, self.prefix, state)
+            if args.actor_path:
+                m.actor.save_pretrained(self.out_path)
+                m.tok.save_pretrained(self.out_path)
+            else:
+                save_native_weights(m.actor, self.out_path)
+            ckpt.save_resume(state, args.checkpoint_dir, self.prefix, self.pos.step, args.keep_checkpoints)
+        except OSError as e:
+            raise SystemExit(f"error: {_io_error(e, args.checkpoint_dir, f'saving step {self.pos.step}')}; "
+                             f"the previous checkpoint is intact") from None
 
     # ---- the way out
     def finish(self) -> None:
-        if self.s.info.is_main:
-            self.logger.info(f"done: {self.pos.step} steps; policy saved to {self.out_path}; metrics in {self.run_dir}/metrics.jsonl")
+        args = self.args
+        if self.stopped_by:
+            self.logger.info(f"stopped by {self.stopped_by} after step {self.pos.step}, saved in {args.checkpoint_dir}/; "
+                             f"continue with the same command and --from_resume 1")
+            self._close(f"stopped: {self.stopped_by}")
+            return
+        self.logger.info(f"done: {self.pos.step} steps; policy saved to {self.out_path}; metrics in {self.run_dir}/metrics.jsonl")
         self._close("finished")
 
     def _close(self, status: str, state: str = "success", plots: bool = True, error: str | None = None) -> None:
@@ -155,13 +227,22 @@ class Run:
         if self._closed:
             return
         self._closed = True
-        if self.s.info.is_main:
-            mark_run_end(self.run_dir, status)
-        self.logger.finish(plots=plots, state=state, error=error)
-        if state == "success":
-            D.cleanup(self.s.info)  # waits for every rank: rank 0 may still be writing
-        elif dist.is_initialized():
-            dist.destroy_process_group()  # no barrier: another rank may never reach one
+        self.stop.restore()
+        try:
+            if self.s.info.is_main:
+                mark_run_end(self.run_dir, status)
+            self.logger.finish(plots=plots, state=state, error=error)
+        finally:
+            self._release_locks()
+            if state == "success":
+                D.cleanup(self.s.info)  # waits for every rank: rank 0 may still be writing
+            elif dist.is_initialized():
+                dist.destroy_process_group()  # no barrier: another rank may never reach one
+
+    def _release_locks(self) -> None:
+        for lock in self._locks:
+            lock.release()
+        self._locks.clear()
 
     def __enter__(self) -> Run:
         return self
@@ -169,10 +250,17 @@ class Run:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None or self._closed:
             return
-        what = f"{exc_type.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        what = D.one_line(exc)
         if issubclass(exc_type, KeyboardInterrupt):
             self._close("interrupted", state="aborted", plots=False, error=what)
         elif issubclass(exc_type, SystemExit):
-            self._close(f"stopped: {exc}", state="aborted", plots=False, error=what)
+            self._close(f"stopped: {what}", state="aborted", plots=False, error=what)
         else:
             self._close(f"failed: {what}", state="crashed", plots=False, error=what)
+
+
+def _io_error(e: OSError, where: str | Path, doing: str) -> str:
+    """A disk error as one line; a full disk named as such."""
+    if e.errno == errno.ENOSPC:
+        return f"no space left on {where} while {doing}"
+    return f"{doing} in {where} failed: {e.strerror or e}"

@@ -112,11 +112,13 @@ def _write(run_dir: str | Path, info: dict[str, Any]) -> None:
 
 
 def write_run_json(run_dir: str | Path, *, args: dict, world_size: int, device: str, seed: int,
-                   data_path: str | None, weight_paths: list[str], extra: dict | None = None) -> dict:
+                   data_path: str | None, weight_paths: list[str], extra: dict | None = None,
+                   run_id: str | None = None) -> dict:
     """Write <run_dir>/run.json for a fresh run and return its content (for the resume file).
-    Fields: start_time (ISO UTC), status "running", args, argv, code, versions, device, world_size,
+    Fields: run_id (also in every resume file of the run), start_time (ISO UTC), status "running", args, argv, code, versions, device, world_size,
     seed, host, data (hash record or None), weights (hash records), extra."""
     info: dict[str, Any] = {
+        "run_id": run_id,
         "start_time": _now(),
         "status": "running",
         "args": args,

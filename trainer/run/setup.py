@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import copy
 import math
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from model.loader import eos_token_ids, load_policy, load_reward_model
 from model.weights import WeightsError, native_weight_path
 from trainer.ppo import AdaptiveKLController, FixedKLController
 from trainer.rewards import RewardModelScorer, load_reward_fn
-from trainer.run.distributed import DistInfo
+from trainer.run.distributed import DistInfo, failing_together
 from trainer.run.parallel import check_parallel_update, use_parallel_update
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -45,6 +46,7 @@ class Settings:
     parallel_update: bool  # --parallel_update resolved for this device, dtype and thread count
     train_attn: str | None  # attention kernel of the update's forward/backward (None = the model's own)
     sample_temperature: float  # the distribution log-probs are taken under (1.0 under --greedy)
+    sample_interval: int  # steps between sample tables (MiniMind's --debug_mode 1 uses --debug_interval)
     flags: dict  # the flags with derived values filled in: run.json and resume files record these
 
     @property
@@ -112,6 +114,24 @@ def resolve_precision(args: argparse.Namespace, device: torch.device) -> tuple[s
     return name, (DTYPES[name] if low else torch.float32)
 
 
+def set_deterministic(enabled: bool, device: torch.device) -> None:
+    """--deterministic: torch's deterministic kernels everywhere (an op without one raises), and the
+    cuBLAS workspace setting those need on CUDA (read when cuBLAS starts, so set before any matmul)."""
+    if not enabled:
+        return
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
+
+
+def allow_tf32() -> None:
+    """fp32 matmuls on TF32 tensor cores (CUDA): ~8x the fp32 rate at 10-bit mantissa inputs, the usual
+    choice for training; the bf16 autocast default does not use fp32 matmuls much anyway."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -158,7 +178,10 @@ def build_models(args: argparse.Namespace, device: torch.device, frozen_dtype: t
     actor.config.use_cache = True
     ref = frozen_copy(actor, frozen_dtype)
     critic = CriticModel.from_policy(actor)
-    old_actor = frozen_copy(actor, frozen_dtype) if args.update_old_actor_freq > 0 else None
+    # The old actor scores with the actor's own numerics (its weights' dtype), or the ratio would not be 1
+    # before the first update; the reference may be held in low precision (its KL at step 0 is then the
+    # rounding gap, logged as kl_ref).
+    old_actor = frozen_copy(actor, next(actor.parameters()).dtype) if args.update_old_actor_freq > 0 else None
     return Models(actor=actor, critic=critic, ref=ref, old_actor=old_actor, rm_scorer=rm_scorer, tok=tok,
                   eos_ids=eos_token_ids(actor, tok))
 
@@ -209,6 +232,9 @@ def validate_flags(args: argparse.Namespace) -> None:
         (args.reward_model_path in (None, "none") or Path(args.reward_model_path).is_dir() or args.rm_weight == 0,
          f"--reward_model_path {args.reward_model_path}: not a directory (use 'none' or --rm_weight 0 to run without a reward model)"),
         (args.actor_path is None or Path(args.actor_path).is_dir(), f"--actor_path {args.actor_path}: not a directory"),
+        (args.rollout_engine == "torch", "--rollout_engine sglang is not supported: minippo samples with the policy "
+                                         "in-process (--rollout_engine torch, the default); drop the --sglang_* flags"),
+        (args.ddp_timeout > 0, "--ddp_timeout must be > 0 seconds"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -216,7 +242,15 @@ def validate_flags(args: argparse.Namespace) -> None:
 
 
 def setup(args: argparse.Namespace, info: DistInfo) -> Setup:
-    """Build a run from parsed flags. Bad input is a one-line SystemExit."""
+    """Build a run from parsed flags. Bad input is a one-line SystemExit; a failure on some ranks only
+    (a file missing on one node) stops every rank with its line."""
+    with failing_together(info):  # rank-local work only: no collective runs inside
+        built = _build(args, info)
+    wrap_for_training(args, built.models, info)  # DDP's constructor broadcasts rank 0's weights
+    return built
+
+
+def _build(args: argparse.Namespace, info: DistInfo) -> Setup:
     validate_flags(args)
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
@@ -224,10 +258,15 @@ def setup(args: argparse.Namespace, info: DistInfo) -> Setup:
         check_parallel_update(args.parallel_update, info.device, info.enabled)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
-    seed_everything(args.seed + info.rank)  # same seed + flags -> same run on CPU; each rank samples differently
+    set_deterministic(bool(args.deterministic), info.device)
+    if info.device.type == "cuda":
+        allow_tf32()
+    seed_everything(args.seed)  # the same random-init models (--from_weight none, value head) on every rank
     dtype_name, frozen_dtype = resolve_precision(args, info.device)
     try:
         models = build_models(args, info.device, frozen_dtype)
+        if info.rank > 0:  # then each rank samples differently (rank 0 keeps the single-process stream)
+            seed_everything(args.seed + info.rank)
         custom_fns = {spec.split(":")[-1]: load_reward_fn(spec) for spec in args.reward_fn}
         records, n_bad = read_rlaif_jsonl(args.data_path, skip_bad_lines=bool(args.skip_bad_lines))
     except (WeightsError, DataError, ValueError, OSError) as e:
@@ -246,7 +285,6 @@ def setup(args: argparse.Namespace, info: DistInfo) -> Setup:
     if args.max_steps > 0:
         total_steps = min(total_steps, args.max_steps)
     optim = build_optim(args, models, total_steps, DTYPES[dtype_name], info.device)
-    wrap_for_training(args, models, info)
 
     cpu_bf16 = info.device.type == "cpu" and dtype_name == "bfloat16" and not args.use_compile
     train_attn = args.train_attn_implementation
@@ -257,6 +295,7 @@ def setup(args: argparse.Namespace, info: DistInfo) -> Setup:
         info=info, dtype_name=dtype_name, frozen_dtype=frozen_dtype, hidden_size=hidden_size, total_steps=total_steps,
         parallel_update=use_parallel_update(args.parallel_update, info.device, info.enabled, cpu_bf16),
         train_attn=train_attn, sample_temperature=1.0 if args.greedy else args.temperature,
+        sample_interval=args.debug_interval if args.debug_mode else args.sample_interval,
         flags={**vars(args), "dtype": dtype_name, "hidden_size": hidden_size},
     )
     return Setup(settings, models, optim, kl_ctl, ds, custom_fns, n_bad)
