@@ -335,7 +335,7 @@ def resume_run(checkpoint_dir: str | Path, save_weight: str, prefix: str, flags:
     choice = on_main(pick, info)
     if choice is None:
         return None
-    path = choice["path"]
+    path = str(Path(checkpoint_dir) / Path(choice["path"]).name)  # rank 0's choice, in this rank's --checkpoint_dir
     with failing_together(info):
         try:
             state = picked.get("state") or read_resume(path, verify=False)

@@ -1,0 +1,199 @@
+"""trainer/run/lifecycle.py: what a run promises about its folders, signals, and what it never saves."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+from tests.helpers import make_tiny_world, read_metrics, tiny_flags
+from tests.test_checkpoint import PREFIX, _name, deep_equal, run_main, sigkill_after, spawn_train
+from trainer.run import checkpoint as ckpt
+from trainer.run.lock import FolderBusy, FolderLock
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return make_tiny_world(tmp_path_factory.mktemp("lcworld"))
+
+
+def _run_json(run_dir: Path) -> dict:
+    return json.loads((run_dir / "run.json").read_text())
+
+
+# ------------------------------------------------------------------ one run per folder
+def test_fresh_run_refuses_a_folder_with_another_runs_resume_files(world, tmp_path):
+    code, out = run_main(tiny_flags(world, tmp_path, max_steps=2))
+    assert code is None, out[-2000:]
+    first_id = _run_json(tmp_path / "run")["run_id"]
+    assert first_id and ckpt.read_resume(tmp_path / "ckpt" / _name(2))["run_id"] == first_id
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").glob("*.pth")}
+    metrics_before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    code, out = run_main(tiny_flags(world, tmp_path, max_steps=1))
+    assert isinstance(code, str) and code.startswith("error:") and "\n" not in code
+    assert "holds resume files of an earlier run" in code and "--from_resume 1" in code and "--checkpoint_dir" in code
+    # Nothing of the first run was touched: files, logs, run.json.
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").glob("*.pth")} == before
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics_before
+    assert _run_json(tmp_path / "run")["run_id"] == first_id
+    # Continuing it is fine, and keeps its run id.
+    code, out = run_main(tiny_flags(world, tmp_path, max_steps=3, from_resume=1))
+    assert code is None, out[-2000:]
+    assert ckpt.read_resume(tmp_path / "ckpt" / _name(3))["run_id"] == first_id
+
+
+def test_resume_with_nothing_to_resume_is_an_error_and_wipes_nothing(world, tmp_path):
+    code, out = run_main(tiny_flags(world, tmp_path, max_steps=1))
+    assert code is None, out[-2000:]
+    run_json = (tmp_path / "run" / "run.json").read_text()
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    code, out = run_main(tiny_flags(world, tmp_path, max_steps=1, from_resume=1, checkpoint_dir=str(tmp_path / "ckpt_typo")))
+    assert isinstance(code, str) and "nothing to resume" in code and "ckpt_typo" in code and "--from_resume 2" in code
+    assert (tmp_path / "run" / "run.json").read_text() == run_json
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
+    # --from_resume 2: resume if possible, else start.
+    code, out = run_main(tiny_flags(world, tmp_path / "b", max_steps=1, from_resume=2))
+    assert code is None and "starting a new run" in out
+    code, out = run_main(tiny_flags(world, tmp_path / "b", max_steps=2, from_resume=2))
+    assert code is None and "resumed from" in out
+
+
+def test_folder_lock_refuses_a_second_holder_and_dies_with_its_process(tmp_path):
+    lock = FolderLock(tmp_path, "--checkpoint_dir").acquire()
+    with pytest.raises(FolderBusy, match=rf"--checkpoint_dir {tmp_path} is in use by another run \(pid {os.getpid()} on "):
+        FolderLock(tmp_path, "--checkpoint_dir").acquire()
+    lock.release()
+    FolderLock(tmp_path, "--checkpoint_dir").acquire().release()
+    # A holder killed with SIGKILL leaves the file but not the lock: the next run starts.
+    holder = subprocess.Popen(["python", "-c", "import sys; sys.path.insert(0, '.'); from trainer.run.lock import FolderLock; "
+                               f"FolderLock({str(tmp_path)!r}, 'x').acquire(); print('held', flush=True); import time; time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(FolderBusy, match=f"pid {holder.pid}"):
+        FolderLock(tmp_path, "--checkpoint_dir").acquire()
+    holder.kill()
+    holder.wait()
+    FolderLock(tmp_path, "--checkpoint_dir").acquire().release()
+
+
+def test_second_run_in_a_busy_folder_is_refused_at_start(world, tmp_path):
+    busy = FolderLock(tmp_path / "ckpt", "--checkpoint_dir").acquire()
+    try:
+        code, out = run_main(tiny_flags(world, tmp_path, max_steps=1))
+    finally:
+        busy.release()
+    assert isinstance(code, str) and "is in use by another run" in code and f"pid {os.getpid()}" in code
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before touching anything
+
+
+# ------------------------------------------------------------------ never save diverged weights
+@pytest.mark.parametrize("over", [dict(learning_rate=1e4, critic_learning_rate=1e4), dict(grad_clip="nan")])
+def test_nonfinite_gradients_skip_the_step_and_nothing_nonfinite_is_saved(world, tmp_path, over):
+    start = torch.load(Path(world["save_dir"]) / f"full_sft_{world['hidden']}.pth", weights_only=True)
+    code, out = run_main(tiny_flags(world, tmp_path, max_steps=6, max_nonfinite=3, **over))
+    rows = read_metrics(tmp_path / "run")
+    if "grad_clip" in over:  # every gradient norm is NaN: every step skipped, stopped after 3
+        assert code == 2 and [r["nonfinite"] for r in rows] == [1.0, 1.0, 1.0]
+    files = ckpt.list_resume_files(tmp_path / "ckpt", PREFIX)
+    assert files, out[-2000:]
+    for f in files:
+        state = ckpt.read_resume(f)
+        for key in ("actor", "critic"):
+            assert all(torch.isfinite(t).all() for t in state[key].values()), f"{f.name}: non-finite {key} saved"
+    saved = torch.load(Path(world["save_dir"]) / f"ppo_actor_{world['hidden']}.pth", weights_only=True)
+    assert all(torch.isfinite(t.float()).all() for t in saved.values())
+    if "grad_clip" in over:  # no optimizer step was taken: the starting weights
+        assert torch.equal(saved["model.layers.0.mlp.up_proj.weight"], start["model.layers.0.mlp.up_proj.weight"])
+    code, out = run_main(tiny_flags(world, tmp_path, max_steps=7, from_resume=1))
+    assert "resumed from" in out
+
+
+# ------------------------------------------------------------------ disk full
+def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_file(world, tmp_path):
+    code, out = run_main(tiny_flags(world, tmp_path, max_steps=1))
+    assert code is None
+    good = (tmp_path / "ckpt" / _name(1)).read_bytes()
+    real = ckpt.save_resume
+
+    def full(state, checkpoint_dir, prefix, step, keep):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with mock.patch.object(ckpt, "save_resume", side_effect=full):
+        code, out = run_main(tiny_flags(world, tmp_path, max_steps=3, from_resume=1))
+    assert isinstance(code, str) and "\n" not in code
+    assert code == f"error: no space left on {tmp_path / 'ckpt'} while saving step 2; the previous checkpoint is intact"
+    assert (tmp_path / "ckpt" / _name(1)).read_bytes() == good
+    assert _run_json(tmp_path / "run")["status"].startswith("stopped: no space left")
+    assert ckpt.save_resume is real
+
+
+def test_free_space_is_checked_before_writing(tmp_path):
+    state = {"w": torch.zeros(1000)}
+    with mock.patch("shutil.disk_usage", return_value=mock.Mock(free=100)):
+        with pytest.raises(OSError, match="MB free") as e:
+            ckpt.check_free_space(tmp_path, PREFIX, state)
+    assert e.value.errno == errno.ENOSPC
+    ckpt.check_free_space(tmp_path, PREFIX, state)  # this machine has room for 4 KB
+
+
+# ------------------------------------------------------------------ signals
+def _spawn_and_signal(world, tmp_path, sig, flags: dict, at_file: str) -> tuple[subprocess.Popen, Path]:
+    log = tmp_path / f"log_{sig}.txt"
+    p = spawn_train(tiny_flags(world, tmp_path, **flags), tmp_path, log)
+    t_end = time.monotonic() + 240
+    while not (tmp_path / "ckpt" / at_file).exists():
+        assert p.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < t_end
+        time.sleep(0.01)
+    p.send_signal(sig)
+    return p, log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_exits_0_and_resume_is_bit_identical(world, tmp_path, sig):
+    common = dict(max_steps=6, save_interval=100, sample_interval=0, reward_fn=[])
+    a, b = tmp_path / "a", tmp_path / "b"
+    code, out = run_main(tiny_flags(world, a, **common))  # never interrupted
+    assert code is None, out[-2000:]
+    # save_interval 100: the only saves are the signal's and the end's. Wait for the run to get going.
+    p, log = _spawn_and_signal(world, b, sig, dict(common, save_interval=1), _name(1))
+    assert p.wait(timeout=240) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    line = next(l for l in text.splitlines() if l.startswith("stopped by "))
+    assert signal.Signals(sig).name in line and "--from_resume 1" in line
+    assert "Traceback" not in text
+    assert _run_json(b / "run")["status"] == f"stopped: {signal.Signals(sig).name}"
+    stopped_at = ckpt.list_resume_files(b / "ckpt", PREFIX)[0]
+    assert int(stopped_at.name[-12:-4]) < 6
+    code, out = run_main(tiny_flags(world, b, **dict(common, save_interval=1), from_resume=1))
+    assert code is None, out[-2000:]
+    sa, sb = ckpt.read_resume(a / "ckpt" / _name(6)), ckpt.read_resume(b / "ckpt" / _name(6))
+    assert not deep_equal({k: sa[k] for k in ("actor", "critic", "optim")}, {k: sb[k] for k in ("actor", "critic", "optim")})
+
+
+@pytest.mark.slow
+def test_second_ctrl_c_stops_at_once_and_loses_nothing(world, tmp_path):
+    p, log = _spawn_and_signal(world, tmp_path, signal.SIGINT, dict(max_steps=50, save_interval=1), _name(1))
+    p.send_signal(signal.SIGINT)
+    rc = p.wait(timeout=120)
+    assert rc != 0, log.read_text()[-2000:]
+    files = ckpt.list_resume_files(tmp_path / "ckpt", PREFIX)
+    assert files and all(ckpt.read_resume(f)["step"] >= 1 for f in files)  # every file complete and readable
+    assert _run_json(tmp_path / "run")["status"] == "interrupted"
+
+
+def test_sigkill_leaves_no_lock_behind(world, tmp_path):
+    log = tmp_path / "log.txt"
+    p = spawn_train(tiny_flags(world, tmp_path, max_steps=50, save_interval=1), tmp_path, log)
+    sigkill_after(p, tmp_path / "ckpt" / _name(1), delay=0.0)
+    code, out = run_main(tiny_flags(world, tmp_path, max_steps=2, from_resume=1))
+    assert code is None, out[-2000:]
