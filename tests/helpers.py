@@ -69,3 +69,112 @@ def run_train(flags: list[str], cwd: Path, timeout: int = 300, torchrun_procs: i
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+
+
+# ------------------------------------------------------------------------------------------------
+# In-process adapters into train_ppo's update loop.
+#
+# Every test that builds models, makes experience or runs an update in-process goes through the
+# functions below, never through train_ppo's internals directly: when the signatures of
+# make_experience / ppo_update / build_models / build_optimizers / lr_lambda change, only these
+# adapters change. Tests read the update's stats dict, the Rollout's fields and the parameters.
+
+UPDATE_BASE_FLAGS = [
+    "--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "none", "--reward_model_path", "none",
+    "--rm_weight", "0", "--batch_size", "4", "--mini_batch_size", "2", "--max_gen_len", "8", "--warmup_steps", "0",
+]
+
+
+class UpdateWorld:
+    """Everything one in-process PPO step needs (a random 64x2 MiniMind policy by default)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+    @property
+    def actor(self) -> torch.nn.Module:
+        return self.models["actor"]
+
+    @property
+    def critic(self) -> torch.nn.Module:
+        return self.models["critic"]
+
+
+def build_update_world(extra_flags: list[str] | None = None, dtype: str = "float32", seed: int = 0,
+                       n_prompts: int = 4, total_steps: int = 10) -> UpdateWorld:
+    """Parse UPDATE_BASE_FLAGS + extra_flags (later flags win), seed torch, build actor / reference /
+    critic / reward model / optimizers / schedulers / KL controller / custom rewards as train_ppo's main
+    does, and collate the first `n_prompts` demo prompts (left-padded, max 48 prompt tokens) as the batch."""
+    import train_ppo as T
+    from dataset.rlaif import RLAIFDataset, collate_left_pad, read_rlaif_jsonl
+    from model.loader import eos_token_ids
+    from trainer.distributed import DistInfo
+    from trainer.ppo import AdaptiveKLController, FixedKLController
+    from trainer.rewards import load_reward_fn
+
+    args = T.parse_args([*UPDATE_BASE_FLAGS, "--dtype", dtype, *(extra_flags or [])])
+    info = DistInfo()
+    torch.manual_seed(seed)
+    amp = T.DTYPES[dtype]
+    autocast = lambda: torch.autocast("cpu", dtype=amp, enabled=amp != torch.float32)  # noqa: E731
+    actor, tok, ref, critic, old_actor, rm_scorer = T.build_models(args, info.device, torch.float32)
+    kl_ctl = (AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon) if args.adaptive_kl
+              else FixedKLController(args.kl_coef))
+    optims, scheds = T.build_optimizers(args, actor, critic, total_steps)
+    models = {"actor": actor, "critic": critic, "ref": ref, "old_actor": old_actor, "kl_ctl": kl_ctl,
+              "eos_ids": eos_token_ids(actor, tok), "actor_train": actor, "critic_train": critic}
+    custom_fns = {spec.split(":")[-1]: load_reward_fn(spec) for spec in args.reward_fn}
+    records, _ = read_rlaif_jsonl(ROOT / "dataset" / "demo_train.jsonl")
+    ds = RLAIFDataset(records[:n_prompts], tok, max_prompt_len=48, seed=0)
+    batch = collate_left_pad([ds[i] for i in range(n_prompts)], pad_id=tok.pad_token_id)
+    return UpdateWorld(args=args, info=info, autocast=autocast, models=models, tok=tok, rm_scorer=rm_scorer,
+                       kl_ctl=kl_ctl, optims=optims, scheds=scheds, custom_fns=custom_fns, batch=batch,
+                       scaler=torch.amp.GradScaler("cpu") if amp == torch.float16 else None)
+
+
+def run_experience(world: UpdateWorld):
+    """Rollout + scoring + rewards + advantages of world.batch: returns (Rollout, metrics dict)."""
+    import train_ppo as T
+
+    ro, metrics, _ = T.make_experience(world.args, world.batch, world.models, world.tok, world.rm_scorer,
+                                       world.custom_fns, world.kl_ctl, world.info, world.autocast)
+    return ro, metrics
+
+
+def run_update(world: UpdateWorld, ro, step: int = 0) -> dict:
+    """One PPO update (all epochs and minibatches) on `ro` at PPO step `step`; returns its stats dict."""
+    import train_ppo as T
+
+    return T.ppo_update(world.args, ro, world.models, world.optims, world.scheds, step, world.info,
+                        world.autocast, world.scaler)
+
+
+def lr_schedule(warmup: int, total: int):
+    """The LR multiplier as a function of the PPO step (train_ppo's scheduler lambda)."""
+    import train_ppo as T
+
+    return T.lr_lambda(warmup, total)
+
+
+def policy_logprobs(world: UpdateWorld, ro, with_entropy: bool = False):
+    """The actor's current per-token log-probs [B, R] of ro's responses (and entropy), WITH grad, at the
+    temperature the update uses."""
+    from trainer.rollout import policy_forward
+
+    temp = 1.0 if world.args.greedy else world.args.temperature
+    with world.autocast():
+        return policy_forward(world.actor, ro.sequences, ro.attention_mask, ro.response_len, temp,
+                              with_entropy=with_entropy)
+
+
+def critic_values(world: UpdateWorld, ro) -> torch.Tensor:
+    """The critic's current values [B, R] for ro's responses, WITH grad."""
+    from trainer.rollout import critic_forward
+
+    with world.autocast():
+        return critic_forward(world.critic, ro.sequences, ro.attention_mask, ro.response_len)
+
+
+def param_snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Detached copies of every parameter, by name."""
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
