@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import ROOT, make_tiny_world, read_metrics, run_train, tiny_flags
+from tests.helpers import (
+    ROOT, build_update_world, critic_values, lr_schedule, make_tiny_world, param_snapshot, policy_logprobs,
+    read_metrics, run_experience, run_train, run_update, tiny_flags,
+)
+from trainer.ppo import compute_gae, compute_token_rewards
 
 FIXTURE = str(ROOT / "tests" / "fixtures" / "toy_rewards.py")
 
@@ -88,3 +93,267 @@ def test_several_generations_per_prompt(world, tmp_path):
     step1 = [s for s in samples if s["step"] == 1]
     # Rows 0..2 answer the first prompt, so the first three samples share their prompt.
     assert len({s["prompt"] for s in step1[:3]}) == 1
+
+
+# ================================================================================================
+# The update loop, in-process (through the adapters in tests/helpers.py): each flag's effect pinned
+# by value, against a hand computation or against the plain path. A random 64x2 policy, 4 prompts,
+# 8 new tokens, fp32, temperature 1 and a custom reward that differs between rows (low_id_share).
+
+TOY = f"{FIXTURE}:low_id_share"
+LR = 5e-5  # train_ppo's default actor LR
+
+
+def _world(*flags: str, **kw):
+    return build_update_world(["--reward_fn", TOY, "--temperature", "1.0", *flags], **kw)
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    m = mask.bool()
+    return torch.where(m, x, torch.zeros((), dtype=x.dtype)).sum() / m.sum()
+
+
+def _hand_actor_loss(world, ro, clip_eps: float = 0.2, kl_coef: float = 0.0, entropy_coef: float = 0.0) -> torch.Tensor:
+    """The whole batch as one minibatch: token mean of max(-A r, -A clip(r, 1-eps, 1+eps)), r = pi / pi_old,
+    + kl_coef x token mean of (log pi - log pi_ref) (k1), - entropy_coef x token mean of the entropy."""
+    m = ro.response_mask.bool()
+    logprobs, entropy = policy_logprobs(world, ro, with_entropy=entropy_coef > 0)
+    ratio = torch.exp(torch.where(m, logprobs - ro.old_logprobs, 0.0))
+    adv = ro.advantages
+    loss = _masked_mean(torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps)), m)
+    if kl_coef:
+        loss = loss + kl_coef * _masked_mean(logprobs - ro.ref_logprobs, m)
+    if entropy_coef:
+        loss = loss - entropy_coef * _masked_mean(entropy, m)
+    return loss
+
+
+def _hand_value_loss(world, ro, clip_range: float = 0.0) -> torch.Tensor:
+    """0.5 x token mean of (V - R)^2 from a fresh critic forward, or of max((V - R)^2, (V_clip - R)^2)."""
+    m = ro.response_mask.bool()
+    v = critic_values(world, ro)
+    err = (v - ro.returns) ** 2
+    if clip_range:
+        v_clip = ro.values + (v - ro.values).clamp(-clip_range, clip_range)
+        err = torch.maximum(err, (v_clip - ro.returns) ** 2)
+    return 0.5 * _masked_mean(err, m)
+
+
+def _grad_norm(loss: torch.Tensor, module: torch.nn.Module) -> float:
+    """Total L2 norm of d loss / d parameters, in fp32 as torch's clip_grad_norm_ computes it
+    (autograd.grad: the module's .grad fields are left alone)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    grads = [g for g in torch.autograd.grad(loss, params, allow_unused=True) if g is not None]
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+
+
+def _max_change(before: dict, module: torch.nn.Module) -> float:
+    return max((p.detach() - before[n]).abs().max().item() for n, p in module.named_parameters())
+
+
+def _same(before: dict, module: torch.nn.Module) -> bool:
+    return all(torch.equal(p.detach(), before[n]) for n, p in module.named_parameters())
+
+
+def _one_step(*flags: str, step: int = 0):
+    """A fresh world, its rollout, and one update at `step`: (world, rollout, stats, actor before, critic before)."""
+    world = _world(*flags)
+    ro, _ = run_experience(world)
+    actor0, critic0 = param_snapshot(world.actor), param_snapshot(world.critic)
+    stats = run_update(world, ro, step=step)
+    return world, ro, stats, actor0, critic0
+
+
+def _assert_same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+
+
+def _differs(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return any(not torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_lr_schedule_warms_up_linearly_then_cosine_to_ten_percent():
+    f = lr_schedule(4, 14)
+    assert [f(s) for s in range(4)] == pytest.approx([1 / 5, 2 / 5, 3 / 5, 4 / 5], rel=1e-12)  # (s + 1) / (w + 1)
+    assert f(4) == pytest.approx(1.0, rel=1e-12)  # the cosine starts at the peak
+    assert f(9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)), rel=1e-12)  # halfway: 0.55
+    assert f(6) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.2)), rel=1e-12)
+    assert f(14) == pytest.approx(0.1, rel=1e-12) and f(30) == pytest.approx(0.1, rel=1e-12)  # floor: 10%
+    g = lr_schedule(0, 10)
+    assert g(0) == pytest.approx(1.0, rel=1e-12) and g(5) == pytest.approx(0.55, rel=1e-12)
+
+
+def test_advantages_raw_gae_without_whitening_and_whitened_with_it():
+    w0 = _world("--whiten_advantages", "0", "--kl_coef", "0.1")
+    ro0, _ = run_experience(w0)
+    m = ro0.response_mask
+    kl = torch.where(m.bool(), ro0.old_logprobs - ro0.ref_logprobs, 0.0)  # k1, in the reward
+    token_rewards = compute_token_rewards(ro0.rewards, kl, m, 0.1)
+    adv, ret = compute_gae(token_rewards, ro0.values, m, gamma=1.0, lam=0.95)
+    torch.testing.assert_close(ro0.advantages, adv, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ro0.returns, ret, rtol=1e-6, atol=1e-7)
+    raw_mean = _masked_mean(adv, m)
+    raw_std = torch.sqrt(_masked_mean((adv - raw_mean) ** 2, m) * m.sum() / (m.sum() - 1))
+    assert abs(raw_mean.item()) > 0.05 or abs(raw_std.item() - 1) > 0.05  # whitening has something to change
+
+    w1 = _world("--whiten_advantages", "1", "--kl_coef", "0.1")
+    ro1, _ = run_experience(w1)
+    assert torch.equal(ro1.sequences, ro0.sequences)  # the same rollout: only the whitening differs
+    torch.testing.assert_close(ro1.returns, ret, rtol=1e-6, atol=1e-7)  # returns are never whitened
+    a1 = ro1.advantages
+    mean1 = _masked_mean(a1, m)
+    std1 = torch.sqrt(_masked_mean((a1 - mean1) ** 2, m) * m.sum() / (m.sum() - 1))  # unbiased
+    assert abs(mean1.item()) < 1e-6 and std1.item() == pytest.approx(1.0, abs=1e-5)
+    torch.testing.assert_close(a1, torch.where(m.bool(), (adv - raw_mean) / raw_std, 0.0), rtol=1e-5, atol=1e-6)
+
+
+def test_kl_ref_metric_is_the_mean_over_rows_of_the_summed_token_kl():
+    world = _world("--learning_rate", "3e-3")
+    ro, _ = run_experience(world)
+    run_update(world, ro, step=0)  # the actor leaves the reference, so the KL is far from 0
+    ro, metrics = run_experience(world)
+    per_row = ((ro.old_logprobs - ro.ref_logprobs) * ro.response_mask).sum(dim=1)
+    assert abs(per_row.mean().item()) > 1e-3
+    assert metrics["kl_ref"] == pytest.approx(per_row.mean().item(), rel=1e-5)
+    # Not a per-token mean: responses here are longer than one token.
+    assert ro.response_mask.sum(1).min() > 1
+
+
+def test_grad_clip_reports_the_pre_clip_norm_computed_by_hand():
+    """One minibatch: grad_norm/* is the total norm before clipping, whatever --grad_clip is; a tiny clip
+    bounds the step (first AdamW step: |dtheta| = lr |g| / (|g| + 1e-8) <= lr x 1e-4 for |g| <= 1e-12)."""
+    reported = {}
+    for clip in ("1e9", "1e-12"):
+        world = _world("--mini_batch_size", "4", "--grad_clip", clip)
+        ro, _ = run_experience(world)
+        hand_actor = _grad_norm(_hand_actor_loss(world, ro), world.actor)
+        hand_critic = _grad_norm(0.5 * _hand_value_loss(world, ro, clip_range=0.2), world.critic)  # vf_coef 0.5
+        actor0, critic0 = param_snapshot(world.actor), param_snapshot(world.critic)
+        stats = run_update(world, ro, step=0)
+        assert stats["grad_norm/actor"] == pytest.approx(hand_actor, rel=1e-5)
+        assert stats["grad_norm/critic"] == pytest.approx(hand_critic, rel=1e-5)
+        assert hand_actor > 1e-3 and hand_critic > 1e-3
+        reported[clip] = (stats["grad_norm/actor"], stats["grad_norm/critic"])
+        if clip == "1e-12":
+            assert 0 < _max_change(actor0, world.actor) <= LR * 1e-4 * 1.01
+            assert 0 < _max_change(critic0, world.critic) <= 1e-4 * 1e-4 * 1.01  # critic LR 1e-4
+        else:
+            assert _max_change(actor0, world.actor) > 0.5 * LR
+    assert reported["1e9"] == reported["1e-12"]
+
+
+def test_kl_placement_loss_adds_the_kl_term_to_the_policy_loss():
+    # In the loss, the KL is not in the reward: advantages are GAE of the bare scores.
+    world = _world("--kl_placement", "loss", "--kl_coef", "0.5", "--whiten_advantages", "0", "--mini_batch_size", "4")
+    ro, _ = run_experience(world)
+    m = ro.response_mask
+    adv, _ = compute_gae(compute_token_rewards(ro.rewards, None, m, 0.5), ro.values, m, 1.0, 0.95)
+    torch.testing.assert_close(ro.advantages, adv, rtol=1e-6, atol=1e-7)
+    with_kl = _grad_norm(_hand_actor_loss(world, ro, kl_coef=0.5), world.actor)
+    without = _grad_norm(_hand_actor_loss(world, ro), world.actor)
+    assert abs(with_kl - without) > 1e-2 * without  # the KL term matters for this check
+    stats = run_update(world, ro, step=0)
+    assert stats["grad_norm/actor"] == pytest.approx(with_kl, rel=1e-5)
+
+    # kl_coef 0: both placements take exactly the same step; kl_coef 0.5: they do not.
+    after = {}
+    for coef in ("0", "0.5"):
+        for place in ("reward", "loss"):
+            w, _, _, _, _ = _one_step("--kl_placement", place, "--kl_coef", coef)
+            after[coef, place] = w
+    _assert_same_params(after["0", "reward"].actor, after["0", "loss"].actor)
+    _assert_same_params(after["0", "reward"].critic, after["0", "loss"].critic)
+    assert _differs(after["0.5", "reward"].actor, after["0.5", "loss"].actor)
+
+
+def test_entropy_bonus_is_in_the_actor_loss():
+    """At random init the policy is near-uniform (entropy near its maximum, small entropy gradient), so a
+    large coefficient makes the bonus visible; it then dominates the loss and raises the entropy."""
+    world = _world("--entropy_coef", "100", "--mini_batch_size", "4")
+    ro, _ = run_experience(world)
+    hand = _grad_norm(_hand_actor_loss(world, ro, entropy_coef=100), world.actor)
+    assert abs(hand - _grad_norm(_hand_actor_loss(world, ro), world.actor)) > 1e-2 * hand
+    with torch.no_grad():
+        ent_before = _masked_mean(policy_logprobs(world, ro, with_entropy=True)[1], ro.response_mask).item()
+    stats = run_update(world, ro, step=0)
+    assert stats["grad_norm/actor"] == pytest.approx(hand, rel=1e-5)
+    with torch.no_grad():
+        ent_after = _masked_mean(policy_logprobs(world, ro, with_entropy=True)[1], ro.response_mask).item()
+    assert ent_after > ent_before
+
+    w0, *_ = _one_step("--entropy_coef", "0")
+    wa, *_ = _one_step("--entropy_coef", "0.3")
+    wb, *_ = _one_step("--entropy_coef", "0.3")
+    assert _differs(w0.actor, wa.actor)
+    _assert_same_params(wa.actor, wb.actor)
+
+
+def test_accumulation_steps_take_the_same_step_as_one_micro_batch():
+    w1, _, s1, actor0, critic0 = _one_step("--accumulation_steps", "1")
+    w2, _, s2, _, _ = _one_step("--accumulation_steps", "2")
+    assert _max_change(actor0, w1.actor) > 0.5 * LR and _max_change(critic0, w1.critic) > 0
+    for (name, p), q in zip([*w1.actor.named_parameters(), *w1.critic.named_parameters()],
+                            [*w2.actor.parameters(), *w2.critic.parameters()]):
+        # Two AdamW steps of ~LR each; rounding differs only where a gradient is ~0 (Adam amplifies it there).
+        torch.testing.assert_close(q, p, rtol=0, atol=LR * 1e-2, msg=name)
+    assert s2["grad_norm/actor"] == pytest.approx(s1["grad_norm/actor"], rel=1e-6)
+    assert s2["grad_norm/critic"] == pytest.approx(s1["grad_norm/critic"], rel=1e-6)
+
+
+def test_critic_warmup_freezes_the_actor_until_step_n():
+    world = _world("--critic_warmup_steps", "2")
+    ro, _ = run_experience(world)
+    for step in (0, 1):
+        actor0, critic0 = param_snapshot(world.actor), param_snapshot(world.critic)
+        stats = run_update(world, ro, step=step)
+        assert _same(actor0, world.actor), f"the actor moved at step {step} < --critic_warmup_steps"
+        assert not _same(critic0, world.critic)
+        assert "grad_norm/actor" not in stats and stats["grad_norm/critic"] > 0
+    actor0 = param_snapshot(world.actor)
+    stats = run_update(world, ro, step=2)
+    assert not _same(actor0, world.actor) and stats["grad_norm/actor"] > 0
+
+
+def test_vf_coef_scales_the_critic_gradient_and_zero_freezes_the_critic():
+    w0, _, s0, actor0, critic0 = _one_step("--vf_coef", "0", "--mini_batch_size", "4")
+    assert _same(critic0, w0.critic) and s0["grad_norm/critic"] == 0.0
+    assert _max_change(actor0, w0.actor) > 0.5 * LR
+    _, _, s_half, _, _ = _one_step("--vf_coef", "0.5", "--mini_batch_size", "4")
+    w1, _, s_one, _, c1 = _one_step("--vf_coef", "1.0", "--mini_batch_size", "4")
+    assert not _same(c1, w1.critic)
+    assert s_one["loss/value"] == s_half["loss/value"] == s0["loss/value"]  # the loss is reported unscaled
+    assert s_one["grad_norm/critic"] == pytest.approx(2 * s_half["grad_norm/critic"], rel=1e-6)
+    assert s_half["grad_norm/critic"] > 0
+
+
+@pytest.mark.parametrize("clip", ["0", "0.2"])
+def test_value_loss_by_hand_unclipped_and_clipped(clip):
+    """One minibatch, one epoch: loss/value is 0.5 x token mean of (V - R)^2 (clip 0) or of the max with
+    the clipped error (clip 0.2), V from a fresh critic forward before the step. The first update starts
+    at V = V_old (no clipping can happen), the second after a large critic step (it must)."""
+    world = _world("--cliprange_value", clip, "--mini_batch_size", "4", "--critic_learning_rate", "0.05")
+    ro, _ = run_experience(world)
+    with torch.no_grad():
+        first = _hand_value_loss(world, ro, clip_range=float(clip)).item()
+    assert run_update(world, ro, step=0)["loss/value"] == pytest.approx(first, rel=1e-5)
+    with torch.no_grad():
+        unclipped = _hand_value_loss(world, ro).item()
+        clipped = _hand_value_loss(world, ro, clip_range=0.2).item()
+    assert clipped > unclipped * 1.002  # the critic moved beyond the clip range
+    stats = run_update(world, ro, step=1)
+    assert stats["loss/value"] == pytest.approx(unclipped if clip == "0" else clipped, rel=1e-5)
+    assert (stats["value/clipfrac"] > 0) == (clip == "0.2")
+
+
+def test_early_stop_kl_crossing_minibatch_does_not_step():
+    """One minibatch per epoch: epoch 1 starts at the rollout policy (approx-KL ~0) and steps; epoch 2's
+    approx-KL crosses the tiny limit, so it must not step: the weights are those after epoch 1 alone."""
+    stopped, _, s_stop, _, _ = _one_step("--ppo_update_iters", "2", "--early_stop_kl", "1e-9", "--mini_batch_size", "4")
+    one, _, s_one, actor0, _ = _one_step("--ppo_update_iters", "1", "--mini_batch_size", "4")
+    two, *_ = _one_step("--ppo_update_iters", "2", "--mini_batch_size", "4")
+    assert s_stop["ppo/early_stopped"] == 1.0 and s_one["ppo/early_stopped"] == 0.0
+    _assert_same_params(stopped.actor, one.actor)
+    _assert_same_params(stopped.critic, one.critic)
+    assert not _same(actor0, one.actor)
+    assert _differs(two.actor, one.actor)  # without the stop, epoch 2 would have stepped
