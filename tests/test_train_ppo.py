@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,7 @@ from tests.helpers import (
     ROOT, build_update_world, critic_values, lr_schedule, make_tiny_world, param_snapshot, policy_logprobs,
     read_metrics, run_experience, run_train, run_update, tiny_flags,
 )
+from model.weights import WeightsError
 from trainer.ppo import compute_gae, compute_token_rewards
 
 FIXTURE = str(ROOT / "tests" / "fixtures" / "toy_rewards.py")
@@ -46,8 +51,17 @@ def test_smoke_three_steps_writes_weights_and_logs(world, tmp_path):
 def test_bad_flags_fail_with_one_line(world, tmp_path):
     r = run_train(tiny_flags(world, tmp_path, mini_batch_size=3), cwd=tmp_path, check=False)
     assert r.returncode != 0 and "--mini_batch_size 3 must divide" in r.stderr and "Traceback" not in r.stderr
-    r = run_train(tiny_flags(world, tmp_path, hidden_size=96), cwd=tmp_path, check=False)
+    # A weights file named for --hidden_size 96 that holds the 64-wide model: a real shape mismatch.
+    save96 = tmp_path / "out96"
+    save96.mkdir()
+    shutil.copy(Path(world["save_dir"]) / f"full_sft_{world['hidden']}.pth", save96 / "full_sft_96.pth")
+    r = run_train(tiny_flags(world, tmp_path, hidden_size=96, save_dir=str(save96)), cwd=tmp_path, check=False)
     assert r.returncode != 0 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"error: {save96 / 'full_sft_96.pth'} does not fit the model"), lines[0]
+    assert "wrongly shaped [lm_head.weight: file (6400, 64) vs model (6400, 96), " in lines[0]
+    assert lines[0].endswith("check --hidden_size (or the vocabulary: --tokenizer_path must match the weights)")
     r = run_train(tiny_flags(world, tmp_path, data_path=str(tmp_path / "nope.jsonl")), cwd=tmp_path, check=False)
     assert "--data_path" in r.stderr and "Traceback" not in r.stderr
 
@@ -82,17 +96,24 @@ def test_toy_reward_rises(world, tmp_path):
 
 
 def test_several_generations_per_prompt(world, tmp_path):
-    """--num_generations N: each prompt is sampled N times in one batch and the spread is logged."""
-    flags = tiny_flags(world, tmp_path, num_generations=3, batch_size=2, mini_batch_size=3, max_steps=2,
-                       save_weight="grp", sample_interval=1)
+    """--num_generations N: each prompt is sampled N times in one batch and the spread is logged.
+    2 prompts x 2 samples = 4 rows, all in samples.jsonl: group_std is recomputed from their rewards."""
+    flags = tiny_flags(world, tmp_path, num_generations=2, batch_size=2, mini_batch_size=2, max_steps=2,
+                       save_weight="grp", sample_interval=1, temperature=1.0, save_interval=100)
     run_train(flags, cwd=tmp_path)
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
-    assert all("reward/group_std" in r and r["reward/group_std"] >= 0 for r in rows)
     samples = [json.loads(l) for l in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
-    step1 = [s for s in samples if s["step"] == 1]
-    # Rows 0..2 answer the first prompt, so the first three samples share their prompt.
-    assert len({s["prompt"] for s in step1[:3]}) == 1
+    for row in rows:
+        step = [s for s in samples if s["step"] == row["step"]]
+        assert len(step) == 4
+        # Rows 2i and 2i+1 answer prompt i.
+        assert step[0]["prompt"] == step[1]["prompt"] and step[2]["prompt"] == step[3]["prompt"]
+        assert step[0]["prompt"] != step[2]["prompt"]
+        rewards = torch.tensor([s["reward"] for s in step], dtype=torch.float32).view(2, 2)
+        want = rewards.std(dim=1).mean().item()  # unbiased std within each prompt's group, mean over prompts
+        assert want > 0  # temperature 1: the two samples of a prompt differ, and so do their RM scores
+        assert row["reward/group_std"] == pytest.approx(want, rel=1e-5, abs=1e-7)
 
 
 # ================================================================================================
@@ -357,3 +378,151 @@ def test_early_stop_kl_crossing_minibatch_does_not_step():
     _assert_same_params(stopped.critic, one.critic)
     assert not _same(actor0, one.actor)
     assert _differs(two.actor, one.actor)  # without the stop, epoch 2 would have stepped
+
+
+def _huge_head_rm(out: Path) -> Path:
+    """A tiny sequence-classifier RM (make_tiny_world's shape) whose score head is scaled by 1e4: its raw
+    scores are in the hundreds or thousands, of either sign."""
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    from model.loader import load_tokenizer
+
+    tok = load_tokenizer()
+    torch.manual_seed(1)
+    rm = Qwen3ForSequenceClassification(Qwen3Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_labels=1, pad_token_id=tok.pad_token_id, tie_word_embeddings=True))
+    with torch.no_grad():
+        rm.score.weight.mul_(1e4)
+    rm.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_reward_model_scores_are_clipped_to_three(tmp_path):
+    from model.loader import load_reward_model
+    from trainer.rewards import RewardModelScorer, compute_rewards
+
+    path = _huge_head_rm(tmp_path / "rm")
+    model, tok = load_reward_model(path)
+    user = [{"role": "user", "content": "What is 2 + 3?"}]
+    replies = ["<think>\nadd\n</think>\n<answer>\n5\n</answer>", "<think>\nhmm\n</think>\n<answer>\nseven\n</answer>",
+               "no format at all", "<answer>\n12\n</answer>"]
+    full = [user + [{"role": "assistant", "content": r}] for r in replies]
+    answers = [user + [{"role": "assistant", "content": a}] for a in ("5", "seven", "no format at all", "12")]
+    for sign in (-1, 1):  # the head as saved scores every conversation far below -3; negated, far above 3
+        if sign == 1:
+            with torch.no_grad():
+                model.score.weight.neg_()
+        raw = RewardModelScorer(model, tok, clip=float("inf")).score(full + answers)
+        assert (sign * raw).min() > 3
+        clipped = raw.clamp(-3, 3)
+        torch.testing.assert_close(RewardModelScorer(model, tok).score(full + answers), clipped, rtol=0, atol=0)
+        _, comps = compute_rewards(prompts=["q"] * 4, messages=[user] * 4, replies=replies, references=[None] * 4,
+                                   has_eos=[True] * 4, weights={"rm": 1.0}, rm=RewardModelScorer(model, tok),
+                                   reasoning=True, custom_fns={})
+        torch.testing.assert_close(comps["rm"], 0.4 * clipped[:4] + 0.6 * clipped[4:])
+        torch.testing.assert_close(comps["rm"], torch.full((4,), 3.0 * sign), rtol=0, atol=1e-6)
+
+    # train_ppo's scorer clips too: with only the RM weighted, every reward is 0.4 x (+-3) + 0.6 x (+-3)
+    # (the saved head scores in the negative hundreds; unclipped, the rewards would be too).
+    world = build_update_world(["--reward_model_path", str(path), "--rm_weight", "1", "--format_weight", "0",
+                                "--tag_weight", "0", "--accuracy_weight", "0", "--eos_penalty", "0", "--temperature", "1.0"])
+    ro, metrics = run_experience(world)
+    for r in ro.rewards.tolist():
+        assert min(abs(r + 3.0), abs(r - 0.6), abs(r + 0.6), abs(r - 3.0)) < 1e-5, ro.rewards
+    assert metrics["reward/rm"] == pytest.approx(ro.rewards.mean().item(), rel=1e-6)
+
+
+def test_nonfinite_counter_resets_after_a_finite_step(world, tmp_path):
+    """Steps 1 and 3 are non-finite, step 2 is finite: with --max_nonfinite 2 the run completes (a counter
+    that did not reset at step 2 would stop it at step 3, as test_nonfinite_reward_skips_steps_and_stops
+    shows for two in a row)."""
+    flags = tiny_flags(world, tmp_path, reward_fn=[f"{FIXTURE}:nan_on_odd_steps"], max_steps=3, max_nonfinite=2,
+                       save_weight="alt", rm_weight=0, sample_interval=0, save_interval=100)
+    r = run_train(flags, cwd=tmp_path, check=False)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = read_metrics(tmp_path / "run")
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert [row["nonfinite"] for row in rows] == [1.0, 0.0, 1.0]
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "finished"
+
+
+def test_finished_run_marks_run_json_and_writes_plots(world, tmp_path):
+    flags = tiny_flags(world, tmp_path, max_steps=2, warmup_steps=2, save_weight="fin", sample_interval=0,
+                       learning_rate=1e-3, critic_learning_rate=2e-3, save_interval=100)
+    run_train(flags, cwd=tmp_path)
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["status"] == "finished" and run["end_time"] >= run["start_time"]
+    plots = tmp_path / "run" / "plots"
+    names = {p.name for p in plots.glob("*.png")}
+    assert {"overview.png", "reward.png", "kl.png", "value.png", "response.png", "lr.png"} <= names, names
+    for name in names:
+        assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    # The LR logged at step s is the one the NEXT update uses: warm-up (s+1)/(w+1), then cosine to 10%.
+    f = lr_schedule(2, 2)
+    rows = read_metrics(tmp_path / "run")
+    assert [row["lr/actor"] for row in rows] == pytest.approx([1e-3 * f(1), 1e-3 * f(2)], rel=1e-9)
+    assert [row["lr/critic"] for row in rows] == pytest.approx([2e-3 * f(1), 2e-3 * f(2)], rel=1e-9)
+    assert [f(1), f(2)] == pytest.approx([2 / 3, 1.0])
+
+
+def _with_remote_code(src: Path, dst: Path, marker: Path, model_type: str | None = None) -> Path:
+    """A copy of the HF directory `src` whose config.json maps the Auto classes to a local remote.py that,
+    when imported, writes `marker`; `model_type` replaces the config's (an unknown one leaves transformers
+    no stock class to fall back on)."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "remote.RemoteConfig", "AutoModel": "remote.RemoteModel",
+                       "AutoModelForCausalLM": "remote.RemoteModel",
+                       "AutoModelForSequenceClassification": "remote.RemoteModel"}
+    if model_type:
+        cfg["model_type"] = model_type
+    (dst / "config.json").write_text(json.dumps(cfg))
+    (dst / "remote.py").write_text(f"from pathlib import Path\n\nPath({str(marker)!r}).write_text('remote code ran')\n")
+    return dst
+
+
+@pytest.fixture
+def remote_marker(tmp_path, monkeypatch) -> Path:
+    """The file remote.py writes when imported; transformers' module cache of any subprocess goes to tmp."""
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+    return tmp_path / "REMOTE_CODE_RAN"
+
+
+def test_remote_code_runs_only_with_trust_remote_code(world, tmp_path, remote_marker):
+    from model.loader import load_policy, load_reward_model
+    from tests.tiny_hf import save_tiny_causal_lm
+
+    marker = remote_marker
+    evil_rm = _with_remote_code(Path(world["rm"]), tmp_path / "evil_rm", marker, model_type="minippo_evil")
+    # The marker works: with trust, transformers imports remote.py (and then fails to find the class).
+    probe = subprocess.run([sys.executable, "-c", "import sys; from model.loader import load_reward_model\n"
+                            "try: load_reward_model(sys.argv[1], trust_remote_code=True)\nexcept Exception: pass",
+                            str(evil_rm)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1"),
+                           capture_output=True, text=True, timeout=120)
+    assert marker.exists(), probe.stderr[-2000:]
+    marker.unlink()
+    # Without it: no stock class for the model type is a one-line error naming the flag ...
+    with pytest.raises(WeightsError, match="not a sequence-classification model.*add --trust_remote_code 1"):
+        load_reward_model(evil_rm)
+    # ... and a stock model type with an auto_map loads the stock class.
+    rm, _ = load_reward_model(_with_remote_code(Path(world["rm"]), tmp_path / "rm_map", marker))
+    assert type(rm).__name__ == "Qwen3ForSequenceClassification"
+    save_tiny_causal_lm(tmp_path / "llama", "llama")
+    actor, _ = load_policy(hf_path=_with_remote_code(tmp_path / "llama", tmp_path / "llama_map", marker))
+    assert type(actor).__name__ == "LlamaForCausalLM"
+    assert not marker.exists()
+
+
+def test_train_ppo_refuses_a_remote_code_reward_model_in_one_line(world, tmp_path, remote_marker):
+    """The same remote-code RM as above (whose remote.py demonstrably runs when trusted) through train_ppo
+    without --trust_remote_code: one line, exit != 0, remote.py never imported."""
+    evil_rm = _with_remote_code(Path(world["rm"]), tmp_path / "evil_rm", remote_marker, model_type="minippo_evil")
+    r = run_train(tiny_flags(world, tmp_path, reward_model_path=str(evil_rm)), cwd=tmp_path, check=False)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    last = r.stderr.strip()
+    assert last.startswith(f"error: --reward_model_path {evil_rm}: not a sequence-classification model"), r.stderr
+    assert last.endswith("add --trust_remote_code 1")
+    assert not remote_marker.exists()
