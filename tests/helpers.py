@@ -71,6 +71,31 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
 
 
+
+def scramble(m: torch.nn.Module, seed: int, std: float = 0.2) -> torch.nn.Module:
+    """Large random weights (1-d tensors ~ 1 + 0.2 N(0, 1), the rest ~ std N(0, 1)), in place: at the default
+    init (std 0.02) a tiny model just repeats its last token, its log-probs are near uniform and values near 0."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g) if p.ndim == 1 else std * torch.randn(p.shape, generator=g))
+    return m
+
+
+def byte_level_bpe(corpus: list[str], vocab_size: int, special_tokens: list[str]):
+    """A `tokenizers.Tokenizer`: byte-level BPE (no prefix space, byte-level decoder) trained here on `corpus`
+    with the full byte alphabet and `special_tokens` first (ids 0, 1, ...). Wrap it in a
+    PreTrainedTokenizerFast for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=special_tokens, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    return tok
+
 # ------------------------------------------------------------------------------------------------
 # In-process adapters into train_ppo's update loop.
 #
