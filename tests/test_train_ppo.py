@@ -1,4 +1,5 @@
-"""End-to-end runs of train_ppo.py on tiny local models (CPU, seconds each)."""
+"""train_ppo.py: end-to-end runs on tiny local models (CPU, seconds each), and its update loop in-process
+through the adapters in tests/helpers.py (values pinned by hand computations or against the plain path)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from model.weights import WeightsError
 from tests.helpers import (
     ROOT, build_update_world, critic_values, lr_schedule, make_tiny_world, param_snapshot, policy_logprobs,
     read_metrics, run_experience, run_train, run_update, tiny_flags,
 )
-from model.weights import WeightsError
 from trainer.ppo import compute_gae, compute_token_rewards
 
 FIXTURE = str(ROOT / "tests" / "fixtures" / "toy_rewards.py")
