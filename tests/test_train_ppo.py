@@ -435,6 +435,7 @@ def test_reward_model_scores_are_clipped_to_three(tmp_path):
     assert metrics["reward/rm"] == pytest.approx(ro.rewards.mean().item(), rel=1e-6)
 
 
+@pytest.mark.slow  # 3 steps in a subprocess: ~11 s on 2 shared cores
 def test_nonfinite_counter_resets_after_a_finite_step(world, tmp_path):
     """Steps 1 and 3 are non-finite, step 2 is finite: with --max_nonfinite 2 the run completes (a counter
     that did not reset at step 2 would stop it at step 3, as test_nonfinite_reward_skips_steps_and_stops
@@ -449,6 +450,7 @@ def test_nonfinite_counter_resets_after_a_finite_step(world, tmp_path):
     assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "finished"
 
 
+@pytest.mark.slow  # 2 steps + plots in a subprocess: ~11 s on 2 shared cores
 def test_finished_run_marks_run_json_and_writes_plots(world, tmp_path):
     flags = tiny_flags(world, tmp_path, max_steps=2, warmup_steps=2, save_weight="fin", sample_interval=0,
                        learning_rate=1e-3, critic_learning_rate=2e-3, save_interval=100)
