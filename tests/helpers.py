@@ -69,3 +69,124 @@ def run_train(flags: list[str], cwd: Path, timeout: int = 300, torchrun_procs: i
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+
+
+
+def scramble(m: torch.nn.Module, seed: int, std: float = 0.2) -> torch.nn.Module:
+    """Large random weights (1-d tensors ~ 1 + 0.2 N(0, 1), the rest ~ std N(0, 1)), in place: at the default
+    init (std 0.02) a tiny model just repeats its last token, its log-probs are near uniform and values near 0."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g) if p.ndim == 1 else std * torch.randn(p.shape, generator=g))
+    return m
+
+
+def byte_level_bpe(corpus: list[str], vocab_size: int, special_tokens: list[str]):
+    """A `tokenizers.Tokenizer`: byte-level BPE (no prefix space, byte-level decoder) trained here on `corpus`
+    with the full byte alphabet and `special_tokens` first (ids 0, 1, ...). Wrap it in a
+    PreTrainedTokenizerFast for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=special_tokens, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    return tok
+
+# ------------------------------------------------------------------------------------------------
+# In-process adapters into train_ppo's update loop.
+#
+# Every test that builds models, makes experience or runs an update in-process goes through the
+# functions below, never through train_ppo's internals directly: when the signatures of
+# make_experience / ppo_update / build_models / build_optimizers / lr_lambda change, only these
+# adapters change. Tests read the update's stats dict, the Rollout's fields and the parameters.
+
+UPDATE_BASE_FLAGS = [
+    "--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "none", "--reward_model_path", "none",
+    "--rm_weight", "0", "--batch_size", "4", "--mini_batch_size", "2", "--max_gen_len", "8", "--warmup_steps", "0",
+]
+
+
+class UpdateWorld:
+    """Everything one in-process PPO step needs (a random 64x2 MiniMind policy by default): the run as
+    trainer.run.setup builds it for train_ppo.main, and a batch of demo prompts."""
+
+    def __init__(self, args, built, batch):
+        self.args, self.built, self.batch = args, built, batch
+        self.settings, self.models, self.optim, self.kl_ctl = built.settings, built.models, built.optim, built.kl_ctl
+
+    @property
+    def actor(self) -> torch.nn.Module:
+        return self.models.actor
+
+    @property
+    def critic(self) -> torch.nn.Module:
+        return self.models.critic
+
+
+def build_update_world(extra_flags: list[str] | None = None, dtype: str = "float32", n_prompts: int = 4,
+                       total_steps: int = 10) -> UpdateWorld:
+    """Parse UPDATE_BASE_FLAGS + extra_flags (later flags win), build the run with trainer.run.setup
+    exactly as train_ppo's main does (one process), and collate the first `n_prompts` demo prompts
+    (left-padded, max 48 prompt tokens) as the batch."""
+    import train_ppo as T
+    from dataset.rlaif import RLAIFDataset, collate_left_pad, read_rlaif_jsonl
+    from trainer.run.distributed import DistInfo
+    from trainer.run.setup import setup
+
+    args = T.parse_args([*UPDATE_BASE_FLAGS, "--dtype", dtype, "--max_steps", str(total_steps), *(extra_flags or [])])
+    built = setup(args, DistInfo())
+    records, _ = read_rlaif_jsonl(ROOT / "dataset" / "demo_train.jsonl")
+    ds = RLAIFDataset(records[:n_prompts], built.models.tok, max_prompt_len=48, seed=0)
+    batch = collate_left_pad([ds[i] for i in range(n_prompts)], pad_id=built.models.tok.pad_token_id)
+    return UpdateWorld(args, built, batch)
+
+
+def run_experience(world: UpdateWorld):
+    """Rollout + scoring + rewards + advantages of world.batch: returns (Rollout, metrics dict)."""
+    import train_ppo as T
+
+    exp = T.make_experience(world.args, world.batch, world.models, world.settings, world.kl_ctl.value,
+                            world.built.custom_fns)
+    return exp.rollout, exp.metrics
+
+
+def run_update(world: UpdateWorld, ro, step: int = 0) -> dict:
+    """One PPO update (all epochs and minibatches) on `ro` at PPO step `step`; returns its stats dict."""
+    import train_ppo as T
+
+    return T.ppo_update(world.args, ro, world.models, world.optim, step, world.settings, world.kl_ctl.value)
+
+
+def lr_schedule(warmup: int, total: int):
+    """The LR multiplier as a function of the PPO step (the trainer's scheduler lambda)."""
+    from trainer.run.setup import lr_lambda
+
+    return lr_lambda(warmup, total)
+
+
+def policy_logprobs(world: UpdateWorld, ro, with_entropy: bool = False):
+    """The actor's current per-token log-probs [B, R] of ro's responses (and entropy), WITH grad, at the
+    temperature the update uses."""
+    from trainer.rollout import policy_forward
+
+    temp = world.settings.sample_temperature
+    with world.settings.autocast():
+        return policy_forward(world.actor, ro.sequences, ro.attention_mask, ro.response_len, temp,
+                              with_entropy=with_entropy)
+
+
+def critic_values(world: UpdateWorld, ro) -> torch.Tensor:
+    """The critic's current values [B, R] for ro's responses, WITH grad."""
+    from trainer.rollout import critic_forward
+
+    with world.settings.autocast():
+        return critic_forward(world.critic, ro.sequences, ro.attention_mask, ro.response_len)
+
+
+def param_snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Detached copies of every parameter, by name."""
+    return {n: p.detach().clone() for n, p in module.named_parameters()}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken
 from transformers import PreTrainedTokenizerFast
 
 from dataset.rlaif import (
@@ -19,6 +19,7 @@ from dataset.rlaif import (
     detect_assistant_prefix,
     read_rlaif_jsonl,
 )
+from tests.helpers import byte_level_bpe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,17 +48,8 @@ CHATML_PLAIN = (
 
 
 def _build_tokenizer(template: str) -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
     corpus = ["hello world, how are you?", "user assistant system", "你好，世界！今天天气很好。"]
-    tok.train_from_iterator(corpus * 10, trainer=trainer)
+    tok = byte_level_bpe(corpus * 10, 300, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     tok.add_tokens([AddedToken("<think>", special=False, normalized=False),
                     AddedToken("</think>", special=False, normalized=False)])
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",

@@ -9,6 +9,7 @@ import torch
 
 from model.generation import Samples, response_mask_from_tokens, sample, token_logprobs
 from model.loader import build_minimind
+from tests.helpers import scramble
 
 EOS, PAD = 2, 0
 
@@ -28,18 +29,9 @@ def _left_pad(prompts: list[list[int]], pad: int = PAD) -> tuple[torch.Tensor, t
     return ids, mask
 
 
-def _scramble(m: torch.nn.Module, seed: int, std: float = 0.2) -> torch.nn.Module:
-    """Large random weights: at the default init (std 0.02) a tiny model just repeats its last token."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g) if p.ndim == 1 else std * torch.randn(p.shape, generator=g))
-    return m
-
-
 @pytest.fixture(scope="module")
 def lm():
-    return _scramble(build_minimind(64, 2, vocab_size=256), seed=0).eval()
+    return scramble(build_minimind(64, 2, vocab_size=256), seed=0).eval()
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +130,7 @@ def test_greedy_with_cache_equals_without(lm):
 
 @pytest.mark.parametrize("arch, use_moe", [("llama", False), ("qwen3", True)])
 def test_greedy_cache_and_padding_other_archs(arch, use_moe):
-    m = _scramble(build_minimind(64, 2, arch=arch, use_moe=use_moe, vocab_size=256), seed=1).eval()
+    m = scramble(build_minimind(64, 2, arch=arch, use_moe=use_moe, vocab_size=256), seed=1).eval()
     ids, mask = _left_pad(PROMPTS)
     s = sample(m, ids, mask, max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD, greedy=True, suppress_eos=True)
     assert torch.equal(s.sequences[:, ids.shape[1]:], _manual_greedy(m, ids, mask, 6))
@@ -388,7 +380,7 @@ def _decode_logits(m, ids, mask, n, fast: bool):
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 @pytest.mark.parametrize("bf16", [False, True])
 def test_fast_decode_logits_equal_transformers_forward(arch, bf16):
-    m = _scramble(build_minimind(64, 2, arch=arch, vocab_size=256, num_attention_heads=4, num_key_value_heads=2), seed=3).eval()
+    m = scramble(build_minimind(64, 2, arch=arch, vocab_size=256, num_attention_heads=4, num_key_value_heads=2), seed=3).eval()
     ids, mask = _left_pad(PROMPTS)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         want = _decode_logits(m, ids, mask, 8, fast=False)
@@ -401,7 +393,7 @@ def test_fast_decode_logits_equal_transformers_forward(arch, bf16):
 
 
 def test_sample_fast_decode_equals_transformers_decode():
-    m = _scramble(build_minimind(64, 2, vocab_size=256), seed=4).eval()
+    m = scramble(build_minimind(64, 2, vocab_size=256), seed=4).eval()
     ids, mask = _left_pad(PROMPTS)
     kw = dict(max_new_tokens=10, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, return_logprobs=True)
     torch.manual_seed(0)

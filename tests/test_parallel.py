@@ -7,11 +7,7 @@ import threading
 import pytest
 import torch
 
-import train_ppo as T
-from dataset.rlaif import RLAIFDataset, collate_left_pad, read_rlaif_jsonl
-from model.loader import eos_token_ids
-from tests.helpers import ROOT
-from trainer.run.distributed import DistInfo
+from tests.helpers import build_update_world, run_experience, run_update
 from trainer.run.parallel import run_side_by_side, use_parallel_update
 
 
@@ -60,27 +56,27 @@ def test_auto_is_on_only_for_single_process_cpu_bf16():
         use_parallel_update(1, cpu, distributed=True, cpu_bf16=True)
 
 
-def _one_update(parallel: int, dtype: str = "bfloat16") -> tuple[dict, list[torch.Tensor]]:
+def _one_update(parallel: int, dtype: str = "bfloat16") -> tuple[dict, dict, dict]:
     """One rollout + one PPO update of a random 64x2 policy on demo prompts; returns the update's stats
-    and every trained parameter afterwards."""
-    args = T.parse_args(["--hidden_size", "64", "--num_hidden_layers", "2", "--from_weight", "none",
-                         "--reward_model_path", "none", "--rm_weight", "0", "--batch_size", "4", "--mini_batch_size", "2",
-                         "--max_gen_len", "8", "--dtype", dtype, "--warmup_steps", "0", "--parallel_update", str(parallel)])
-    info = DistInfo()
-    torch.manual_seed(0)
-    amp = T.DTYPES[dtype]
-    autocast = lambda: torch.autocast("cpu", dtype=amp, enabled=amp != torch.float32)
-    actor, tok, ref, critic, old_actor, rm = T.build_models(args, info.device, torch.float32)
-    kl_ctl = T.FixedKLController(args.kl_coef)
-    optims, scheds = T.build_optimizers(args, actor, critic, 10)
-    models = {"actor": actor, "critic": critic, "ref": ref, "old_actor": old_actor, "kl_ctl": kl_ctl,
-              "eos_ids": eos_token_ids(actor, tok), "actor_train": actor, "critic_train": critic}
-    records, _ = read_rlaif_jsonl(ROOT / "dataset" / "demo_train.jsonl")
-    ds = RLAIFDataset(records[:4], tok, max_prompt_len=48, seed=0)
-    batch = collate_left_pad([ds[i] for i in range(4)], pad_id=tok.pad_token_id)
-    ro, _, _ = T.make_experience(args, batch, models, tok, rm, {}, kl_ctl, info, autocast)
-    stats = T.ppo_update(args, ro, models, optims, scheds, 0, info, autocast, None)
-    return stats, [p.detach().clone() for p in [*actor.parameters(), *critic.parameters()]]
+    and every trained parameter ({"actor": [...], "critic": [...]}) before and after the update."""
+    world = build_update_world(["--parallel_update", str(parallel)], dtype=dtype)
+    ro, _ = run_experience(world)
+    trained = lambda: {"actor": [p.detach().clone() for p in world.actor.parameters()],  # noqa: E731
+                       "critic": [p.detach().clone() for p in world.critic.parameters()]}
+    before = trained()
+    stats = run_update(world, ro, step=0)
+    return stats, before, trained()
+
+
+def _flat(params: dict) -> list[torch.Tensor]:
+    return [*params["actor"], *params["critic"]]
+
+
+def _assert_moved(before: dict, after: dict) -> None:
+    """The update took a step on both models (else the equality tests below prove nothing)."""
+    for name in ("actor", "critic"):
+        assert len(before[name]) == len(after[name])
+        assert not all(torch.equal(a, b) for a, b in zip(before[name], after[name])), f"no {name} parameter moved"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -88,19 +84,23 @@ def test_parallel_update_matches_the_sequential_one(dtype):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)  # one thread everywhere: the two schedules run the same kernels
-        seq_stats, seq_params = _one_update(0, dtype)
-        par_stats, par_params = _one_update(1, dtype)
+        seq_stats, seq_before, seq_params = _one_update(0, dtype)
+        par_stats, par_before, par_params = _one_update(1, dtype)
     finally:
         torch.set_num_threads(threads)
+    _assert_moved(seq_before, seq_params)
+    _assert_moved(par_before, par_params)
+    assert all(torch.equal(a, b) for a, b in zip(_flat(seq_before), _flat(par_before)))  # same start
     assert seq_stats.keys() == par_stats.keys()
     for k in seq_stats:
         assert par_stats[k] == pytest.approx(seq_stats[k], rel=1e-6, abs=1e-7), k
-    for a, b in zip(seq_params, par_params):
+    for a, b in zip(_flat(seq_params), _flat(par_params)):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
 def test_parallel_update_is_deterministic():
     first = _one_update(1)
     second = _one_update(1)
+    _assert_moved(first[1], first[2])
     assert first[0] == second[0]
-    assert all(torch.equal(a, b) for a, b in zip(first[1], second[1]))
+    assert all(torch.equal(a, b) for a, b in zip(_flat(first[2]), _flat(second[2])))

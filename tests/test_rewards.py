@@ -170,19 +170,12 @@ def test_load_reward_fn_errors_name_the_flag(tmp_path):
 # ------------------------------------------------------------------ tiny local reward model
 
 def _tiny_tokenizer(padding_side="right", chat_template=None):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(["user assistant: what is 3 plus 4? 3加4等于几 <think> </think> <answer> 7"], trainer)
+    from tests.helpers import byte_level_bpe
+
+    tok = byte_level_bpe(["user assistant: what is 3 plus 4? 3加4等于几 <think> </think> <answer> 7"], 300,
+                         ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", padding_side=padding_side)
     if chat_template:
         fast.chat_template = chat_template

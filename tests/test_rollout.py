@@ -18,24 +18,16 @@ import torch.nn.functional as F
 from model.critic import CriticModel
 from model.generation import filter_logits, sample_from_logits
 from model.loader import build_minimind
+from tests.helpers import scramble
 from trainer.rollout import attention_implementation, critic_forward, generate_rollout, logprobs_from_logits, policy_forward, position_ids_from_mask
 
 ROOT = Path(__file__).resolve().parents[1]
 PAD, EOS, V = 0, 2, 256
 
 
-def _scramble(m: torch.nn.Module, seed: int, std: float = 0.2) -> torch.nn.Module:
-    """Large random weights, so log-probs are far from uniform and values far from zero."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g) if p.ndim == 1 else std * torch.randn(p.shape, generator=g))
-    return m
-
-
 @pytest.fixture(scope="module")
 def lm():
-    return _scramble(build_minimind(64, 2, vocab_size=V), seed=0).eval()
+    return scramble(build_minimind(64, 2, vocab_size=V), seed=0).eval()
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,25 @@
-"""End-to-end runs of train_ppo.py on tiny local models (CPU, seconds each)."""
+"""train_ppo.py: end-to-end runs on tiny local models (CPU, seconds each), and its update loop in-process
+through the adapters in tests/helpers.py (values pinned by hand computations or against the plain path)."""
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import ROOT, make_tiny_world, read_metrics, run_train, tiny_flags
+from model.weights import WeightsError
+from tests.helpers import (
+    ROOT, build_update_world, critic_values, lr_schedule, make_tiny_world, param_snapshot, policy_logprobs,
+    read_metrics, run_experience, run_train, run_update, tiny_flags,
+)
+from trainer.ppo import compute_gae, compute_token_rewards
 
 FIXTURE = str(ROOT / "tests" / "fixtures" / "toy_rewards.py")
 
@@ -41,8 +52,17 @@ def test_smoke_three_steps_writes_weights_and_logs(world, tmp_path):
 def test_bad_flags_fail_with_one_line(world, tmp_path):
     r = run_train(tiny_flags(world, tmp_path, mini_batch_size=3), cwd=tmp_path, check=False)
     assert r.returncode != 0 and "--mini_batch_size 3 must divide" in r.stderr and "Traceback" not in r.stderr
-    r = run_train(tiny_flags(world, tmp_path, hidden_size=96), cwd=tmp_path, check=False)
+    # A weights file named for --hidden_size 96 that holds the 64-wide model: a real shape mismatch.
+    save96 = tmp_path / "out96"
+    save96.mkdir()
+    shutil.copy(Path(world["save_dir"]) / f"full_sft_{world['hidden']}.pth", save96 / "full_sft_96.pth")
+    r = run_train(tiny_flags(world, tmp_path, hidden_size=96, save_dir=str(save96)), cwd=tmp_path, check=False)
     assert r.returncode != 0 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"error: {save96 / 'full_sft_96.pth'} does not fit the model"), lines[0]
+    assert "wrongly shaped [lm_head.weight: file (6400, 64) vs model (6400, 96), " in lines[0]
+    assert lines[0].endswith("check --hidden_size (or the vocabulary: --tokenizer_path must match the weights)")
     r = run_train(tiny_flags(world, tmp_path, data_path=str(tmp_path / "nope.jsonl")), cwd=tmp_path, check=False)
     assert "--data_path" in r.stderr and "Traceback" not in r.stderr
 
@@ -77,14 +97,435 @@ def test_toy_reward_rises(world, tmp_path):
 
 
 def test_several_generations_per_prompt(world, tmp_path):
-    """--num_generations N: each prompt is sampled N times in one batch and the spread is logged."""
-    flags = tiny_flags(world, tmp_path, num_generations=3, batch_size=2, mini_batch_size=3, max_steps=2,
-                       save_weight="grp", sample_interval=1)
+    """--num_generations N: each prompt is sampled N times in one batch and the spread is logged.
+    2 prompts x 2 samples = 4 rows, all in samples.jsonl: group_std is recomputed from their rewards."""
+    flags = tiny_flags(world, tmp_path, num_generations=2, batch_size=2, mini_batch_size=2, max_steps=2,
+                       save_weight="grp", sample_interval=1, temperature=1.0, save_interval=100)
     run_train(flags, cwd=tmp_path)
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
-    assert all("reward/group_std" in r and r["reward/group_std"] >= 0 for r in rows)
     samples = [json.loads(l) for l in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
-    step1 = [s for s in samples if s["step"] == 1]
-    # Rows 0..2 answer the first prompt, so the first three samples share their prompt.
-    assert len({s["prompt"] for s in step1[:3]}) == 1
+    for row in rows:
+        step = [s for s in samples if s["step"] == row["step"]]
+        assert len(step) == 4
+        # Rows 2i and 2i+1 answer prompt i.
+        assert step[0]["prompt"] == step[1]["prompt"] and step[2]["prompt"] == step[3]["prompt"]
+        assert step[0]["prompt"] != step[2]["prompt"]
+        rewards = torch.tensor([s["reward"] for s in step], dtype=torch.float32).view(2, 2)
+        want = rewards.std(dim=1).mean().item()  # unbiased std within each prompt's group, mean over prompts
+        assert want > 0  # temperature 1: the two samples of a prompt differ, and so do their RM scores
+        assert row["reward/group_std"] == pytest.approx(want, rel=1e-5, abs=1e-7)
+
+
+# ================================================================================================
+# The update loop, in-process (through the adapters in tests/helpers.py): each flag's effect pinned
+# by value, against a hand computation or against the plain path. A random 64x2 policy, 4 prompts,
+# 8 new tokens, fp32, temperature 1 and a custom reward that differs between rows (low_id_share).
+
+TOY = f"{FIXTURE}:low_id_share"
+LR = 5e-5  # train_ppo's default actor LR
+
+
+def _world(*flags: str, **kw):
+    return build_update_world(["--reward_fn", TOY, "--temperature", "1.0", *flags], **kw)
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    m = mask.bool()
+    return torch.where(m, x, torch.zeros((), dtype=x.dtype)).sum() / m.sum()
+
+
+def _hand_actor_loss(world, ro, clip_eps: float = 0.2, kl_coef: float = 0.0, entropy_coef: float = 0.0) -> torch.Tensor:
+    """The whole batch as one minibatch: token mean of max(-A r, -A clip(r, 1-eps, 1+eps)), r = pi / pi_old,
+    + kl_coef x token mean of (log pi - log pi_ref) (k1), - entropy_coef x token mean of the entropy."""
+    m = ro.response_mask.bool()
+    logprobs, entropy = policy_logprobs(world, ro, with_entropy=entropy_coef > 0)
+    ratio = torch.exp(torch.where(m, logprobs - ro.old_logprobs, 0.0))
+    adv = ro.advantages
+    loss = _masked_mean(torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps)), m)
+    if kl_coef:
+        loss = loss + kl_coef * _masked_mean(logprobs - ro.ref_logprobs, m)
+    if entropy_coef:
+        loss = loss - entropy_coef * _masked_mean(entropy, m)
+    return loss
+
+
+def _hand_value_loss(world, ro, clip_range: float = 0.0) -> torch.Tensor:
+    """0.5 x token mean of (V - R)^2 from a fresh critic forward, or of max((V - R)^2, (V_clip - R)^2)."""
+    m = ro.response_mask.bool()
+    v = critic_values(world, ro)
+    err = (v - ro.returns) ** 2
+    if clip_range:
+        v_clip = ro.values + (v - ro.values).clamp(-clip_range, clip_range)
+        err = torch.maximum(err, (v_clip - ro.returns) ** 2)
+    return 0.5 * _masked_mean(err, m)
+
+
+def _grad_norm(loss: torch.Tensor, module: torch.nn.Module) -> float:
+    """Total L2 norm of d loss / d parameters, in fp32 as torch's clip_grad_norm_ computes it
+    (autograd.grad: the module's .grad fields are left alone)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    grads = [g for g in torch.autograd.grad(loss, params, allow_unused=True) if g is not None]
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+
+
+def _max_change(before: dict, module: torch.nn.Module) -> float:
+    return max((p.detach() - before[n]).abs().max().item() for n, p in module.named_parameters())
+
+
+def _same(before: dict, module: torch.nn.Module) -> bool:
+    return all(torch.equal(p.detach(), before[n]) for n, p in module.named_parameters())
+
+
+def _one_step(*flags: str, step: int = 0):
+    """A fresh world, its rollout, and one update at `step`: (world, rollout, stats, actor before, critic before)."""
+    world = _world(*flags)
+    ro, _ = run_experience(world)
+    actor0, critic0 = param_snapshot(world.actor), param_snapshot(world.critic)
+    stats = run_update(world, ro, step=step)
+    return world, ro, stats, actor0, critic0
+
+
+def _assert_same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+
+
+def _differs(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return any(not torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_lr_schedule_warms_up_linearly_then_cosine_to_ten_percent():
+    f = lr_schedule(4, 14)
+    assert [f(s) for s in range(4)] == pytest.approx([1 / 5, 2 / 5, 3 / 5, 4 / 5], rel=1e-12)  # (s + 1) / (w + 1)
+    assert f(4) == pytest.approx(1.0, rel=1e-12)  # the cosine starts at the peak
+    assert f(9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)), rel=1e-12)  # halfway: 0.55
+    assert f(6) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.2)), rel=1e-12)
+    assert f(14) == pytest.approx(0.1, rel=1e-12) and f(30) == pytest.approx(0.1, rel=1e-12)  # floor: 10%
+    g = lr_schedule(0, 10)
+    assert g(0) == pytest.approx(1.0, rel=1e-12) and g(5) == pytest.approx(0.55, rel=1e-12)
+
+
+def test_advantages_raw_gae_without_whitening_and_whitened_with_it():
+    w0 = _world("--whiten_advantages", "0", "--kl_coef", "0.1")
+    ro0, _ = run_experience(w0)
+    m = ro0.response_mask
+    kl = torch.where(m.bool(), ro0.old_logprobs - ro0.ref_logprobs, 0.0)  # k1, in the reward
+    token_rewards = compute_token_rewards(ro0.rewards, kl, m, 0.1)
+    adv, ret = compute_gae(token_rewards, ro0.values, m, gamma=1.0, lam=0.95)
+    torch.testing.assert_close(ro0.advantages, adv, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ro0.returns, ret, rtol=1e-6, atol=1e-7)
+    raw_mean = _masked_mean(adv, m)
+    raw_std = torch.sqrt(_masked_mean((adv - raw_mean) ** 2, m) * m.sum() / (m.sum() - 1))
+    assert abs(raw_mean.item()) > 0.05 or abs(raw_std.item() - 1) > 0.05  # whitening has something to change
+
+    w1 = _world("--whiten_advantages", "1", "--kl_coef", "0.1")
+    ro1, _ = run_experience(w1)
+    assert torch.equal(ro1.sequences, ro0.sequences)  # the same rollout: only the whitening differs
+    torch.testing.assert_close(ro1.returns, ret, rtol=1e-6, atol=1e-7)  # returns are never whitened
+    a1 = ro1.advantages
+    mean1 = _masked_mean(a1, m)
+    std1 = torch.sqrt(_masked_mean((a1 - mean1) ** 2, m) * m.sum() / (m.sum() - 1))  # unbiased
+    assert abs(mean1.item()) < 1e-6 and std1.item() == pytest.approx(1.0, abs=1e-5)
+    torch.testing.assert_close(a1, torch.where(m.bool(), (adv - raw_mean) / raw_std, 0.0), rtol=1e-5, atol=1e-6)
+
+
+def test_kl_ref_metric_is_the_mean_over_rows_of_the_summed_token_kl():
+    world = _world("--learning_rate", "3e-3")
+    ro, _ = run_experience(world)
+    run_update(world, ro, step=0)  # the actor leaves the reference, so the KL is far from 0
+    ro, metrics = run_experience(world)
+    per_row = ((ro.old_logprobs - ro.ref_logprobs) * ro.response_mask).sum(dim=1)
+    assert abs(per_row.mean().item()) > 1e-3
+    assert metrics["kl_ref"] == pytest.approx(per_row.mean().item(), rel=1e-5)
+    # Not a per-token mean: responses here are longer than one token.
+    assert ro.response_mask.sum(1).min() > 1
+
+
+def test_grad_clip_reports_the_pre_clip_norm_computed_by_hand():
+    """One minibatch: grad_norm/* is the total norm before clipping, whatever --grad_clip is; a tiny clip
+    bounds the step (first AdamW step: |dtheta| = lr |g| / (|g| + 1e-8) <= lr x 1e-4 for |g| <= 1e-12)."""
+    reported = {}
+    for clip in ("1e9", "1e-12"):
+        world = _world("--mini_batch_size", "4", "--grad_clip", clip)
+        ro, _ = run_experience(world)
+        hand_actor = _grad_norm(_hand_actor_loss(world, ro), world.actor)
+        hand_critic = _grad_norm(0.5 * _hand_value_loss(world, ro, clip_range=0.2), world.critic)  # vf_coef 0.5
+        actor0, critic0 = param_snapshot(world.actor), param_snapshot(world.critic)
+        stats = run_update(world, ro, step=0)
+        assert stats["grad_norm/actor"] == pytest.approx(hand_actor, rel=1e-5)
+        assert stats["grad_norm/critic"] == pytest.approx(hand_critic, rel=1e-5)
+        assert hand_actor > 1e-3 and hand_critic > 1e-3
+        reported[clip] = (stats["grad_norm/actor"], stats["grad_norm/critic"])
+        if clip == "1e-12":
+            assert 0 < _max_change(actor0, world.actor) <= LR * 1e-4 * 1.01
+            assert 0 < _max_change(critic0, world.critic) <= 1e-4 * 1e-4 * 1.01  # critic LR 1e-4
+        else:
+            assert _max_change(actor0, world.actor) > 0.5 * LR
+    assert reported["1e9"] == reported["1e-12"]
+
+
+def test_kl_placement_loss_adds_the_kl_term_to_the_policy_loss():
+    # In the loss, the KL is not in the reward: advantages are GAE of the bare scores.
+    world = _world("--kl_placement", "loss", "--kl_coef", "0.5", "--whiten_advantages", "0", "--mini_batch_size", "4")
+    ro, _ = run_experience(world)
+    m = ro.response_mask
+    adv, _ = compute_gae(compute_token_rewards(ro.rewards, None, m, 0.5), ro.values, m, 1.0, 0.95)
+    torch.testing.assert_close(ro.advantages, adv, rtol=1e-6, atol=1e-7)
+    with_kl = _grad_norm(_hand_actor_loss(world, ro, kl_coef=0.5), world.actor)
+    without = _grad_norm(_hand_actor_loss(world, ro), world.actor)
+    assert abs(with_kl - without) > 1e-2 * without  # the KL term matters for this check
+    stats = run_update(world, ro, step=0)
+    assert stats["grad_norm/actor"] == pytest.approx(with_kl, rel=1e-5)
+
+    # kl_coef 0: both placements take exactly the same step; kl_coef 0.5: they do not.
+    after = {}
+    for coef in ("0", "0.5"):
+        for place in ("reward", "loss"):
+            w, _, _, _, _ = _one_step("--kl_placement", place, "--kl_coef", coef)
+            after[coef, place] = w
+    _assert_same_params(after["0", "reward"].actor, after["0", "loss"].actor)
+    _assert_same_params(after["0", "reward"].critic, after["0", "loss"].critic)
+    assert _differs(after["0.5", "reward"].actor, after["0.5", "loss"].actor)
+
+
+def test_entropy_bonus_is_in_the_actor_loss():
+    """At random init the policy is near-uniform (entropy near its maximum, small entropy gradient), so a
+    large coefficient makes the bonus visible; it then dominates the loss and raises the entropy."""
+    world = _world("--entropy_coef", "100", "--mini_batch_size", "4")
+    ro, _ = run_experience(world)
+    hand = _grad_norm(_hand_actor_loss(world, ro, entropy_coef=100), world.actor)
+    assert abs(hand - _grad_norm(_hand_actor_loss(world, ro), world.actor)) > 1e-2 * hand
+    with torch.no_grad():
+        ent_before = _masked_mean(policy_logprobs(world, ro, with_entropy=True)[1], ro.response_mask).item()
+    stats = run_update(world, ro, step=0)
+    assert stats["grad_norm/actor"] == pytest.approx(hand, rel=1e-5)
+    with torch.no_grad():
+        ent_after = _masked_mean(policy_logprobs(world, ro, with_entropy=True)[1], ro.response_mask).item()
+    assert ent_after > ent_before
+
+    w0, *_ = _one_step("--entropy_coef", "0")
+    wa, *_ = _one_step("--entropy_coef", "0.3")
+    wb, *_ = _one_step("--entropy_coef", "0.3")
+    assert _differs(w0.actor, wa.actor)
+    _assert_same_params(wa.actor, wb.actor)
+
+
+def test_accumulation_steps_take_the_same_step_as_one_micro_batch():
+    w1, _, s1, actor0, critic0 = _one_step("--accumulation_steps", "1")
+    w2, _, s2, _, _ = _one_step("--accumulation_steps", "2")
+    assert _max_change(actor0, w1.actor) > 0.5 * LR and _max_change(critic0, w1.critic) > 0
+    for (name, p), q in zip([*w1.actor.named_parameters(), *w1.critic.named_parameters()],
+                            [*w2.actor.parameters(), *w2.critic.parameters()]):
+        # Two AdamW steps of ~LR each; rounding differs only where a gradient is ~0 (Adam amplifies it there).
+        torch.testing.assert_close(q, p, rtol=0, atol=LR * 1e-2, msg=name)
+    assert s2["grad_norm/actor"] == pytest.approx(s1["grad_norm/actor"], rel=1e-6)
+    assert s2["grad_norm/critic"] == pytest.approx(s1["grad_norm/critic"], rel=1e-6)
+
+
+def test_critic_warmup_freezes_the_actor_until_step_n():
+    world = _world("--critic_warmup_steps", "2")
+    ro, _ = run_experience(world)
+    for step in (0, 1):
+        actor0, critic0 = param_snapshot(world.actor), param_snapshot(world.critic)
+        stats = run_update(world, ro, step=step)
+        assert _same(actor0, world.actor), f"the actor moved at step {step} < --critic_warmup_steps"
+        assert not _same(critic0, world.critic)
+        assert "grad_norm/actor" not in stats and stats["grad_norm/critic"] > 0
+    actor0 = param_snapshot(world.actor)
+    stats = run_update(world, ro, step=2)
+    assert not _same(actor0, world.actor) and stats["grad_norm/actor"] > 0
+
+
+def test_vf_coef_scales_the_critic_gradient_and_zero_freezes_the_critic():
+    w0, _, s0, actor0, critic0 = _one_step("--vf_coef", "0", "--mini_batch_size", "4")
+    assert _same(critic0, w0.critic) and s0["grad_norm/critic"] == 0.0
+    assert _max_change(actor0, w0.actor) > 0.5 * LR
+    _, _, s_half, _, _ = _one_step("--vf_coef", "0.5", "--mini_batch_size", "4")
+    w1, _, s_one, _, c1 = _one_step("--vf_coef", "1.0", "--mini_batch_size", "4")
+    assert not _same(c1, w1.critic)
+    assert s_one["loss/value"] == s_half["loss/value"] == s0["loss/value"]  # the loss is reported unscaled
+    assert s_one["grad_norm/critic"] == pytest.approx(2 * s_half["grad_norm/critic"], rel=1e-6)
+    assert s_half["grad_norm/critic"] > 0
+
+
+@pytest.mark.parametrize("clip", ["0", "0.2"])
+def test_value_loss_by_hand_unclipped_and_clipped(clip):
+    """One minibatch, one epoch: loss/value is 0.5 x token mean of (V - R)^2 (clip 0) or of the max with
+    the clipped error (clip 0.2), V from a fresh critic forward before the step. The first update starts
+    at V = V_old (no clipping can happen), the second after a large critic step (it must)."""
+    world = _world("--cliprange_value", clip, "--mini_batch_size", "4", "--critic_learning_rate", "0.01")
+    ro, _ = run_experience(world)
+    with torch.no_grad():
+        first = _hand_value_loss(world, ro, clip_range=float(clip)).item()
+    assert run_update(world, ro, step=0)["loss/value"] == pytest.approx(first, rel=1e-5)
+    with torch.no_grad():
+        unclipped = _hand_value_loss(world, ro).item()
+        clipped = _hand_value_loss(world, ro, clip_range=0.2).item()
+    assert clipped > unclipped * 1.1  # the critic moved beyond the clip range (1.8x with these flags)
+    stats = run_update(world, ro, step=1)
+    assert stats["loss/value"] == pytest.approx(unclipped if clip == "0" else clipped, rel=1e-5)
+    assert (stats["value/clipfrac"] > 0) == (clip == "0.2")
+
+
+def test_early_stop_kl_crossing_minibatch_does_not_step():
+    """One minibatch per epoch: epoch 1 starts at the rollout policy (approx-KL ~0) and steps; epoch 2's
+    approx-KL crosses the tiny limit, so it must not step: the weights are those after epoch 1 alone."""
+    stopped, _, s_stop, _, _ = _one_step("--ppo_update_iters", "2", "--early_stop_kl", "1e-9", "--mini_batch_size", "4")
+    one, _, s_one, actor0, _ = _one_step("--ppo_update_iters", "1", "--mini_batch_size", "4")
+    two, *_ = _one_step("--ppo_update_iters", "2", "--mini_batch_size", "4")
+    assert s_stop["ppo/early_stopped"] == 1.0 and s_one["ppo/early_stopped"] == 0.0
+    _assert_same_params(stopped.actor, one.actor)
+    _assert_same_params(stopped.critic, one.critic)
+    assert not _same(actor0, one.actor)
+    assert _differs(two.actor, one.actor)  # without the stop, epoch 2 would have stepped
+
+
+def _huge_head_rm(out: Path) -> Path:
+    """A tiny sequence-classifier RM (make_tiny_world's shape) whose score head is scaled by 1e4: its raw
+    scores are in the hundreds or thousands, of either sign."""
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    from model.loader import load_tokenizer
+
+    tok = load_tokenizer()
+    torch.manual_seed(1)
+    rm = Qwen3ForSequenceClassification(Qwen3Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_labels=1, pad_token_id=tok.pad_token_id, tie_word_embeddings=True))
+    with torch.no_grad():
+        rm.score.weight.mul_(1e4)
+    rm.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_reward_model_scores_are_clipped_to_three(tmp_path):
+    from model.loader import load_reward_model
+    from trainer.rewards import RewardModelScorer, compute_rewards
+
+    path = _huge_head_rm(tmp_path / "rm")
+    model, tok = load_reward_model(path)
+    user = [{"role": "user", "content": "What is 2 + 3?"}]
+    replies = ["<think>\nadd\n</think>\n<answer>\n5\n</answer>", "<think>\nhmm\n</think>\n<answer>\nseven\n</answer>",
+               "no format at all", "<answer>\n12\n</answer>"]
+    full = [user + [{"role": "assistant", "content": r}] for r in replies]
+    answers = [user + [{"role": "assistant", "content": a}] for a in ("5", "seven", "no format at all", "12")]
+    for sign in (-1, 1):  # the head as saved scores every conversation far below -3; negated, far above 3
+        if sign == 1:
+            with torch.no_grad():
+                model.score.weight.neg_()
+        raw = RewardModelScorer(model, tok, clip=float("inf")).score(full + answers)
+        assert (sign * raw).min() > 3
+        clipped = raw.clamp(-3, 3)
+        torch.testing.assert_close(RewardModelScorer(model, tok).score(full + answers), clipped, rtol=0, atol=0)
+        _, comps = compute_rewards(prompts=["q"] * 4, messages=[user] * 4, replies=replies, references=[None] * 4,
+                                   has_eos=[True] * 4, weights={"rm": 1.0}, rm=RewardModelScorer(model, tok),
+                                   reasoning=True, custom_fns={})
+        torch.testing.assert_close(comps["rm"], 0.4 * clipped[:4] + 0.6 * clipped[4:])
+        torch.testing.assert_close(comps["rm"], torch.full((4,), 3.0 * sign), rtol=0, atol=1e-6)
+
+    # train_ppo's scorer clips too: with only the RM weighted, every reward is 0.4 x (+-3) + 0.6 x (+-3)
+    # (the saved head scores in the negative hundreds; unclipped, the rewards would be too).
+    world = build_update_world(["--reward_model_path", str(path), "--rm_weight", "1", "--format_weight", "0",
+                                "--tag_weight", "0", "--accuracy_weight", "0", "--eos_penalty", "0", "--temperature", "1.0"])
+    ro, metrics = run_experience(world)
+    for r in ro.rewards.tolist():
+        assert min(abs(r + 3.0), abs(r - 0.6), abs(r + 0.6), abs(r - 3.0)) < 1e-5, ro.rewards
+    assert metrics["reward/rm"] == pytest.approx(ro.rewards.mean().item(), rel=1e-6)
+
+
+@pytest.mark.slow  # 3 steps in a subprocess: ~11 s on 2 shared cores
+def test_nonfinite_counter_resets_after_a_finite_step(world, tmp_path):
+    """Steps 1 and 3 are non-finite, step 2 is finite: with --max_nonfinite 2 the run completes (a counter
+    that did not reset at step 2 would stop it at step 3, as test_nonfinite_reward_skips_steps_and_stops
+    shows for two in a row)."""
+    flags = tiny_flags(world, tmp_path, reward_fn=[f"{FIXTURE}:nan_on_odd_steps"], max_steps=3, max_nonfinite=2,
+                       save_weight="alt", rm_weight=0, sample_interval=0, save_interval=100)
+    r = run_train(flags, cwd=tmp_path, check=False)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = read_metrics(tmp_path / "run")
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert [row["nonfinite"] for row in rows] == [1.0, 0.0, 1.0]
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "finished"
+
+
+@pytest.mark.slow  # 2 steps + plots in a subprocess: ~11 s on 2 shared cores
+def test_finished_run_marks_run_json_and_writes_plots(world, tmp_path):
+    flags = tiny_flags(world, tmp_path, max_steps=2, warmup_steps=2, save_weight="fin", sample_interval=0,
+                       learning_rate=1e-3, critic_learning_rate=2e-3, save_interval=100)
+    run_train(flags, cwd=tmp_path)
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["status"] == "finished" and run["end_time"] >= run["start_time"]
+    plots = tmp_path / "run" / "plots"
+    names = {p.name for p in plots.glob("*.png")}
+    assert {"overview.png", "reward.png", "kl.png", "value.png", "response.png", "lr.png"} <= names, names
+    for name in names:
+        assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    # The LR logged at step s is the one the NEXT update uses: warm-up (s+1)/(w+1), then cosine to 10%.
+    f = lr_schedule(2, 2)
+    rows = read_metrics(tmp_path / "run")
+    assert [row["lr/actor"] for row in rows] == pytest.approx([1e-3 * f(1), 1e-3 * f(2)], rel=1e-9)
+    assert [row["lr/critic"] for row in rows] == pytest.approx([2e-3 * f(1), 2e-3 * f(2)], rel=1e-9)
+    assert [f(1), f(2)] == pytest.approx([2 / 3, 1.0])
+
+
+def _with_remote_code(src: Path, dst: Path, marker: Path, model_type: str | None = None) -> Path:
+    """A copy of the HF directory `src` whose config.json maps the Auto classes to a local remote.py that,
+    when imported, writes `marker`; `model_type` replaces the config's (an unknown one leaves transformers
+    no stock class to fall back on)."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "remote.RemoteConfig", "AutoModel": "remote.RemoteModel",
+                       "AutoModelForCausalLM": "remote.RemoteModel",
+                       "AutoModelForSequenceClassification": "remote.RemoteModel"}
+    if model_type:
+        cfg["model_type"] = model_type
+    (dst / "config.json").write_text(json.dumps(cfg))
+    (dst / "remote.py").write_text(f"from pathlib import Path\n\nPath({str(marker)!r}).write_text('remote code ran')\n")
+    return dst
+
+
+@pytest.fixture
+def remote_marker(tmp_path, monkeypatch) -> Path:
+    """The file remote.py writes when imported; transformers' module cache of any subprocess goes to tmp."""
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+    return tmp_path / "REMOTE_CODE_RAN"
+
+
+def test_remote_code_runs_only_with_trust_remote_code(world, tmp_path, remote_marker):
+    from model.loader import load_policy, load_reward_model
+    from tests.tiny_hf import save_tiny_causal_lm
+
+    marker = remote_marker
+    evil_rm = _with_remote_code(Path(world["rm"]), tmp_path / "evil_rm", marker, model_type="minippo_evil")
+    # The marker works: with trust, transformers imports remote.py (and then fails to find the class).
+    probe = subprocess.run([sys.executable, "-c", "import sys; from model.loader import load_reward_model\n"
+                            "try: load_reward_model(sys.argv[1], trust_remote_code=True)\nexcept Exception: pass",
+                            str(evil_rm)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1"),
+                           capture_output=True, text=True, timeout=120)
+    assert marker.exists(), probe.stderr[-2000:]
+    marker.unlink()
+    # Without it: no stock class for the model type is a one-line error naming the flag ...
+    with pytest.raises(WeightsError, match="not a sequence-classification model.*add --trust_remote_code 1"):
+        load_reward_model(evil_rm)
+    # ... and a stock model type with an auto_map loads the stock class.
+    rm, _ = load_reward_model(_with_remote_code(Path(world["rm"]), tmp_path / "rm_map", marker))
+    assert type(rm).__name__ == "Qwen3ForSequenceClassification"
+    save_tiny_causal_lm(tmp_path / "llama", "llama")
+    actor, _ = load_policy(hf_path=_with_remote_code(tmp_path / "llama", tmp_path / "llama_map", marker))
+    assert type(actor).__name__ == "LlamaForCausalLM"
+    assert not marker.exists()
+
+
+def test_train_ppo_refuses_a_remote_code_reward_model_in_one_line(world, tmp_path, remote_marker):
+    """The same remote-code RM as above (whose remote.py demonstrably runs when trusted) through train_ppo
+    without --trust_remote_code: one line, exit != 0, remote.py never imported."""
+    evil_rm = _with_remote_code(Path(world["rm"]), tmp_path / "evil_rm", remote_marker, model_type="minippo_evil")
+    r = run_train(tiny_flags(world, tmp_path, reward_model_path=str(evil_rm)), cwd=tmp_path, check=False)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    last = r.stderr.strip()
+    assert last.startswith(f"error: --reward_model_path {evil_rm}: not a sequence-classification model"), r.stderr
+    assert last.endswith("add --trust_remote_code 1")
+    assert not remote_marker.exists()

@@ -174,11 +174,12 @@ def test_rebuild_commands_make_loadable_deterministic_artifacts(tmp_path):
                       "--init_from", "base/rm_base_32.pth", "--tokenizer_path", "rm_tok", "--max_steps", "4",
                       "--batch_size", "8", "--save_path", "rm", cwd=tmp_path)
     reported = float(out.split("held-out pair accuracy (reloaded, RewardModelScorer, fp32):")[1].split()[0])
-    # Giving freed heap memory back to the OS after every step changes nothing in the result.
+    # Giving freed heap memory back to the OS after every step (the default, --malloc_trim_interval 1, used
+    # for "rm" above) or never (0) changes nothing in the result.
     _run_script("train_reward_model", "--data_path", "pairs.jsonl", "--eval_data_path", "pairs_eval.jsonl",
                 "--init_from", "base/rm_base_32.pth", "--tokenizer_path", "rm_tok", "--max_steps", "4",
-                "--batch_size", "8", "--save_path", "rm_trim", "--malloc_trim_interval", "1", cwd=tmp_path)
-    assert (tmp_path / "rm_trim" / "model.safetensors").read_bytes() == (tmp_path / "rm" / "model.safetensors").read_bytes()
+                "--batch_size", "8", "--save_path", "rm_no_trim", "--malloc_trim_interval", "0", cwd=tmp_path)
+    assert (tmp_path / "rm_no_trim" / "model.safetensors").read_bytes() == (tmp_path / "rm" / "model.safetensors").read_bytes()
     rm, rm_tok = load_reward_model(tmp_path / "rm")
     assert rm.config.num_labels == 1 and rm.config.hidden_size == 32
     assert rm_tok.tokenize("x 106") == ["x", "Ġ1", "0", "6"]  # the RM directory carries the digit-split tokenizer

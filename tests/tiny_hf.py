@@ -11,10 +11,11 @@ import json
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
 )
+
+from tests.helpers import byte_level_bpe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,12 +32,7 @@ def tiny_bpe_tokenizer(vocab_size: int = 400, with_pad: bool = False) -> PreTrai
     for line in (ROOT / "dataset" / "demo_train.jsonl").read_text(encoding="utf-8").splitlines()[:300]:
         lines += [m["content"] for m in json.loads(line)["conversations"]]
     specials = ["<s>", "</s>"] + (["<pad>"] if with_pad else [])
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.train_from_iterator(lines, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    tk = byte_level_bpe(lines, vocab_size, specials)
     extra = {"pad_token": "<pad>"} if with_pad else {}
     return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
                                    chat_template=TINY_CHAT_TEMPLATE, **extra)
