@@ -12,6 +12,7 @@ import contextlib
 import copy
 import math
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ContextManager
@@ -209,7 +210,33 @@ def validate_flags(args: argparse.Namespace) -> None:
         (args.reward_model_path in (None, "none") or Path(args.reward_model_path).is_dir() or args.rm_weight == 0,
          f"--reward_model_path {args.reward_model_path}: not a directory (use 'none' or --rm_weight 0 to run without a reward model)"),
         (args.actor_path is None or Path(args.actor_path).is_dir(), f"--actor_path {args.actor_path}: not a directory"),
+        # torch.device() would take "tpu"/"mps" and fail later with a traceback.
+        (re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device) is not None,
+         f"--device {args.device}: expected one of auto, cpu, cuda, cuda:N"),
     ]
+    # nan compares False with everything, so "x > 0" alone would let it through.
+    for flag, lowest in (("learning_rate", "> 0"), ("critic_learning_rate", "> 0"), ("grad_clip", "> 0"),
+                         ("clip_epsilon", "> 0"), ("kl_coef", ">= 0")):
+        v = getattr(args, flag)
+        checks.append((math.isfinite(v) and (v > 0 if lowest == "> 0" else v >= 0),
+                       f"--{flag} {v} must be a finite number {lowest}"))
+
+    def blocking_file(path: str) -> Path | None:
+        """The file standing where `path` or one of its parents must be a directory (found here, not
+        at the first save after a step of work)."""
+        for p in (Path(path), *Path(path).parents):
+            if p.exists():
+                return None if p.is_dir() else p
+        return None
+
+    # No --run_dir means runs/<save_weight>_<hidden>: "runs" must then be a directory.
+    for label, value in ((f"--checkpoint_dir {args.checkpoint_dir}", args.checkpoint_dir),
+                         (f"--save_dir {args.save_dir}", args.save_dir),
+                         (f"--run_dir {args.run_dir}" if args.run_dir else "--run_dir (default runs/...)",
+                          args.run_dir or "runs")):
+        f = blocking_file(value)
+        where = "is a file" if f == Path(value) else f"{f} is a file"
+        checks.append((f is None, f"{label}: {where}, not a directory; give a directory path (created if missing)"))
     for ok, msg in checks:
         if not ok:
             raise SystemExit(f"error: {msg}")
