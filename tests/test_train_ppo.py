@@ -132,7 +132,7 @@ def test_good_numbers_and_devices_pass_validation(world, tmp_path, over):
 
 
 @pytest.mark.parametrize("flag", ["checkpoint_dir", "save_dir", "run_dir"])
-def test_output_dir_that_is_a_file_is_one_line_at_start_up(world, tmp_path, flag, monkeypatch):
+def test_output_dir_that_is_a_file_is_one_line_at_start_up(world, tmp_path, flag):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     over = {flag: str(blocker)}

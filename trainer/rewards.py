@@ -16,7 +16,7 @@ import math
 import numbers
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
