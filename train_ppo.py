@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from trainer.ppo import compute_gae, compute_token_rewards, kl_penalty, masked_mean, masked_whiten, policy_loss, value_loss  # noqa: E402
 from trainer.ppo import explained_variance  # noqa: E402
-from trainer.rewards import compute_rewards  # noqa: E402
+from trainer.rewards import RewardFnError, compute_rewards  # noqa: E402
 from trainer.rollout import Rollout, attention_implementation, critic_forward, generate_rollout, policy_forward, rollout_metrics  # noqa: E402
 from trainer.run import distributed as D  # noqa: E402
 from trainer.run.lifecycle import Run  # noqa: E402
@@ -212,7 +212,7 @@ def make_experience(args: argparse.Namespace, batch: dict, m: Models, s: Setting
                 with timer("score_critic"):
                     ro.values = critic_forward(m.critic, ro.sequences, ro.attention_mask, R).float()  # [B, R]
             with timer("score_reward"):  # 3. reward
-                responses, comps = score_responses(args, batch, ro, m, custom_fns)
+                responses, comps = score_responses(args, batch, ro, m, custom_fns, timer)
     compute_advantages(args, ro, kl_coef, s)  # 4. advantages
     metrics, weights = rollout_metrics(ro, comps, entropy, kl_coef, args.num_generations)
     samples = [{"prompt": batch["prompt"][i // args.num_generations][-200:], "response": responses[i],
@@ -221,7 +221,8 @@ def make_experience(args: argparse.Namespace, batch: dict, m: Models, s: Setting
     return Experience(ro, metrics, weights, samples)
 
 
-def score_responses(args: argparse.Namespace, batch: dict, ro: Rollout, m: Models, custom_fns: dict) -> tuple[list[str], dict]:
+def score_responses(args: argparse.Namespace, batch: dict, ro: Rollout, m: Models, custom_fns: dict,
+                    timer: PhaseTimer) -> tuple[list[str], dict]:
     """Sets ro.rewards [B] (the weighted total); returns the decoded responses and each component [B].
     Rewards see the full assistant reply: the prefix the chat template forced + the decoded response."""
     rep = args.num_generations
@@ -231,11 +232,14 @@ def score_responses(args: argparse.Namespace, batch: dict, ro: Rollout, m: Model
     replies = [p + r for p, r in zip(expand(batch["assistant_prefix"]), responses)]
     weights = {"format": args.format_weight, "tags": args.tag_weight, "rm": args.rm_weight,
                "accuracy": args.accuracy_weight, "eos": args.eos_penalty}
-    rewards, comps = compute_rewards(
-        prompts=expand(batch["prompt"]), messages=expand(batch["messages"]), replies=replies,
-        references=expand(batch["reference"]), has_eos=ro.has_eos.tolist(), weights=weights,
-        rm=m.rm_scorer if args.rm_weight else None, reasoning=bool(args.reasoning), custom_fns=custom_fns,
-    )
+    try:
+        rewards, comps = compute_rewards(
+            prompts=expand(batch["prompt"]), messages=expand(batch["messages"]), replies=replies,
+            references=expand(batch["reference"]), has_eos=ro.has_eos.tolist(), weights=weights,
+            rm=m.rm_scorer if args.rm_weight else None, reasoning=bool(args.reasoning), custom_fns=custom_fns, timer=timer,
+        )
+    except RewardFnError as e:  # the user's function, the user's to fix: one line, not a traceback
+        raise SystemExit(f"error: {e}") from None
     ro.rewards = rewards.to(ro.sequences.device)
     return responses, comps
 
@@ -368,7 +372,7 @@ def _critic_backward(args, critic, part: Rollout, scale: torch.Tensor, s: Settin
 # --------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    built = setup(args, D.init_distributed(args.device, timeout_s=args.ddp_timeout))  # threads, seeds, models, data, optimizers, DDP
+    built = setup(args)  # torchrun's ranks, threads, seeds, models, data, optimizers, DDP
     s, m, opt, kl_ctl = built.settings, built.models, built.optim, built.kl_ctl
     with Run(args, built) as run:  # resume, run.json, logger; marks the run's end however it ends
         for batch in run.batches():
@@ -379,7 +383,8 @@ def main(argv: list[str] | None = None) -> None:
                 exp = make_experience(args, batch, m, s, kl_ctl.value, built.custom_fns, timer)  # steps 1-4
                 with timer("update"):
                     stats = ppo_update(args, exp.rollout, m, opt, run.step, s, kl_ctl.value, timer)  # step 5
-            metrics = {**exp.metrics, **stats, **{f"time/{k}": timer.wall[k] for k in ("generate", "score", "update", "step")},
+            times = {f"time/{k}": v for k, v in timer.wall.items() if k in ("generate", "score", "update", "step") or k.startswith("reward/")}
+            metrics = {**exp.metrics, **stats, **times,
                        "lr/actor": opt.optims["actor"].param_groups[0]["lr"], "lr/critic": opt.optims["critic"].param_groups[0]["lr"]}
             # Reduce first: the adaptive KL controller must see the global kl_ref, or each rank
             # steers its own coefficient and the ranks (and the resume file) disagree.

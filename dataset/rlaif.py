@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,15 @@ def parse_conversation(obj: Any, where: str) -> PromptRecord:
     return PromptRecord(messages=messages, reference=reference, where=where)
 
 
+def _json_array_message(path: Path, lineno: int) -> str:
+    out = path.with_suffix(".jsonl") if path.suffix != ".jsonl" else path.with_name(path.stem + ".lines.jsonl")
+    src, dst = shlex.quote(str(path)), shlex.quote(str(out))
+    return (f"{path}:{lineno}: the file is a JSON array ('[' ...), not JSONL (one JSON object per line); convert it: "
+            f"jq -c '.[]' {src} > {dst}  or  python -c \"import json,sys; "
+            f"[print(json.dumps(o, ensure_ascii=False)) for o in json.load(open(sys.argv[1], encoding='utf-8-sig'))]\" "
+            f"{src} > {dst}")
+
+
 def read_rlaif_jsonl(path: str | Path, skip_bad_lines: bool = False) -> tuple[list[PromptRecord], int]:
     """Read an RLAIF prompt jsonl. Returns (records, n_skipped).
 
@@ -131,9 +141,16 @@ def read_rlaif_jsonl(path: str | Path, skip_bad_lines: bool = False) -> tuple[li
     records: list[PromptRecord] = []
     n_skipped = 0
     first_error: str | None = None
+    first_content = True
     with path.open("rb") as f:  # bytes: a bad UTF-8 line is a line error, not a file crash
         for lineno, raw in enumerate(f, start=1):
             where = f"{path}:{lineno}"
+            if first_content and (head := (raw.removeprefix(b"\xef\xbb\xbf") if lineno == 1 else raw).strip()):
+                first_content = False
+                # A whole-file JSON array is a format mistake, not a bad line: --skip_bad_lines would
+                # otherwise keep only the odd element that happens to sit on one line without a comma.
+                if head.startswith(b"["):
+                    raise DataError(_json_array_message(path, lineno))
             try:
                 try:
                     line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")

@@ -11,7 +11,14 @@ local, and remote code runs only with `trust_remote_code=True` (the `--trust_rem
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import pickle
+import re
+import shlex
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -33,6 +40,75 @@ def _local_dir(path: str | os.PathLike, flag: str) -> Path:
     if not p.is_dir():
         raise WeightsError(f"{flag} {path}: not a local directory (nothing is downloaded; give a saved Hugging Face folder)")
     return p
+
+
+def _bin_weight_files(d: Path) -> list[Path]:
+    """The pickle-format weight files transformers reads from `d`, in its order of preference:
+    pytorch_model.bin, else the shards its index names (never e.g. training_args.bin)."""
+    if (d / "pytorch_model.bin").is_file():
+        return [d / "pytorch_model.bin"]
+    try:
+        weight_map = json.loads((d / "pytorch_model.bin.index.json").read_text(encoding="utf-8"))["weight_map"]
+        return [d / f for f in sorted(set(weight_map.values()))]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+
+
+@contextlib.contextmanager
+def _refuse_pickled_code(d: Path, flag: str) -> Iterator[None]:
+    """Turn torch's refusal of a .bin carrying code into one line naming the file.
+
+    transformers reads .bin weights with torch.load(weights_only=True), whose unpickler raises
+    UnpicklingError("Weights only load failed...") at the first global it would have to import:
+    nothing in the file has run. Other UnpicklingErrors (a corrupt file) pass through unchanged."""
+    try:
+        yield
+    except pickle.UnpicklingError as e:
+        if not str(e).startswith("Weights only load failed"):
+            raise
+        found = re.search(r"GLOBAL (\S+)", str(e))
+        files = _bin_weight_files(d)
+        culprit = _first_refused(files) if len(files) > 1 else (files[0] if files else None)
+        # transformers 5 reads .bin with weights_only=True whatever from_pretrained is told, so the way
+        # out for a trusted file is to rewrite its tensors as model.safetensors (preferred over .bin).
+        convert = (
+            " or, only if you trust the file, convert it once: python -c \"import sys, torch, safetensors.torch as st; "
+            "sd = {}; [sd.update(torch.load(f, weights_only=False)) for f in sys.argv[2:]]; "
+            "st.save_file({k: v.contiguous().clone() for k, v in sd.items() if torch.is_tensor(v)}, sys.argv[1], "
+            "metadata={'format': 'pt'})\" " + " ".join(shlex.quote(str(f)) for f in [d / "model.safetensors", *files])
+        ) if files else ""
+        raise WeightsError(
+            f"{flag} {d}: refused {culprit or 'its .bin weights'}: it contains pickled code"
+            f"{f' (it would call {found.group(1)})' if found else ''}, which loading would run; "
+            f"use safetensors weights (model.safetensors){convert}"
+        ) from None
+
+
+def _first_refused(files: list[Path]) -> Path | None:
+    """The first shard torch.load(weights_only=True) refuses (nothing in it runs)."""
+    for f in files:
+        try:
+            torch.load(f, map_location="meta", weights_only=True)
+        except pickle.UnpicklingError:
+            return f
+        except Exception:
+            continue
+    return None
+
+
+def _warn_unused_remote_code(model: nn.Module, d: Path, flag: str) -> None:
+    """A config.json with `auto_map` AND a stock model_type loads transformers' own class without
+    --trust_remote_code, silently: say that the directory's code was not used."""
+    auto_map = getattr(model.config, "auto_map", None)
+    if not auto_map:
+        return
+    refs = auto_map.values() if isinstance(auto_map, dict) else []
+    # An AutoTokenizer entry is a [slow, fast] pair; the others are "module.Class" strings.
+    names = sorted({str(r) for v in refs for r in (v if isinstance(v, (list, tuple)) else [v]) if r})
+    names = ", ".join(names)[:120] or "custom classes"
+    print(f"warning: {flag} {d}: config.json's auto_map names custom code ({names}) that was NOT used: "
+          f"transformers' stock {model.config.model_type} class {type(model).__name__} was loaded instead; "
+          "pass --trust_remote_code 1 to use the directory's code", file=sys.stderr, flush=True)
 
 
 def load_tokenizer(path: str | os.PathLike | None = None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
@@ -106,7 +182,10 @@ def load_policy(
         raise ValueError("give either native weights (--from_weight) or an HF directory (--actor_path), not both")
     if hf_path is not None:
         d = _local_dir(hf_path, "--actor_path")
-        model = AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype, trust_remote_code=trust_remote_code)
+        with _refuse_pickled_code(d, "--actor_path"):
+            model = AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype, trust_remote_code=trust_remote_code)
+        if not trust_remote_code:
+            _warn_unused_remote_code(model, d, "--actor_path")
         tok = load_tokenizer(tokenizer_path or d, trust_remote_code=trust_remote_code)
     else:
         tok = load_tokenizer(tokenizer_path)
@@ -165,9 +244,12 @@ def load_reward_model(
     d = _local_dir(path, "--reward_model_path")
     info = None
     try:
-        model, info = AutoModelForSequenceClassification.from_pretrained(
-            str(d), dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True
-        )
+        with _refuse_pickled_code(d, "--reward_model_path"):
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                str(d), dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True
+            )
+    except WeightsError:
+        raise
     except (ValueError, KeyError) as e:
         if not trust_remote_code:
             raise WeightsError(
@@ -176,7 +258,10 @@ def load_reward_model(
             ) from None
         from transformers import AutoModel
 
-        model = AutoModel.from_pretrained(str(d), dtype=dtype, trust_remote_code=True)
+        with _refuse_pickled_code(d, "--reward_model_path"):
+            model = AutoModel.from_pretrained(str(d), dtype=dtype, trust_remote_code=True)
+    if not trust_remote_code:
+        _warn_unused_remote_code(model, d, "--reward_model_path")
     if info is not None and info["missing_keys"]:
         raise WeightsError(
             f"--reward_model_path {path}: no trained reward head ({', '.join(sorted(info['missing_keys'])[:3])} "

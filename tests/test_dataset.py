@@ -467,3 +467,43 @@ def test_project_tokenizer(tmp_path):
     assert records[1].reference == "hello"
     batch = collate_left_pad([ds[0], ds[1]], pad_id=tokenizer.pad_token_id)
     assert batch["input_ids"].shape[0] == 2
+
+
+# ---------------------------------------------------------------- a JSON array instead of JSONL
+
+ARRAY = [_conv(("user", "你好"), ("assistant", "无")), _conv(("system", "s"), ("user", "2+2?"), ("assistant", "4"))]
+
+
+@pytest.mark.parametrize("text, lineno", [
+    (json.dumps(ARRAY, indent=1, ensure_ascii=False), 1),  # pretty-printed: "[" alone on line 1
+    ("\ufeff\n  \n" + json.dumps(ARRAY, ensure_ascii=False), 3),  # BOM, blank lines, the array on one line
+    ("[\n" + ",\n".join(json.dumps(o, ensure_ascii=False) for o in ARRAY) + "\n]\n", 1),  # one element a line
+], ids=["pretty", "bom-one-line", "element-per-line"])
+@pytest.mark.parametrize("skip", [False, True])
+def test_json_array_is_named_with_a_conversion(tmp_path, text, lineno, skip):
+    """A JSON array is refused as a whole (even with --skip_bad_lines, which would otherwise keep the
+    last element: the one line without a trailing comma) with one line saying how to convert it."""
+    path = tmp_path / "data.json"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(DataError) as exc:
+        read_rlaif_jsonl(path, skip_bad_lines=skip)
+    msg = str(exc.value)
+    assert msg.startswith(f"{path}:{lineno}: ") and "\n" not in msg
+    assert "JSON array" in msg and "not JSONL (one JSON object per line)" in msg
+    assert f"jq -c '.[]' {path} > {tmp_path / 'data.jsonl'}" in msg
+
+
+def test_json_array_conversion_command_works(tmp_path):
+    """The python command the message suggests turns the array into a file the reader accepts."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "my data.jsonl"  # a space (quoted in the command) and a .jsonl name that is not JSONL
+    path.write_text(json.dumps(ARRAY, indent=2, ensure_ascii=False), encoding="utf-8-sig")
+    with pytest.raises(DataError) as exc:
+        read_rlaif_jsonl(path)
+    command = str(exc.value).split("  or  ", 1)[1].replace("python -c", f"{sys.executable} -c", 1)
+    subprocess.run(["bash", "-c", command], check=True, env={"PYTHONUTF8": "1"})
+    records, skipped = read_rlaif_jsonl(tmp_path / "my data.lines.jsonl")
+    assert skipped == 0 and [r.messages[-1]["content"] for r in records] == ["你好", "2+2?"]
+    assert [r.reference for r in records] == [None, "4"]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -203,3 +206,149 @@ def test_causal_lm_as_reward_model_is_refused_not_given_a_random_head(tmp_path):
     _save_tiny_llama(tmp_path, 16, _tiny_tokenizer())
     with pytest.raises(WeightsError, match="--reward_model_path"):
         load_reward_model(tmp_path)
+
+
+# ---------------------------------------------------------------- untrusted files
+
+
+class _RunsCode:
+    """Unpickling this calls builtins.exec, which creates `marker`: the kind of payload a .bin can carry."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').close()",))
+
+
+def _save_tiny_rm(d: Path) -> LlamaForSequenceClassification:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    m = LlamaForSequenceClassification(cfg).eval()
+    m.save_pretrained(d)
+    _tiny_tokenizer().save_pretrained(d)
+    return m
+
+
+def _as_bin_with_code(d: Path, model: torch.nn.Module, marker: Path, shards: int = 1) -> list[Path]:
+    """Replace d/model.safetensors by pickle .bin weights (one file or `shards` files with an index);
+    the last file also carries a payload that would create `marker` if it were unpickled freely."""
+    (d / "model.safetensors").unlink()
+    state = dict(model.state_dict())
+    keys = sorted(state)
+    if shards == 1:
+        files = [d / "pytorch_model.bin"]
+        parts = [keys]
+    else:
+        files = [d / f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin" for i in range(shards)]
+        parts = [keys[i::shards] for i in range(shards)]
+        weight_map = {k: files[i].name for i, part in enumerate(parts) for k in part}
+        (d / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for i, (f, part) in enumerate(zip(files, parts)):
+        payload = {k: state[k] for k in part}
+        if i == len(files) - 1:
+            payload["zz_payload"] = _RunsCode(marker)
+        torch.save(payload, f)
+    return files
+
+
+def _assert_payload_is_live(path: Path, marker: Path) -> None:
+    """The test can fail: the same file unpickled without weights_only does run its code."""
+    assert not marker.exists()
+    torch.load(path, weights_only=False)
+    assert marker.exists()
+
+
+def test_reward_model_bin_with_pickled_code_is_refused_and_never_runs(tmp_path):
+    d, marker = tmp_path / "rm", tmp_path / "ran"
+    model = _save_tiny_rm(d)
+    (f,) = _as_bin_with_code(d, model, marker)
+    with pytest.raises(WeightsError) as e:
+        load_reward_model(d)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"--reward_model_path {d}: refused {f}: it contains pickled code")
+    assert "(it would call exec)" in msg and "use safetensors weights" in msg
+    assert not marker.exists()
+    # Still refused (and never run) when remote code is trusted: that flag is about code files, not weights.
+    with pytest.raises(WeightsError, match="pickled code"):
+        load_reward_model(d, trust_remote_code=True)
+    assert not marker.exists()
+    # The suggested conversion (for a file one trusts) gives a directory that loads with the same weights.
+    command = msg.split("convert it once: ", 1)[1].replace("python -c", f"{sys.executable} -c", 1)
+    subprocess.run(["bash", "-c", command], check=True)
+    assert marker.exists()  # the conversion unpickled the file freely: the payload was live
+    rm, _ = load_reward_model(d)
+    torch.testing.assert_close(rm.score.weight, model.score.weight)
+
+
+def test_actor_path_bin_with_pickled_code_is_refused_naming_the_shard(tmp_path):
+    d, marker = tmp_path / "actor", tmp_path / "ran"
+    model = _save_tiny_llama(d, 16, _tiny_tokenizer())
+    files = _as_bin_with_code(d, model, marker, shards=2)
+    with pytest.raises(WeightsError) as e:
+        load_policy(hf_path=d)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"--actor_path {d}: refused {files[1]}: it contains pickled code")
+    assert not marker.exists()
+    _assert_payload_is_live(files[1], marker)
+
+
+def test_plain_bin_weights_still_load(tmp_path):
+    """Only code is refused: a tensor-only pytorch_model.bin loads as before."""
+    d = tmp_path / "rm"
+    model = _save_tiny_rm(d)
+    (d / "model.safetensors").unlink()
+    torch.save(model.state_dict(), d / "pytorch_model.bin")
+    rm, _ = load_reward_model(d)
+    torch.testing.assert_close(rm.score.weight, model.score.weight)
+
+
+def _add_auto_map(d: Path, auto_class: str, marker: Path) -> None:
+    """config.json keeps its stock model_type (llama) and gains an auto_map to a module that would
+    create `marker` when imported."""
+    (d / "custom_model.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n"
+        "from transformers import LlamaForCausalLM, LlamaForSequenceClassification\n"
+        "class CustomCausalLM(LlamaForCausalLM):\n    pass\n"
+        "class CustomRM(LlamaForSequenceClassification):\n    pass\n")
+    cfg = json.loads((d / "config.json").read_text())
+    cls = "CustomRM" if auto_class == "AutoModelForSequenceClassification" else "CustomCausalLM"
+    cfg["auto_map"] = {auto_class: f"custom_model.{cls}"}
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("kind", ["reward_model", "actor"])
+def test_auto_map_without_trust_remote_code_warns_in_one_line(tmp_path, capsys, kind):
+    d, marker = tmp_path / kind, tmp_path / "imported"
+    if kind == "reward_model":
+        _save_tiny_rm(d)
+        _add_auto_map(d, "AutoModelForSequenceClassification", marker)
+        load = lambda trust: load_reward_model(d, trust_remote_code=trust)[0]
+        flag, stock = "--reward_model_path", LlamaForSequenceClassification
+    else:
+        _save_tiny_llama(d, 16, _tiny_tokenizer())
+        _add_auto_map(d, "AutoModelForCausalLM", marker)
+        load = lambda trust: load_policy(hf_path=d, trust_remote_code=trust)[0]
+        flag, stock = "--actor_path", LlamaForCausalLM
+    capsys.readouterr()
+    model = load(False)
+    assert type(model) is stock and not marker.exists()  # the stock class; the custom code never ran
+    out = capsys.readouterr()
+    lines = [line for line in (out.out + out.err).splitlines() if "auto_map" in line]
+    assert len(lines) == 1, out
+    assert lines[0].startswith(f"warning: {flag} {d}: ") and "custom_model." in lines[0]
+    assert "NOT used" in lines[0] and "--trust_remote_code 1" in lines[0]
+    # With the flag the directory's code is what loads (so the marker above could have appeared), silently.
+    model = load(True)
+    assert type(model).__name__ in ("CustomRM", "CustomCausalLM") and marker.exists()
+    out = capsys.readouterr()
+    assert "auto_map" not in out.out + out.err
+
+
+def test_no_warning_without_auto_map(tmp_path, capsys):
+    _save_tiny_rm(tmp_path)
+    capsys.readouterr()
+    load_reward_model(tmp_path)
+    out = capsys.readouterr()
+    assert "auto_map" not in out.out + out.err and "trust_remote_code" not in out.out + out.err

@@ -2,7 +2,9 @@
 
 import math
 import textwrap
+import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -391,3 +393,114 @@ def test_compute_rewards_bad_input():
     # A non-finite custom reward is passed through (the trainer skips and counts such steps).
     total, comps = compute_rewards(**b, weights={}, rm=None, reasoning=False, custom_fns={"nan_fn": nan_fn})
     assert torch.isnan(comps["custom/nan_fn"]).all() and torch.isnan(total).all()
+
+
+# ------------------------------------------------------------------ custom functions that misbehave
+
+LONG_PROMPT = "<|im_start|>user\n" + "why is the sky blue? " * 10 + "<|im_end|>\n<|im_start|>assistant\n<think>\n"
+
+
+def _custom_batch(prompt: str = LONG_PROMPT, first: str = "ok") -> dict:
+    return dict(prompts=[first, prompt], messages=[[], []], replies=["a", "b"], references=[None, None],
+                has_eos=[True, True], weights={}, rm=None, reasoning=False)
+
+
+class _Custom(BaseException):
+    pass
+
+
+def _fails_on_second_row(make_exc):
+    """A reward fn that scores row 0 ("ok") and raises make_exc() on row 1."""
+    def fn(prompt, reply, reference):
+        if prompt == "ok":
+            return 0.0
+        raise make_exc()
+    return fn
+
+
+@pytest.mark.parametrize("make_exc, what", [
+    (lambda: ZeroDivisionError("division by zero"), "raised ZeroDivisionError: division by zero on row 1"),
+    (lambda: RuntimeError("first line\nsecond line"), "raised RuntimeError: first line on row 1"),
+    (lambda: SystemExit(0), "raised SystemExit: 0 on row 1"),
+    (lambda: SystemExit(3), "raised SystemExit: 3 on row 1"),
+    (lambda: SystemExit(), "raised SystemExit on row 1"),
+    (lambda: _Custom("not an Exception"), "raised _Custom: not an Exception on row 1"),
+], ids=["ZeroDivisionError", "multiline", "SystemExit0", "SystemExit3", "SystemExit-no-code", "BaseException"])
+def test_raising_reward_fn_is_one_line_reward_fn_error(make_exc, what):
+    """A raising custom reward (SystemExit 0 and other BaseExceptions included) becomes one
+    RewardFnError line naming the function, the exception and the row's shortened prompt."""
+    from trainer.rewards import RewardFnError
+
+    with pytest.raises(RewardFnError) as info:
+        compute_rewards(**_custom_batch(), custom_fns={"myfn": _fails_on_second_row(make_exc)})
+    msg = str(info.value)
+    assert isinstance(info.value, RuntimeError) and "\n" not in msg
+    assert "--reward_fn myfn" in msg and what in msg and "second line" not in msg
+    # The prompt, newlines removed and cut to ~60 characters.
+    assert "<|im_start|>user why is the sky blue?" in msg and "<think>" not in msg
+    quoted = msg.split("prompt: ")[1]
+    assert len(quoted) <= 70, quoted
+    assert info.value.fn_name == "myfn" and info.value.row == 1
+
+
+def test_keyboard_interrupt_in_reward_fn_passes_through():
+    def ctrl_c(prompt, reply, reference):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        compute_rewards(**_custom_batch(), custom_fns={"ctrl_c": ctrl_c})
+
+
+@pytest.mark.parametrize("value, shown", [
+    ("0.5", "str '0.5'"),
+    (None, "NoneType None"),
+    ([1.0, 2.0], "list [1.0, 2.0]"),
+    (True, "bool True"),
+    (np.bool_(False), "bool np.False_"),
+    (torch.tensor([1.0, 2.0]), "Tensor"),
+    (torch.tensor(True), "Tensor"),
+    (1 + 2j, "complex"),
+    pytest.param("x" * 500, "str 'xxxx", id="long-str"),
+])
+def test_non_number_from_reward_fn_is_refused(value, shown):
+    from trainer.rewards import RewardFnError
+
+    with pytest.raises(RewardFnError) as info:
+        compute_rewards(**_custom_batch(first="short\nprompt"), custom_fns={"bad": lambda p, r, ref: value})
+    msg = str(info.value)
+    assert "\n" not in msg and "--reward_fn bad returned " + shown in msg and "'short prompt'" in msg
+    assert "must return a number" in msg and len(msg) < 250  # a long repr is shortened
+
+
+@pytest.mark.parametrize("value", [1, 0.25, math.nan, math.inf, -math.inf, np.float32(0.5), np.int64(2),
+                                   torch.tensor(0.75), np.array(1.5)])
+def test_numbers_from_reward_fn_are_accepted(value):
+    """ints, floats (NaN/inf too: the trainer skips such steps), numpy scalars and 0-d tensors."""
+    _, comps = compute_rewards(**_custom_batch(), custom_fns={"num": lambda p, r, ref: value})
+    expected = torch.full((2,), float(value), dtype=torch.float32)
+    torch.testing.assert_close(comps["custom/num"], expected, equal_nan=True)
+
+
+def test_compute_rewards_times_each_custom_fn():
+    from trainer.run.timing import PhaseTimer
+
+    calls = []
+
+    def slow(prompt, reply, reference):
+        calls.append(prompt)
+        time.sleep(0.02)
+        return 1.0
+
+    timer = PhaseTimer()
+    b = _batch()
+    total, comps = compute_rewards(**b, weights={"format": 1.0}, rm=None, reasoning=False,
+                                   custom_fns={"slow": slow, "fast": lambda p, r, ref: 0.0}, timer=timer)
+    assert len(calls) == 3
+    assert set(timer.wall) == {"reward/slow", "reward/fast"}
+    assert 0.06 <= timer.wall["reward/slow"] < 1.0  # three calls of 20 ms, summed over the batch
+    assert timer.wall["reward/fast"] < 0.02
+    # Same outputs as without a timer.
+    total2, comps2 = compute_rewards(**b, weights={"format": 1.0}, rm=None, reasoning=False,
+                                     custom_fns={"slow": slow, "fast": lambda p, r, ref: 0.0})
+    torch.testing.assert_close(total, total2)
+    assert comps.keys() == comps2.keys()

@@ -7,11 +7,13 @@ tokens in the MiniMind tokenizer, so they survive decoding).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
 import inspect
 import math
+import numbers
 import re
 import sys
 from collections.abc import Callable
@@ -31,11 +33,14 @@ __all__ = [
     "accuracy_reward",
     "eos_reward",
     "load_reward_fn",
+    "RewardFnError",
     "RewardModelScorer",
     "compute_rewards",
 ]
 
 RewardFn = Callable[[str, str, "str | None"], float]
+# `with timer(name):` times a block and sums per name (trainer/run/timing.py PhaseTimer).
+Timer = Callable[[str], contextlib.AbstractContextManager]
 
 # One optional blank line between </think> and <answer>: the MiniMind chat template writes
 # "</think>\n\n" before the answer, the R1-style format writes "</think>\n".
@@ -189,6 +194,61 @@ def _import_file(path: Path) -> Any:
     return module
 
 
+class RewardFnError(RuntimeError):
+    """A custom reward function raised or returned a non-number. The message is one line naming the
+    function, what went wrong and the row's prompt; the trainer prints it instead of a traceback."""
+
+    def __init__(self, message: str, fn_name: str, row: int) -> None:
+        super().__init__(message)
+        self.fn_name = fn_name
+        self.row = row
+
+
+def _short(text: str, limit: int = 60) -> str:
+    """One line of at most ~limit characters: whitespace runs (newlines too) become one space."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _is_number(value: Any) -> bool:
+    """int/float/Fraction/numpy scalars and 0-d numeric tensors/arrays; never bool (a True is almost
+    always a bug: a predicate returned instead of a score). NaN and inf count as numbers."""
+    if isinstance(value, (bool, str, bytes)):
+        return False
+    if isinstance(value, (numbers.Real, Decimal)):
+        return True
+    dtype, ndim = getattr(value, "dtype", None), getattr(value, "ndim", None)
+    if dtype is None or ndim != 0:  # lists, None, dicts, non-scalar tensors and arrays
+        return False
+    if isinstance(value, Tensor):
+        return not dtype.is_complex and dtype != torch.bool
+    return getattr(dtype, "kind", None) in ("i", "u", "f")  # numpy: signed/unsigned int, float (not bool)
+
+
+def _call_reward_fn(name: str, fn: RewardFn, prompt: str, reply: str, reference: str | None, row: int) -> float:
+    """fn(prompt, reply, reference) as a float, or RewardFnError. SystemExit (even exit 0) and other
+    BaseExceptions become RewardFnError too, so a reward function cannot end a run looking successful;
+    only KeyboardInterrupt (the user's Ctrl-C) passes through."""
+    where = f"on row {row} (prompt: {_short(prompt)!r})"
+    try:
+        value = fn(prompt, reply, reference)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:
+        lines = str(e).strip().splitlines()
+        what = f"{type(e).__name__}: {_short(lines[0], 200)}" if lines else type(e).__name__
+        raise RewardFnError(f"--reward_fn {name} raised {what} {where}", name, row) from e
+    if _is_number(value):
+        try:
+            return float(value)
+        except (TypeError, ValueError, OverflowError, ArithmeticError):
+            pass  # a Real whose float() fails: report it like any non-number
+    raise RewardFnError(
+        f"--reward_fn {name} returned {type(value).__name__} {_short(repr(value))} {where}; "
+        f"it must return a number (int or float; nan/inf skip the step)", name, row,
+    )
+
+
 # ----------------------------------------------------------------------------- reward model
 
 def pad_ids(rows: list[list[int]], pad_id: int, left: bool = False) -> tuple[Tensor, Tensor]:
@@ -310,6 +370,7 @@ def compute_rewards(
     rm: RewardModelScorer | None,
     reasoning: bool,
     custom_fns: dict[str, RewardFn],
+    timer: Timer | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Total reward [B] (float32) and each component's raw, unweighted value [B].
 
@@ -317,6 +378,9 @@ def compute_rewards(
     "eos" (-1 when cut at the length limit), "rm" (only computed when rm is given and
     weights["rm"] != 0), and "custom/<name>" per custom function. Built-in weights default to 0
     when absent, custom ones (key "custom/<name>") to 1.
+
+    A custom function that raises or returns a non-number raises RewardFnError. With `timer`, each
+    custom function's calls are timed under "reward/<name>", summed over the batch.
     """
     n = len(replies)
     lengths = {"prompts": len(prompts), "messages": len(messages), "references": len(references),
@@ -353,10 +417,8 @@ def compute_rewards(
     for name, fn in custom_fns.items():
         vals = []
         for i, (p, r, ref) in enumerate(zip(prompts, replies, references)):
-            try:
-                v = float(fn(p, r, ref))
-            except Exception as e:
-                raise ValueError(f"--reward_fn {name} failed on row {i}: {type(e).__name__}: {e}") from e
+            with timer(f"reward/{name}") if timer is not None else contextlib.nullcontext():
+                v = _call_reward_fn(name, fn, p, r, ref, i)
             # A non-finite value is passed on: the trainer skips that step and counts it.
             vals.append(v)
         components[f"custom/{name}"] = col(vals)

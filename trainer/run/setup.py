@@ -13,6 +13,7 @@ import copy
 import math
 import os
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ContextManager
@@ -28,7 +29,7 @@ from model.loader import eos_token_ids, load_policy, load_reward_model
 from model.weights import WeightsError, native_weight_path
 from trainer.ppo import AdaptiveKLController, FixedKLController
 from trainer.rewards import RewardModelScorer, load_reward_fn
-from trainer.run.distributed import DistInfo, failing_together
+from trainer.run.distributed import DistInfo, failing_together, init_distributed
 from trainer.run.parallel import check_parallel_update, use_parallel_update
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -235,15 +236,45 @@ def validate_flags(args: argparse.Namespace) -> None:
         (args.rollout_engine == "torch", "--rollout_engine sglang is not supported: minippo samples with the policy "
                                          "in-process (--rollout_engine torch, the default); drop the --sglang_* flags"),
         (args.ddp_timeout > 0, "--ddp_timeout must be > 0 seconds"),
+        # torch.device() would take "tpu"/"mps" and fail later with a traceback.
+        (re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device) is not None,
+         f"--device {args.device}: expected one of auto, cpu, cuda, cuda:N"),
     ]
+    # nan compares False with everything, so "x > 0" alone would let it through.
+    for flag, lowest in (("learning_rate", "> 0"), ("critic_learning_rate", "> 0"), ("grad_clip", "> 0"),
+                         ("clip_epsilon", "> 0"), ("kl_coef", ">= 0")):
+        v = getattr(args, flag)
+        checks.append((math.isfinite(v) and (v > 0 if lowest == "> 0" else v >= 0),
+                       f"--{flag} {v} must be a finite number {lowest}"))
+
+    def blocking_file(path: str) -> Path | None:
+        """The file standing where `path` or one of its parents must be a directory (found here, not
+        at the first save after a step of work)."""
+        for p in (Path(path), *Path(path).parents):
+            if p.exists():
+                return None if p.is_dir() else p
+        return None
+
+    # No --run_dir means runs/<save_weight>_<hidden>: "runs" must then be a directory.
+    for label, value in ((f"--checkpoint_dir {args.checkpoint_dir}", args.checkpoint_dir),
+                         (f"--save_dir {args.save_dir}", args.save_dir),
+                         (f"--run_dir {args.run_dir}" if args.run_dir else "--run_dir (default runs/...)",
+                          args.run_dir or "runs")):
+        f = blocking_file(value)
+        where = "is a file" if f == Path(value) else f"{f} is a file"
+        checks.append((f is None, f"{label}: {where}, not a directory; give a directory path (created if missing)"))
     for ok, msg in checks:
         if not ok:
             raise SystemExit(f"error: {msg}")
 
 
-def setup(args: argparse.Namespace, info: DistInfo) -> Setup:
-    """Build a run from parsed flags. Bad input is a one-line SystemExit; a failure on some ranks only
-    (a file missing on one node) stops every rank with its line."""
+def setup(args: argparse.Namespace, info: DistInfo | None = None) -> Setup:
+    """Build a run from parsed flags; info None = from torchrun's environment (one process without it).
+    Bad input is a one-line SystemExit; a failure on some ranks only (a file missing on one node) stops
+    every rank with its line."""
+    if info is None:
+        validate_flags(args)  # before the process group and the device exist
+        info = init_distributed(args.device, timeout_s=args.ddp_timeout)
     with failing_together(info):  # rank-local work only: no collective runs inside
         built = _build(args, info)
     wrap_for_training(args, built.models, info)  # DDP's constructor broadcasts rank 0's weights
