@@ -14,7 +14,7 @@ from unittest import mock
 import pytest
 import torch
 
-from tests.helpers import make_tiny_world, read_metrics, tiny_flags
+from tests.helpers import build_update_world, make_tiny_world, param_snapshot, read_metrics, run_experience, run_update, tiny_flags
 from tests.test_checkpoint import PREFIX, _name, deep_equal, run_main, sigkill_after, spawn_train
 from trainer.run import checkpoint as ckpt
 from trainer.run.lock import FolderBusy, FolderLock
@@ -95,13 +95,23 @@ def test_second_run_in_a_busy_folder_is_refused_at_start(world, tmp_path):
 
 
 # ------------------------------------------------------------------ never save diverged weights
-@pytest.mark.parametrize("over", [dict(learning_rate=1e4, critic_learning_rate=1e4), dict(grad_clip="nan")])
-def test_nonfinite_gradients_skip_the_step_and_nothing_nonfinite_is_saved(world, tmp_path, over):
-    start = torch.load(Path(world["save_dir"]) / f"full_sft_{world['hidden']}.pth", weights_only=True)
-    code, out = run_main(tiny_flags(world, tmp_path, max_steps=6, max_nonfinite=3, **over))
+def test_nonfinite_gradient_with_finite_loss_skips_the_step():
+    """A NaN gradient under a finite loss (what --learning_rate 1e4 leads to): no optimizer moves, counted."""
+    world = build_update_world()
+    ro, _ = run_experience(world)
+    actor0, critic0 = param_snapshot(world.actor), param_snapshot(world.critic)
+    next(world.actor.parameters()).register_hook(lambda g: g * float("nan"))
+    stats = run_update(world, ro)
+    assert stats["nonfinite"] == 1.0 and stats["loss/policy"] == stats["loss/policy"]  # the loss itself was finite
+    assert all(torch.equal(p, world.actor.state_dict()[n]) for n, p in actor0.items())
+    assert all(torch.equal(p, world.critic.state_dict()[n]) for n, p in critic0.items())
+
+
+def test_diverged_run_never_saves_nonfinite_weights(world, tmp_path):
+    code, out = run_main(tiny_flags(world, tmp_path, max_steps=6, max_nonfinite=3, learning_rate=1e4,
+                                    critic_learning_rate=1e4))
     rows = read_metrics(tmp_path / "run")
-    if "grad_clip" in over:  # every gradient norm is NaN: every step skipped, stopped after 3
-        assert code == 2 and [r["nonfinite"] for r in rows] == [1.0, 1.0, 1.0]
+    assert any(r["nonfinite"] for r in rows), out[-2000:]  # the huge LR made some gradients non-finite
     files = ckpt.list_resume_files(tmp_path / "ckpt", PREFIX)
     assert files, out[-2000:]
     for f in files:
@@ -110,9 +120,8 @@ def test_nonfinite_gradients_skip_the_step_and_nothing_nonfinite_is_saved(world,
             assert all(torch.isfinite(t).all() for t in state[key].values()), f"{f.name}: non-finite {key} saved"
     saved = torch.load(Path(world["save_dir"]) / f"ppo_actor_{world['hidden']}.pth", weights_only=True)
     assert all(torch.isfinite(t.float()).all() for t in saved.values())
-    if "grad_clip" in over:  # no optimizer step was taken: the starting weights
-        assert torch.equal(saved["model.layers.0.mlp.up_proj.weight"], start["model.layers.0.mlp.up_proj.weight"])
-    code, out = run_main(tiny_flags(world, tmp_path, max_steps=7, from_resume=1))
+    code, out = run_main(tiny_flags(world, tmp_path, max_steps=7, max_nonfinite=3, learning_rate=1e4,
+                                    critic_learning_rate=1e4, from_resume=1))
     assert "resumed from" in out
 
 
@@ -146,6 +155,7 @@ def test_free_space_is_checked_before_writing(tmp_path):
 
 # ------------------------------------------------------------------ signals
 def _spawn_and_signal(world, tmp_path, sig, flags: dict, at_file: str) -> tuple[subprocess.Popen, Path]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     log = tmp_path / f"log_{sig}.txt"
     p = spawn_train(tiny_flags(world, tmp_path, **flags), tmp_path, log)
     t_end = time.monotonic() + 240
@@ -182,7 +192,11 @@ def test_signal_saves_exits_0_and_resume_is_bit_identical(world, tmp_path, sig):
 
 @pytest.mark.slow
 def test_second_ctrl_c_stops_at_once_and_loses_nothing(world, tmp_path):
-    p, log = _spawn_and_signal(world, tmp_path, signal.SIGINT, dict(max_steps=50, save_interval=1), _name(1))
+    slow = tmp_path / "slow_reward.py"  # steps of ~2 s, so both signals land inside one step
+    slow.write_text("import time\n\ndef slow(prompt, reply, reference):\n    time.sleep(0.5)\n    return 0.0\n")
+    p, log = _spawn_and_signal(world, tmp_path, signal.SIGINT, dict(max_steps=50, save_interval=1, reward_fn=[f"{slow}:slow"]),
+                               _name(1))
+    time.sleep(0.3)
     p.send_signal(signal.SIGINT)
     rc = p.wait(timeout=120)
     assert rc != 0, log.read_text()[-2000:]

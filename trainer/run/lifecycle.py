@@ -31,7 +31,7 @@ from dataset.rlaif import collate_left_pad
 from model.weights import native_weight_path, save_native_weights
 from trainer.run import checkpoint as ckpt
 from trainer.run import distributed as D
-from trainer.run.lock import FolderLock
+from trainer.run.lock import FolderBusy, FolderLock
 from trainer.run.logging import RunLogger
 from trainer.run.provenance import append_resume_record, mark_run_end, rehash_inputs, write_run_json
 from trainer.run.setup import Setup, actor_weights_path
@@ -88,9 +88,12 @@ class Run:
         (its saves would be pruned by the old run's higher steps, and --from_resume would continue the
         old run)."""
         args = self.args
-        self._locks.append(FolderLock(args.checkpoint_dir, "--checkpoint_dir").acquire())
-        if self.run_dir.resolve() != Path(args.checkpoint_dir).resolve():
-            self._locks.append(FolderLock(self.run_dir, "--run_dir").acquire())
+        try:
+            self._locks.append(FolderLock(args.checkpoint_dir, "--checkpoint_dir").acquire())
+            if self.run_dir.resolve() != Path(args.checkpoint_dir).resolve():
+                self._locks.append(FolderLock(self.run_dir, "--run_dir").acquire())
+        except FolderBusy as e:
+            raise SystemExit(f"error: {e}") from None
         existing = ckpt.list_resume_files(args.checkpoint_dir, self.prefix)
         if existing and not args.from_resume:
             raise SystemExit(f"error: {args.checkpoint_dir}/ holds resume files of an earlier run ({existing[0].name}): "
