@@ -162,11 +162,20 @@ def _gloo_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             "whiten": masked_whiten(x[rows], mask[rows], reduce=D.rank_sum(info)),
             "ev": explained_variance(values[rows], x[rows], mask[rows], reduce=D.rank_sum(info)),
             "gathered": D.all_gather_objects({"rank": rank}, info),
+            "keys": _error_of(lambda: D.reduce_mean({"a": 1.0, f"only_on_{rank}": 1.0}, info)),
             "bcast": D.broadcast_object(f"from {rank}", info),
         }
         torch.save(res, Path(out_dir) / f"rank{rank}.pt")
     finally:
         D.cleanup(info)
+
+
+def _error_of(fn) -> str | None:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _whiten_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -204,6 +213,8 @@ def test_collectives_over_two_gloo_processes(tmp_path):
         assert not torch.allclose(masked_whiten(x[rank::2], mask[rank::2]), full[rank::2], atol=1e-3)  # per-rank would differ
         assert res["ev"] == pytest.approx(explained_variance(values, x, mask), abs=1e-6)
         assert res["gathered"] == [{"rank": 0}, {"rank": 1}] and res["bcast"] == "from 0"
+        # Different metric keys: refused on every rank, naming them, instead of mismatched all-reduces.
+        assert res["keys"] == "ranks logged different metric keys (beyond the common ones: {0: ['only_on_0'], 1: ['only_on_1']}); every rank must log the same keys"
 
 
 # ------------------------------------------------------------------ torchrun end to end
@@ -313,3 +324,84 @@ def test_collective_decisions_do_not_hang(world, tmp_path):
     assert torch.equal(files[1]["actor"][key], start[key].float())  # the skipped step moved nothing
     assert not torch.equal(files[2]["actor"][key], start[key].float())
     assert [(files[s]["epoch"], files[s]["consumed"]) for s in (1, 2, 3, 4)] == [(0, 4), (0, 8), (1, 4), (1, 8)]
+
+
+# ------------------------------------------------------------------ ranks that fail or see different disks
+def _spawn_ranks(per_rank_flags: list[list[str]], cwd: Path, timeout: int = 240) -> list[tuple[int, str, str]]:
+    """Processes started by hand as torchrun would start them (RANK, WORLD_SIZE, MASTER_*), each with its
+    own flags: two ranks with different --checkpoint_dir stand for two nodes without a shared disk.
+    Returns (exit code, stdout, stderr) per rank."""
+    import subprocess
+    import sys
+
+    port, world = _free_port(), len(per_rank_flags)
+    procs = []
+    for rank, flags in enumerate(per_rank_flags):
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", SWANLAB_MODE="disabled",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "train_ppo.py"), *flags], cwd=cwd, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [(p.returncode, o, e) for p, (o, e) in zip(procs, outs)]
+
+
+def _only_line(results: list[tuple[int, str, str]]) -> str:
+    """Every rank failed; rank 0 says one `error:` line, the others nothing; no traceback anywhere."""
+    assert all(code != 0 for code, _, _ in results), [r[1][-1500:] + r[2][-1500:] for r in results]
+    for code, out, err in results:
+        assert "Traceback" not in err, err[-3000:]
+    errors = [l for _, _, err in results for l in err.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and results[0][2].strip().splitlines()[-1] == errors[0], [r[2][-2000:] for r in results]
+    return errors[0]
+
+
+@pytest.mark.slow
+def test_reference_on_some_rows_only_runs_on_two_ranks(world, tmp_path):
+    """Step 1: rank 0's prompt has a reference answer, rank 1's has none, so only rank 0 has an accuracy.
+    Every rank must still reduce the same metric keys (this aborted gloo with EnforceNotMet before)."""
+    import json
+
+    lines = Path(world["data"]).read_text(encoding="utf-8").splitlines()
+    rank1_step1 = D.shard_batches(len(lines), 42, 0, 0, 1, 2, 1)[0]
+    for i in rank1_step1:
+        row = json.loads(lines[i])
+        row["conversations"][-1]["content"] = "无"  # MiniMind's placeholder: no reference
+        lines[i] = json.dumps(row, ensure_ascii=False)
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    flags = tiny_flags(world, tmp_path, data_path=str(data), batch_size=1, mini_batch_size=1, max_steps=2, device="cpu")
+    results = _spawn_ranks([flags, flags], tmp_path)
+    assert all(code == 0 for code, _, _ in results), [r[2][-3000:] for r in results]
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["accuracy"] in (0.0, 1.0)  # rank 0's one row: the mean over the rows that have a reference
+
+
+@pytest.mark.slow
+def test_nodes_without_a_shared_checkpoint_dir_stop_with_one_line(world, tmp_path):
+    run_train(tiny_flags(world, tmp_path, max_steps=1, checkpoint_dir=str(tmp_path / "node0")), cwd=tmp_path)
+    common = dict(max_steps=2, from_resume=1, device="cpu")  # --batch_size 4 per process, as saved
+    results = _spawn_ranks([tiny_flags(world, tmp_path, checkpoint_dir=str(tmp_path / "node0"), **common),
+                            tiny_flags(world, tmp_path, checkpoint_dir=str(tmp_path / "node1"), **common)], tmp_path)
+    line = _only_line(results)
+    assert line.startswith("error: rank 1: ") and "every rank must see rank 0's --checkpoint_dir (a shared filesystem)" in line
+    assert "resumed from" not in results[1][1]
+
+
+@pytest.mark.slow
+def test_reward_function_failing_on_one_rank_stops_every_rank_with_its_line(world, tmp_path):
+    fn = tmp_path / "rank_reward.py"
+    fn.write_text("import os\n\ndef flaky(prompt, reply, reference):\n"
+                  "    if os.environ['RANK'] == '1':\n        raise RuntimeError('the grader is down on this node')\n"
+                  "    return 0.0\n", encoding="utf-8")
+    flags = tiny_flags(world, tmp_path, reward_fn=[f"{fn}:flaky"], max_steps=2, device="cpu", batch_size=2, mini_batch_size=2)
+    t0 = time.monotonic()
+    line = _only_line(_spawn_ranks([flags, flags], tmp_path))
+    assert line.startswith("error: rank 1: --reward_fn flaky raised RuntimeError: the grader is down on this node")
+    assert time.monotonic() - t0 < 200  # no rank sat out a collective timeout
+    import json
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"].startswith("stopped: ")

@@ -87,11 +87,14 @@ def cleanup(info: DistInfo) -> None:
 
 
 def one_line(e: BaseException) -> str:
-    """An exception as one line: our SystemExit errors as they are, others as `Type: first line`."""
+    """An exception as one line: our own errors (SystemExit lines, this project's error classes, whose
+    messages are written for users) as they are, others as `Type: first line`."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     if isinstance(e, SystemExit):
         text = str(e.code) if e.code is not None else "exit"
+    elif type(e).__module__.split(".")[0] in ("trainer", "model", "dataset") and first:
+        text = first
     else:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         text = f"{type(e).__name__}: {first}" if first else type(e).__name__
     return text.removeprefix("error: ")
 
@@ -103,6 +106,8 @@ def stop_all(error: str | None, info: DistInfo) -> None:
         return
     errors = all_gather_objects(error, info)
     rank, msg = next((r, e) for r, e in enumerate(errors) if e is not None)
+    if info.enabled and dist.is_initialized():
+        dist.destroy_process_group()  # every rank is leaving: tear the group down, no rank waits on it
     raise SystemExit(f"error: {'rank ' + str(rank) + ': ' if info.enabled else ''}{msg}" if info.is_main else 1)
 
 

@@ -1,0 +1,114 @@
+"""trainer/run/setup.py: what a run is built from, and the rules that pick its precision and seeds."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import train_ppo as T
+from tests.helpers import UPDATE_BASE_FLAGS, build_update_world, run_experience
+from trainer.rollout import policy_forward
+from trainer.run import setup as S
+from trainer.run.distributed import DistInfo
+
+
+def _args(*flags: str):
+    return T.parse_args([*UPDATE_BASE_FLAGS, *flags])
+
+
+def test_precision_rules_have_one_home():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert S.resolve_precision(_args(), cpu) == ("float32", torch.float32)
+    assert S.resolve_precision(_args(), cuda) == ("bfloat16", torch.bfloat16)
+    assert S.resolve_precision(_args("--dtype", "bfloat16"), cpu) == ("bfloat16", torch.float32)  # -1: CUDA only
+    assert S.resolve_precision(_args("--dtype", "bfloat16", "--frozen_low_precision", "1"), cpu) == ("bfloat16", torch.bfloat16)
+    assert S.resolve_precision(_args("--frozen_low_precision", "0"), cuda) == ("bfloat16", torch.float32)
+
+
+def test_settings_are_derived_once_and_args_stay_as_parsed():
+    world = build_update_world(["--greedy", "1", "--debug_mode", "--debug_interval", "7"])
+    s = world.settings
+    assert world.args.dtype == "float32" and s.dtype == torch.float32 and s.flags["dtype"] == "float32"
+    assert s.sample_temperature == 1.0 and world.args.temperature == 0.8  # greedy scores under T = 1
+    assert s.sample_interval == 7  # MiniMind's --debug_mode 1 shows samples every --debug_interval steps
+    assert s.total_steps == 10 and s.hidden_size == 64
+    auto = build_update_world(["--dtype", "auto"])
+    assert auto.args.dtype == "auto" and auto.settings.dtype_name == "float32"
+
+
+def test_old_actor_scores_with_the_actors_numerics():
+    """The reference may be held in bf16; the old actor never is: the PPO ratio is exactly 1 before any update."""
+    world = build_update_world(["--update_old_actor_freq", "1", "--frozen_low_precision", "1"], dtype="bfloat16")
+    m = world.models
+    assert {p.dtype for p in m.old_actor.parameters()} == {p.dtype for p in m.actor.parameters()} == {torch.float32}
+    assert {p.dtype for p in m.ref.parameters()} == {torch.bfloat16}
+    ro, metrics = run_experience(world)  # old log-probs scored by the old-actor copy
+    with torch.no_grad(), world.settings.autocast():
+        own, _ = policy_forward(m.actor, ro.sequences, ro.attention_mask, ro.response_len, world.settings.sample_temperature)
+    assert torch.equal(ro.old_logprobs, own)
+    assert metrics["kl_ref"] != 0.0  # the bf16 reference: its rounding gap shows up as kl_ref at step 0
+
+
+def test_random_init_is_the_same_on_every_rank_and_sampling_is_not():
+    """--from_weight none under torchrun: every rank builds the same models (the reference must be one
+    model), then samples with its own stream; rank 0 keeps the single-process stream."""
+    args = _args()
+    built0 = S._build(args, DistInfo(rank=0, world_size=2))
+    draw0 = torch.rand(3)
+    built1 = S._build(args, DistInfo(rank=1, world_size=2))
+    draw1 = torch.rand(3)
+    for a, b in ((built0.models.actor, built1.models.actor), (built0.models.critic, built1.models.critic),
+                 (built0.models.ref, built1.models.ref)):
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(draw0, draw1)
+    S._build(args, DistInfo())
+    assert torch.equal(torch.rand(3), draw0)  # one process = rank 0
+
+
+def test_minimind_flags_are_accepted_and_sglang_is_one_line():
+    args = T.parse_args(["--rollout_engine", "torch", "--sglang_base_url", "http://localhost:8998", "--sglang_model_path",
+                         "../model", "--sglang_shared_path", "./sglang_ckpt_ppo", "--debug_mode", "--debug_interval", "20",
+                         "--debug_log_ratio"])
+    assert (args.debug_mode, args.debug_interval, args.debug_log_ratio) == (1, 20, 1)
+    S.validate_flags(args)
+    with pytest.raises(SystemExit, match=r"^error: --rollout_engine sglang is not supported: minippo samples with the policy in-process"):
+        S.validate_flags(T.parse_args(["--rollout_engine", "sglang"]))
+
+
+def test_deterministic_mode_and_tf32_touch_only_what_they_say(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        S.set_deterministic(False, torch.device("cuda", 0))
+        assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ and not torch.are_deterministic_algorithms_enabled()
+        S.set_deterministic(True, torch.device("cpu"))
+        assert torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+        S.set_deterministic(True, torch.device("cuda", 0))  # read by cuBLAS when it starts: set before any matmul
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(before)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    calls = []
+    monkeypatch.setattr(S, "allow_tf32", lambda: calls.append(1))
+    S._build(_args(), DistInfo())
+    assert calls == []  # CPU: untouched
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    S.allow_tf32()
+    assert torch.backends.cuda.matmul.allow_tf32
+
+
+def test_deterministic_cpu_run_equals_the_plain_one():
+    def one(*flags):
+        world = build_update_world(list(flags))
+        ro, _ = run_experience(world)
+        return ro.sequences, ro.advantages
+    try:
+        det = one("--deterministic", "1")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    plain = one()
+    assert torch.equal(det[0], plain[0]) and torch.equal(det[1], plain[1])
