@@ -15,15 +15,14 @@ The loop reads like the algorithm: for each batch of prompts
 Models: actor (trained), critic (actor's trunk + value head, trained), reference (frozen copy
 of the start), reward model (frozen, external), and optionally a frozen "old actor" copy.
 Where things live: the math in trainer/ppo.py, sampling and scoring forwards in trainer/rollout.py,
-reward components in trainer/rewards.py; how a run is built, resumed, saved, logged and spread over
+reward components in trainer/rewards.py, one minibatch's forward/backward and optimizer step in
+trainer/update.py; how a run is built, resumed, saved, logged and spread over
 ranks in trainer/run/ (setup.py, lifecycle.py, checkpoint.py, distributed.py, ...).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,15 +33,14 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from trainer.ppo import compute_gae, compute_token_rewards, kl_penalty, masked_mean, masked_whiten, policy_loss, value_loss  # noqa: E402
-from trainer.ppo import explained_variance  # noqa: E402
+from trainer.ppo import compute_gae, compute_token_rewards, explained_variance, kl_penalty, masked_whiten  # noqa: E402
 from trainer.rewards import RewardFnError, compute_rewards  # noqa: E402
 from trainer.rollout import Rollout, attention_implementation, critic_forward, generate_rollout, policy_forward, rollout_metrics  # noqa: E402
 from trainer.run import distributed as D  # noqa: E402
 from trainer.run.lifecycle import Run  # noqa: E402
-from trainer.run.parallel import run_side_by_side  # noqa: E402
 from trainer.run.setup import DTYPES, Models, Optim, Settings, setup  # noqa: E402
 from trainer.run.timing import PhaseTimer  # noqa: E402
+from trainer.update import minibatch_backward, optimizer_step  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------- flags
@@ -268,7 +266,7 @@ def ppo_update(args: argparse.Namespace, ro: Rollout, m: Models, opt: Optim, ste
     with attention_implementation(s.train_attn, m.actor_train, m.critic_train):
         for _ in range(args.ppo_update_iters):
             for mb in torch.randperm(ro.sequences.shape[0], generator=g).split(args.mini_batch_size):
-                bad, approx_kl = _minibatch_backward(args, ro, mb, m, opt, s, train_actor, kl_coef, stats, timer)
+                bad, approx_kl = minibatch_backward(args, ro, mb, m, opt, s, train_actor, kl_coef, stats, timer)
                 stats.setdefault("ppo/approx_kl", []).append(approx_kl)
                 # Decisions taken together on every rank, before any optimizer moves.
                 if D.any_rank(bad or not ro.rewards_finite, s.info):
@@ -279,23 +277,11 @@ def ppo_update(args: argparse.Namespace, ro: Rollout, m: Models, opt: Optim, ste
                     stopped_early = True
                     opt.zero_grad()  # the minibatch that crossed the limit does not step
                     break
-                with timer("update_optimizer"):
-                    trained = (("actor", m.actor_train), ("critic", m.critic_train))[0 if train_actor else 1:]
-                    norms = {}
-                    for name, model in trained:
-                        opt.scaler.unscale_(opt.optims[name])
-                        norms[name] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).item()
-                        stats.setdefault(f"grad_norm/{name}", []).append(norms[name])
-                    # A NaN/inf gradient (a loss can be finite while its gradient is not) would make every weight
-                    # NaN; fp16's scaler skips such steps itself (its overflow is expected and not counted).
-                    if not opt.scaler.is_enabled() and D.any_rank(not all(map(np.isfinite, norms.values())), s.info):
+                with timer("update_optimizer"):  # clip, then step unless a gradient norm is NaN/inf (skipped, counted)
+                    trained = {"actor": m.actor_train, "critic": m.critic_train} if train_actor else {"critic": m.critic_train}
+                    if not optimizer_step(opt, trained, args.grad_clip, stats, s.info):
                         nonfinite = True
-                        opt.zero_grad()
                         break
-                    for name, _ in trained:
-                        opt.scaler.step(opt.optims[name])
-                    opt.scaler.update()
-                    opt.zero_grad()
             if stopped_early or nonfinite:
                 break
     for sched in opt.scheds.values():
@@ -305,68 +291,6 @@ def ppo_update(args: argparse.Namespace, ro: Rollout, m: Models, opt: Optim, ste
     out["nonfinite"] = float(nonfinite)
     out["value/explained_var"] = explained_variance(ro.values, ro.returns, ro.response_mask, reduce=D.rank_sum(s.info))
     return out
-
-
-def _minibatch_backward(args, ro: Rollout, mb: torch.Tensor, m: Models, opt: Optim, s: Settings, train_actor: bool,
-                        kl_coef: float, stats: dict, timer: PhaseTimer) -> tuple[bool, float]:
-    """Gradients of one minibatch, summed over --accumulation_steps micro-batches. Returns whether a
-    loss was non-finite and the minibatch's approx-KL (token mean over every rank)."""
-    # Losses are token sums over the GLOBAL token count of the minibatch, so DDP's gradient
-    # mean equals the single-process token mean whatever each rank's share of tokens.
-    n_tokens = D.sum_global(ro.response_mask[mb].sum(), s.info).clamp(min=1)
-    approx_kl_sum = torch.zeros((), device=s.device)
-    bad = False
-    for k, ub in enumerate(mb.split(args.mini_batch_size // args.accumulation_steps)):
-        part = ro.index(ub)
-        sync = k == args.accumulation_steps - 1  # DDP all-reduces gradients on the last micro-batch only
-        ctx = contextlib.nullcontext() if sync or not s.info.enabled else D.no_sync(m.actor_train, m.critic_train)
-        scale = part.response_mask.sum() / n_tokens * s.info.world_size
-        # Actor and critic share no parameters, so each loss gets its own backward: only one
-        # graph's activations are alive at a time (the peak-memory term at 512x8), same gradients;
-        # with --parallel_update they run side by side on two cores (two graphs alive).
-        parts = [functools.partial(_critic_backward, args, m.critic_train, part, scale, s, opt.scaler, timer)]
-        if train_actor:
-            parts.insert(0, functools.partial(_actor_backward, args, m.actor_train, part, scale, kl_coef, s, opt.scaler, timer))
-        with ctx:
-            for part_stats, part_bad, kl_sum in run_side_by_side(parts, s.parallel_update):
-                for key, v in part_stats.items():
-                    stats.setdefault(key, []).append(float(v))
-                bad = bad or part_bad
-                if kl_sum is not None:
-                    approx_kl_sum += kl_sum
-    return bad, (D.sum_global(approx_kl_sum, s.info) / n_tokens).item()
-
-
-def _actor_backward(args, actor, part: Rollout, scale: torch.Tensor, kl_coef: float, s: Settings, scaler,
-                    timer: PhaseTimer) -> tuple[dict, bool, torch.Tensor]:
-    """Clipped policy loss (+ KL in the loss, entropy bonus) of one micro-batch, backward.
-    Returns its stats, whether the loss was non-finite, and its token-summed approx-KL."""
-    with s.autocast():
-        with timer("update_actor_fwd"):
-            logprobs, entropy = policy_forward(actor, part.sequences, part.attention_mask, part.response_len,
-                                               s.sample_temperature, with_entropy=args.entropy_coef > 0)
-        pg_loss, pg_stats = policy_loss(logprobs, part.old_logprobs, part.advantages, part.response_mask, args.clip_epsilon)
-        loss = pg_loss * scale
-        if args.kl_placement == "loss":
-            kl = masked_mean(kl_penalty(logprobs, part.ref_logprobs, args.kl_estimator), part.response_mask)
-            loss = loss + kl_coef * kl * scale
-        if args.entropy_coef > 0:
-            loss = loss - args.entropy_coef * masked_mean(entropy, part.response_mask) * scale
-    scaler.scale(loss).backward()
-    stats = {"loss/policy": pg_loss.item(), "ppo/clipfrac": pg_stats["clipfrac"], "ppo/ratio": pg_stats["ratio"]}
-    return stats, not bool(torch.isfinite(loss)), pg_stats["approx_kl"] * part.response_mask.sum()
-
-
-def _critic_backward(args, critic, part: Rollout, scale: torch.Tensor, s: Settings, scaler,
-                     timer: PhaseTimer) -> tuple[dict, bool, None]:
-    """Clipped value loss of one micro-batch, backward. Returns its stats and whether it was non-finite."""
-    with s.autocast():
-        with timer("update_critic_fwd"):
-            values = critic_forward(critic, part.sequences, part.attention_mask, part.response_len)
-        v_loss, v_stats = value_loss(values, part.values, part.returns, part.response_mask, args.cliprange_value or None)
-        loss = args.vf_coef * v_loss * scale
-    scaler.scale(loss).backward()
-    return {"loss/value": v_loss.item(), "value/clipfrac": v_stats["value_clipfrac"]}, not bool(torch.isfinite(loss)), None
 
 
 # --------------------------------------------------------------------------------------- main

@@ -1,0 +1,102 @@
+"""The mechanics of one PPO minibatch: forward/backward in --accumulation_steps micro-batches (DDP
+gradient sync on the last one only, actor and critic side by side with --parallel_update), the
+clipped losses of trainer/ppo.py, and the optimizer step with its non-finite guard. train_ppo.ppo_update
+loops over epochs and minibatches and takes the decisions (early stop, skips) on every rank together."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+
+import numpy as np
+import torch
+
+from trainer.ppo import kl_penalty, masked_mean, policy_loss, value_loss
+from trainer.rollout import Rollout, critic_forward, policy_forward
+from trainer.run import distributed as D
+from trainer.run.parallel import run_side_by_side
+from trainer.run.setup import Models, Optim, Settings
+from trainer.run.timing import PhaseTimer
+
+
+def minibatch_backward(args: argparse.Namespace, ro: Rollout, mb: torch.Tensor, m: Models, opt: Optim, s: Settings, train_actor: bool,
+                        kl_coef: float, stats: dict, timer: PhaseTimer) -> tuple[bool, float]:
+    """Gradients of one minibatch, summed over --accumulation_steps micro-batches. Returns whether a
+    loss was non-finite and the minibatch's approx-KL (token mean over every rank)."""
+    # Losses are token sums over the GLOBAL token count of the minibatch, so DDP's gradient
+    # mean equals the single-process token mean whatever each rank's share of tokens.
+    n_tokens = D.sum_global(ro.response_mask[mb].sum(), s.info).clamp(min=1)
+    approx_kl_sum = torch.zeros((), device=s.device)
+    bad = False
+    for k, ub in enumerate(mb.split(args.mini_batch_size // args.accumulation_steps)):
+        part = ro.index(ub)
+        sync = k == args.accumulation_steps - 1  # DDP all-reduces gradients on the last micro-batch only
+        ctx = contextlib.nullcontext() if sync or not s.info.enabled else D.no_sync(m.actor_train, m.critic_train)
+        scale = part.response_mask.sum() / n_tokens * s.info.world_size
+        # Actor and critic share no parameters, so each loss gets its own backward: only one
+        # graph's activations are alive at a time (the peak-memory term at 512x8), same gradients;
+        # with --parallel_update they run side by side on two cores (two graphs alive).
+        parts = [functools.partial(critic_backward, args, m.critic_train, part, scale, s, opt.scaler, timer)]
+        if train_actor:
+            parts.insert(0, functools.partial(actor_backward, args, m.actor_train, part, scale, kl_coef, s, opt.scaler, timer))
+        with ctx:
+            for part_stats, part_bad, kl_sum in run_side_by_side(parts, s.parallel_update):
+                for key, v in part_stats.items():
+                    stats.setdefault(key, []).append(float(v))
+                bad = bad or part_bad
+                if kl_sum is not None:
+                    approx_kl_sum += kl_sum
+    return bad, (D.sum_global(approx_kl_sum, s.info) / n_tokens).item()
+
+
+def actor_backward(args, actor, part: Rollout, scale: torch.Tensor, kl_coef: float, s: Settings, scaler,
+                    timer: PhaseTimer) -> tuple[dict, bool, torch.Tensor]:
+    """Clipped policy loss (+ KL in the loss, entropy bonus) of one micro-batch, backward.
+    Returns its stats, whether the loss was non-finite, and its token-summed approx-KL."""
+    with s.autocast():
+        with timer("update_actor_fwd"):
+            logprobs, entropy = policy_forward(actor, part.sequences, part.attention_mask, part.response_len,
+                                               s.sample_temperature, with_entropy=args.entropy_coef > 0)
+        pg_loss, pg_stats = policy_loss(logprobs, part.old_logprobs, part.advantages, part.response_mask, args.clip_epsilon)
+        loss = pg_loss * scale
+        if args.kl_placement == "loss":
+            kl = masked_mean(kl_penalty(logprobs, part.ref_logprobs, args.kl_estimator), part.response_mask)
+            loss = loss + kl_coef * kl * scale
+        if args.entropy_coef > 0:
+            loss = loss - args.entropy_coef * masked_mean(entropy, part.response_mask) * scale
+    scaler.scale(loss).backward()
+    stats = {"loss/policy": pg_loss.item(), "ppo/clipfrac": pg_stats["clipfrac"], "ppo/ratio": pg_stats["ratio"]}
+    return stats, not bool(torch.isfinite(loss)), pg_stats["approx_kl"] * part.response_mask.sum()
+
+
+def critic_backward(args, critic, part: Rollout, scale: torch.Tensor, s: Settings, scaler,
+                     timer: PhaseTimer) -> tuple[dict, bool, None]:
+    """Clipped value loss of one micro-batch, backward. Returns its stats and whether it was non-finite."""
+    with s.autocast():
+        with timer("update_critic_fwd"):
+            values = critic_forward(critic, part.sequences, part.attention_mask, part.response_len)
+        v_loss, v_stats = value_loss(values, part.values, part.returns, part.response_mask, args.cliprange_value or None)
+        loss = args.vf_coef * v_loss * scale
+    scaler.scale(loss).backward()
+    return {"loss/value": v_loss.item(), "value/clipfrac": v_stats["value_clipfrac"]}, not bool(torch.isfinite(loss)), None
+
+
+def optimizer_step(opt: Optim, trained: dict[str, torch.nn.Module], grad_clip: float, stats: dict,
+                   info: D.DistInfo) -> bool:
+    """Clip each trained model's gradients (logging the pre-clip norm) and step its optimizer. False, with
+    no step taken on any rank, when a gradient norm is NaN/inf: a loss can be finite while its gradient is
+    not, and one such step makes every weight NaN. fp16's scaler skips overflowing steps itself."""
+    norms = {}
+    for name, model in trained.items():
+        opt.scaler.unscale_(opt.optims[name])
+        norms[name] = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip).item()
+        stats.setdefault(f"grad_norm/{name}", []).append(norms[name])
+    if not opt.scaler.is_enabled() and D.any_rank(not all(map(np.isfinite, norms.values())), info):
+        opt.zero_grad()
+        return False
+    for name in trained:
+        opt.scaler.step(opt.optims[name])
+    opt.scaler.update()
+    opt.zero_grad()
+    return True
