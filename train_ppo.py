@@ -38,7 +38,7 @@ from trainer.rewards import RewardFnError, compute_rewards  # noqa: E402
 from trainer.rollout import Rollout, attention_implementation, critic_forward, generate_rollout, policy_forward, rollout_metrics  # noqa: E402
 from trainer.run import distributed as D  # noqa: E402
 from trainer.run.lifecycle import Run  # noqa: E402
-from trainer.run.setup import DTYPES, Models, Optim, Settings, setup  # noqa: E402
+from trainer.run.setup import DTYPES, Models, Optim, Settings, on, setup  # noqa: E402
 from trainer.run.timing import PhaseTimer  # noqa: E402
 from trainer.update import minibatch_backward, optimizer_step  # noqa: E402
 
@@ -122,6 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--dtype", default="auto", choices=["auto", *DTYPES],
       help="autocast dtype (CPU and CUDA; log-probs stay fp32). auto = bfloat16 on CUDA, float32 on CPU, where "
            "bf16 only pays from ~30M parameters (scripts/bench_ppo.py)")
+    a("--ref_device", default="", help="device of the frozen reference (e.g. cuda:1 beside the actor on cuda:0); default: the actor's")
+    a("--critic_device", default="", help="device of the critic (trained there; tensors move where they meet); default: the actor's")
+    a("--reward_device", default="", help="device of the reward model; default: the actor's")
     a("--frozen_low_precision", type=int, default=-1, choices=[-1, 0, 1],
       help="hold reference/RM/old actor in --dtype; -1 = on CUDA only (bf16 elementwise work is slow on CPU)")
     a("--use_compile", type=int, default=0, choices=[0, 1])
@@ -205,10 +208,12 @@ def make_experience(args: argparse.Namespace, batch: dict, m: Models, s: Setting
                     with timer("score_old"):
                         ro.old_logprobs, entropy = policy_forward(m.old_actor or m.actor, ro.sequences, ro.attention_mask, R, temp,
                                                                   with_entropy=True)
-                with timer("score_ref"):
-                    ro.ref_logprobs, _ = policy_forward(m.ref, ro.sequences, ro.attention_mask, R, temp)  # [B, R]
-                with timer("score_critic"):
-                    ro.values = critic_forward(m.critic, ro.sequences, ro.attention_mask, R).float()  # [B, R]
+                with timer("score_ref"), s.autocast(s.ref_device):
+                    ref_logprobs, _ = policy_forward(m.ref, *on(s.ref_device, ro.sequences, ro.attention_mask), R, temp)
+                    ro.ref_logprobs = ref_logprobs.to(s.device)  # [B, R]
+                with timer("score_critic"), s.autocast(s.critic_device):
+                    values = critic_forward(m.critic, *on(s.critic_device, ro.sequences, ro.attention_mask), R)
+                    ro.values = values.float().to(s.device)  # [B, R]
             with timer("score_reward"):  # 3. reward
                 responses, comps = score_responses(args, batch, ro, m, custom_fns, timer)
     compute_advantages(args, ro, kl_coef, s)  # 4. advantages

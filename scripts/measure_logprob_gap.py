@@ -1,38 +1,42 @@
-"""How far the sampler's log-probs (--rollout_logprobs 1) are from a second forward, and what that does
-to the PPO ratio on the first update minibatch.
+"""How far the sampler's log-probs (--rollout_logprobs 1) are from a second forward, and what that
+does to the PPO ratio on the first update minibatch, before any optimizer step.
 
-    HF_HUB_OFFLINE=1 python scripts/measure_logprob_gap.py                       # 512x8 random + 128x4 demo, fp32 + bf16, seeds 0-2
-    HF_HUB_OFFLINE=1 python scripts/measure_logprob_gap.py --sizes 128x4:full_sft --dtypes bfloat16 --seeds 0
+    python scripts/measure_logprob_gap.py          # 512x8 random init + 128x4 demo policy, fp32 + bf16, seeds 0,1,2
+    python scripts/measure_logprob_gap.py --sizes 128x4:full_sft --dtypes bfloat16 --seeds 0 --warmup_steps 5
 
 What is measured. Each (size, dtype, seed) builds a run with the trainer's own set-up
-(`train_ppo.parse_args` + `trainer.run.setup.setup`; `--from_weight none` = random init, `full_sft` = the
-shipped demo policy), takes `--batch_size` demo prompts, and runs `train_ppo.make_experience` with
-`--rollout_logprobs 1` (temperature 0.8, demo reward model), so `old_logprobs` come from the KV-cached
-sampling pass (model/generation.py `sample`, model/fast_decode.py). Then, under the same autocast:
-  2nd fwd   `policy_forward` of the finished sequences with the model's own attention, no grad: what
-            `--rollout_logprobs 0` computes as old log-probs (its wall time is the `cost` column).
-  upd fwd   `policy_forward` as `_actor_backward` runs it on the first update minibatch (the trainer's
-            permutation): grad enabled, inside `attention_implementation(settings.train_attn)` (eager
-            under bf16 on CPU). These are the "new" log-probs of the ratio before any optimizer step.
-  step      one real `train_ppo.ppo_update` (at the peak LR with --warmup_steps 0), then the update forward
-            again: `move` = mean |log-prob after - before| on the same tokens, what one step moves.
-Token statistics are over real response tokens (response_mask). Columns:
-  gap mean/p99/max   |sampler - 2nd fwd| per token (nats)
-  A: ...             ratio = exp(upd - old) against the sampler's old log-probs (what the trainer logs as
-                     ppo/ratio and ppo/clipfrac for that minibatch), clipfrac at --clip_epsilon, |logr| = mean
-                     |upd - old|, out = share of tokens with the ratio outside [1-eps, 1+eps] (either sign
-                     of the advantage; clipfrac counts only those where the clip binds)
-  B: ...             the same against the 2nd forward (--rollout_logprobs 0)
-  C: |logr|          against a 2nd forward with the update's attention kernel (differs from B only under
-                     bf16 on CPU, where the update runs eager attention and scoring runs sdpa)
-  move               what one optimizer step moves the log-probs (same forward as `upd`, before vs after)
-  cost s / step s    the 2nd forward's wall seconds (with entropy, as score_old runs it) / the step's
-                     (generate + score + update) with --rollout_logprobs 1
-How to read it: before the first step the ratio should be exactly 1. If A's |logr| is small next to `move`
-and A's clipfrac is ~0, the sampler's log-probs are as good as a second forward; if A's |logr| is comparable
-to `move`, or clipfrac is clearly > 0, the first minibatch clips on rounding noise and the second forward
-(B, or better C) earns its `cost`. Advantages are the experience's own (computed with the sampler's
-old log-probs) for A, B and C alike; the KL-in-reward term they differ by is ~kl_coef x gap.
+(`train_ppo.parse_args` + `trainer.run.setup.setup`; `:none` = random init, `:full_sft` = the shipped
+out/full_sft_<hidden>.pth), takes `--batch_size` demo prompts (dataset/demo_train.jsonl, picked by the
+seed) and runs `train_ppo.make_experience` with --rollout_logprobs 1 (demo reward model), so
+old_logprobs come from the KV-cached sampling pass (model/generation.py `sample`, model/fast_decode.py).
+Then, under the run's autocast:
+  2nd fwd  `policy_forward` of the finished sequences, no grad, the model's own attention: the old
+           log-probs --rollout_logprobs 0 would compute (`cost` = its wall time, with entropy as score_old).
+  upd fwd  `policy_forward` as `trainer.update.actor_backward` runs it on the first update minibatch (the
+           trainer's permutation): grad on, inside `attention_implementation(settings.train_attn)`, i.e.
+           eager attention under bf16 on CPU. The "new" log-probs of the first ratio.
+  step     one real `train_ppo.ppo_update`, then the update forward again on the same rows.
+Columns (token statistics over real response tokens, response_mask; log-probs in nats):
+  tok                 response tokens in the batch
+  gap_mean/p99/max    |sampler - 2nd fwd| per token
+  A_*                 against the sampler's old log-probs (A_ratio / A_clipfrac are what the trainer logs as
+                      ppo/ratio / ppo/clipfrac for that minibatch; checked when it is the whole batch):
+                      ratio = token mean of exp(upd - old), clipfrac at --clip_epsilon, logr = mean
+                      |upd - old|, max = largest |upd - old| (clipping starts at log 1.2 = 0.18), out = share
+                      of tokens with the ratio outside [1-eps, 1+eps] whatever the advantage's sign
+  B_*                 the same against the 2nd forward (--rollout_logprobs 0 as the trainer runs it)
+  C_logr              against a 2nd forward under the update's attention kernel (= B except under bf16 on
+                      CPU, where scoring runs sdpa and the update eager)
+  move                mean |upd after the step - upd before|: what one update moves the log-probs (one
+                      optimizer step when --mini_batch_size >= --batch_size). --warmup_steps 0 (default)
+                      = the peak LR; the trainer's default 5 gives LR/6 on its first step.
+  cost_s / step_s     the 2nd forward's wall seconds / generate + score + update with --rollout_logprobs 1
+How to read it: before the first step the ratio should be exactly 1. If A_logr is small next to `move` and
+A_clipfrac ~ 0, the sampler's log-probs serve as well as a second forward; if A_logr is comparable to
+`move` or A_clipfrac is clearly > 0, the first minibatch clips on rounding noise and a second forward
+earns its cost, provided it removes the gap (B_logr, or C_logr for one run under the update's kernel).
+A, B and C share the experience's advantages (computed with the sampler's old log-probs; the KL-in-reward
+term differs by ~kl_coef x gap).
 """
 
 from __future__ import annotations
@@ -60,21 +64,21 @@ from trainer.run.distributed import DistInfo  # noqa: E402
 from trainer.run.setup import setup  # noqa: E402
 from trainer.run.timing import PhaseTimer  # noqa: E402
 
-COLUMNS = ("tok", "gap_mean", "gap_p99", "gap_max", "A_ratio", "A_clipfrac", "A_logr", "A_out",
+COLUMNS = ("tok", "gap_mean", "gap_p99", "gap_max", "A_ratio", "A_clipfrac", "A_logr", "A_max", "A_out",
            "B_ratio", "B_clipfrac", "B_logr", "C_logr", "move", "cost_s", "step_s")
 
 
 def ratio_stats(new: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, eps: float) -> dict[str, float]:
-    """The trainer's own ratio / clipfrac (trainer.ppo.policy_loss), mean |log ratio| and the out-of-range share."""
+    """The trainer's own ratio / clipfrac (trainer.ppo.policy_loss), mean and max |log ratio|, out-of-range share."""
     _, st = policy_loss(new, old, adv, mask, eps)
     log_ratio = new - old
     out = (log_ratio.exp() - 1).abs() > eps
     return {"ratio": st["ratio"], "clipfrac": st["clipfrac"], "logr": masked_mean(log_ratio.abs(), mask).item(),
-            "out": masked_mean(out.float(), mask).item()}
+            "max": log_ratio.abs()[mask.bool()].max().item(), "out": masked_mean(out.float(), mask).item()}
 
 
 def update_forward(args: argparse.Namespace, built, part) -> torch.Tensor:
-    """The new log-probs exactly as `train_ppo._actor_backward` computes them (grad on, update attention)."""
+    """The new log-probs exactly as `trainer.update.actor_backward` computes them (grad on, update attention)."""
     m, s = built.models, built.settings
     with attention_implementation(s.train_attn, m.actor_train, m.critic_train), torch.enable_grad(), s.autocast():
         lp, _ = policy_forward(m.actor_train, part.sequences, part.attention_mask, part.response_len, s.sample_temperature)
@@ -106,6 +110,8 @@ def measure(size: str, dtype: str, seed: int, o: argparse.Namespace) -> dict[str
         t0 = time.perf_counter()
         second, _ = policy_forward(m.actor, ro.sequences, ro.attention_mask, ro.response_len, s.sample_temperature,
                                    with_entropy=True)
+        if s.device.type == "cuda":
+            torch.cuda.synchronize(s.device)
         cost = time.perf_counter() - t0
         with attention_implementation(s.train_attn, m.actor):
             second_upd_attn, _ = policy_forward(m.actor, ro.sequences, ro.attention_mask, ro.response_len,
@@ -133,6 +139,10 @@ def measure(size: str, dtype: str, seed: int, o: argparse.Namespace) -> dict[str
             "move": masked_mean((after - new).abs(), pmask).item(), "cost_s": cost, "step_s": step_s}
 
 
+def width(key: str) -> int:
+    return 6 if key == "tok" else 7 if key.endswith("_s") else 10 if key.endswith("ratio") else 9
+
+
 def fmt(v: float, key: str) -> str:
     if key == "tok":
         return f"{v:6.0f}"
@@ -141,6 +151,10 @@ def fmt(v: float, key: str) -> str:
     if key.endswith("ratio"):
         return f"{v:10.7f}"
     return f"{v:9.2e}" if v else f"{0:9d}"
+
+
+def row(size: str, dtype: str, seed: str, r: dict[str, float]) -> str:
+    return f"{size:<15}{dtype:<9}{seed:>5} " + " ".join(fmt(r[c], c) for c in COLUMNS)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -160,19 +174,18 @@ def main(argv: list[str] | None = None) -> None:
     o = p.parse_args(argv)
     os.chdir(ROOT)  # the trainer's default paths (dataset/, out/) are relative to the repo
 
-    head = f"{'size':<15}{'dtype':<9}{'seed':>5}" + "".join(f"{c:>{7 if c.endswith('_s') else 6 if c == 'tok' else 10 if c.endswith('ratio') else 9}} "
-                                                        for c in COLUMNS)
-    print(head)
+    print(f"{'size':<15}{'dtype':<9}{'seed':>5} " + " ".join(f"{c:>{width(c)}}" for c in COLUMNS))
     for size in o.sizes.split(","):
         for dtype in o.dtypes.split(","):
             results = []
             for seed in (int(x) for x in o.seeds.split(",")):
                 r = measure(size, dtype, seed, o)
                 results.append(r)
-                print(f"{size:<15}{dtype:<9}{seed:>5}" + "".join(fmt(r[c], c) + " " for c in COLUMNS), flush=True)
+                print(row(size, dtype, str(seed), r), flush=True)
             mean = {c: statistics.fmean(r[c] for r in results) for c in COLUMNS}
-            mean["gap_max"] = max(r["gap_max"] for r in results)
-            print(f"{size:<15}{dtype:<9}{'mean':>5}" + "".join(fmt(mean[c], c) + " " for c in COLUMNS), flush=True)
+            for c in ("gap_max", "A_max"):  # over seeds: the max
+                mean[c] = max(r[c] for r in results)
+            print(row(size, dtype, "mean", mean), flush=True)
 
 
 if __name__ == "__main__":

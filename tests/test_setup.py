@@ -112,3 +112,33 @@ def test_deterministic_cpu_run_equals_the_plain_one():
         torch.use_deterministic_algorithms(False)
     plain = one()
     assert torch.equal(det[0], plain[0]) and torch.equal(det[1], plain[1])
+
+
+def test_model_devices_are_plumbed_and_default_to_the_actors(monkeypatch):
+    """--ref_device / --critic_device / --reward_device (seed 001's two-GPU layout): on this CPU machine
+    only `cpu` exists, so this checks the plumbing: resolved once, models placed there, same results."""
+    default = build_update_world()
+    assert (default.settings.ref_device, default.settings.critic_device, default.settings.reward_device) == (torch.device("cpu"),) * 3
+    ro_a, _ = run_experience(default)  # before the next build: each build reseeds the sampler
+    placed = build_update_world(["--ref_device", "cpu", "--critic_device", "cpu", "--reward_device", "cpu"])
+    assert next(placed.models.ref.parameters()).device == placed.settings.ref_device == torch.device("cpu")
+    ro_b, _ = run_experience(placed)
+    assert torch.equal(ro_a.ref_logprobs, ro_b.ref_logprobs) and torch.equal(ro_a.values, ro_b.values)
+    with pytest.raises(SystemExit, match=r"^error: --critic_device tpu:0: expected cpu, cuda or cuda:N"):
+        S.validate_flags(_args("--critic_device", "tpu:0"))
+    with pytest.raises(SystemExit, match="CUDA is not available"):
+        S.model_devices(_args("--ref_device", "cuda:1"), DistInfo())
+
+
+def test_ranks_must_not_share_a_gpu(monkeypatch):
+    stopped = []
+    monkeypatch.setattr(S, "stop_all", lambda error, info: stopped.append(error))
+    cuda = lambda i: torch.device("cuda", i)  # noqa: E731
+    info = DistInfo(rank=0, world_size=2, device=cuda(0))
+    # Rank 0: actor cuda:0, reference cuda:1; rank 1: actor cuda:1 -> both use cuda:1.
+    monkeypatch.setattr(S, "all_gather_objects", lambda obj, info: [obj, ["cuda:1"]])
+    S.check_devices_per_rank({"ref": cuda(1), "critic": cuda(0), "reward": cuda(0)}, info)
+    assert stopped[-1].startswith("ranks 0 and 1 both use cuda:1: give each rank its own devices")
+    monkeypatch.setattr(S, "all_gather_objects", lambda obj, info: [obj, ["cuda:2", "cuda:3"]])
+    S.check_devices_per_rank({"ref": cuda(1), "critic": cuda(0), "reward": torch.device("cpu")}, info)
+    assert stopped[-1] is None  # every rank its own GPUs (CPU is not a GPU to share)

@@ -16,7 +16,7 @@ from trainer.ppo import kl_penalty, masked_mean, policy_loss, value_loss
 from trainer.rollout import Rollout, critic_forward, policy_forward
 from trainer.run import distributed as D
 from trainer.run.parallel import run_side_by_side
-from trainer.run.setup import Models, Optim, Settings
+from trainer.run.setup import Models, Optim, Settings, on
 from trainer.run.timing import PhaseTimer
 
 
@@ -73,10 +73,13 @@ def actor_backward(args, actor, part: Rollout, scale: torch.Tensor, kl_coef: flo
 def critic_backward(args, critic, part: Rollout, scale: torch.Tensor, s: Settings, scaler,
                      timer: PhaseTimer) -> tuple[dict, bool, None]:
     """Clipped value loss of one micro-batch, backward. Returns its stats and whether it was non-finite."""
-    with s.autocast():
+    dev = s.critic_device  # the critic may live on its own device (--critic_device): its tensors go there
+    sequences, attention_mask, old_values, returns, mask, scale = on(dev, part.sequences, part.attention_mask, part.values,
+                                                                     part.returns, part.response_mask, scale)
+    with s.autocast(dev):
         with timer("update_critic_fwd"):
-            values = critic_forward(critic, part.sequences, part.attention_mask, part.response_len)
-        v_loss, v_stats = value_loss(values, part.values, part.returns, part.response_mask, args.cliprange_value or None)
+            values = critic_forward(critic, sequences, attention_mask, part.response_len)
+        v_loss, v_stats = value_loss(values, old_values, returns, mask, args.cliprange_value or None)
         loss = args.vf_coef * v_loss * scale
     scaler.scale(loss).backward()
     return {"loss/value": v_loss.item(), "value/clipfrac": v_stats["value_clipfrac"]}, not bool(torch.isfinite(loss)), None

@@ -29,7 +29,7 @@ from model.loader import eos_token_ids, load_policy, load_reward_model
 from model.weights import WeightsError, native_weight_path
 from trainer.ppo import AdaptiveKLController, FixedKLController
 from trainer.rewards import RewardModelScorer, load_reward_fn
-from trainer.run.distributed import DistInfo, failing_together, init_distributed
+from trainer.run.distributed import DistInfo, all_gather_objects, failing_together, init_distributed, resolve_device, stop_all
 from trainer.run.parallel import check_parallel_update, use_parallel_update
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -48,6 +48,9 @@ class Settings:
     train_attn: str | None  # attention kernel of the update's forward/backward (None = the model's own)
     sample_temperature: float  # the distribution log-probs are taken under (1.0 under --greedy)
     sample_interval: int  # steps between sample tables (MiniMind's --debug_mode 1 uses --debug_interval)
+    ref_device: torch.device  # --ref_device / --critic_device / --reward_device, default the actor's device
+    critic_device: torch.device
+    reward_device: torch.device
     flags: dict  # the flags with derived values filled in: run.json and resume files record these
 
     @property
@@ -58,11 +61,16 @@ class Settings:
     def dtype(self) -> torch.dtype:
         return DTYPES[self.dtype_name]
 
-    def autocast(self) -> ContextManager:
-        """The one autocast context of the run (a no-op in fp32)."""
+    def autocast(self, device: torch.device | None = None) -> ContextManager:
+        """The one autocast context of the run (a no-op in fp32), for the actor's device or `device`."""
         if self.dtype == torch.float32:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+        return torch.autocast(device_type=(device or self.device).type, dtype=self.dtype)
+
+
+def on(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors on `device` (no copy where they already are)."""
+    return tuple(t.to(device) for t in tensors)
 
 
 @dataclass
@@ -161,7 +169,27 @@ def frozen_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return m.requires_grad_(False)
 
 
-def build_models(args: argparse.Namespace, device: torch.device, frozen_dtype: torch.dtype) -> Models:
+def model_devices(args: argparse.Namespace, info: DistInfo) -> dict[str, torch.device]:
+    """Where the reference, critic and reward model live (seed 001's two-GPU layout in one process:
+    the frozen models on a second GPU). Empty flag = the actor's device."""
+    return {name: resolve_device(getattr(args, f"{name}_device"), info.local_rank, 1) if getattr(args, f"{name}_device")
+            else info.device for name in ("ref", "critic", "reward")}
+
+
+def check_devices_per_rank(devices: dict[str, torch.device], info: DistInfo) -> None:
+    """Under torchrun every rank's GPUs must be its own: two ranks on one GPU would share its memory
+    and serialise on it. Every rank stops, with one line naming the ranks and the device."""
+    per_rank = all_gather_objects(sorted({str(d) for d in (info.device, *devices.values()) if d.type == "cuda"}), info)
+    clash = next(((a, b, sorted(set(per_rank[a]) & set(per_rank[b]))[0]) for a in range(len(per_rank))
+                  for b in range(a + 1, len(per_rank)) if set(per_rank[a]) & set(per_rank[b])), None)
+    stop_all(None if clash is None else
+             f"ranks {clash[0]} and {clash[1]} both use {clash[2]}: give each rank its own devices "
+             f"(--ref_device/--critic_device/--reward_device name devices of the rank's node, e.g. ranks on cuda:0-3 "
+             f"with their reference models on cuda:4-7)", info)
+
+
+def build_models(args: argparse.Namespace, device: torch.device, frozen_dtype: torch.dtype,
+                 devices: dict[str, torch.device] | None = None) -> Models:
     """Actor, reward model, reference, critic, old actor, in this order (random inits draw from the
     seeded generator, so the order is part of a run's determinism). `--from_weight none` gives a
     random-init actor (benchmarks)."""
@@ -173,12 +201,14 @@ def build_models(args: argparse.Namespace, device: torch.device, frozen_dtype: t
     )
     rm_scorer = None
     if args.rm_weight and args.reward_model_path not in (None, "none"):
-        rm_model, rm_tok = load_reward_model(args.reward_model_path, dtype=frozen_dtype, device=device,
+        devices = devices or {"ref": device, "critic": device, "reward": device}
+        rm_model, rm_tok = load_reward_model(args.reward_model_path, dtype=frozen_dtype, device=devices["reward"],
                                              trust_remote_code=bool(args.trust_remote_code))
         rm_scorer = RewardModelScorer(rm_model, rm_tok)
     actor.config.use_cache = True
-    ref = frozen_copy(actor, frozen_dtype)
-    critic = CriticModel.from_policy(actor)
+    devices = devices or {"ref": device, "critic": device, "reward": device}
+    ref = frozen_copy(actor, frozen_dtype).to(devices["ref"])
+    critic = CriticModel.from_policy(actor).to(devices["critic"])
     # The old actor scores with the actor's own numerics (its weights' dtype), or the ratio would not be 1
     # before the first update; the reference may be held in low precision (its KL at step 0 is then the
     # rounding gap, logged as kl_ref).
@@ -203,9 +233,10 @@ def wrap_for_training(args: argparse.Namespace, models: Models, info: DistInfo) 
     """DDP (only the trained models; sampling and scoring use the plain modules) and torch.compile."""
     actor_train, critic_train = models.actor, models.critic
     if info.enabled:
-        ddp_kw = dict(device_ids=[info.device.index] if info.device.type == "cuda" else None,
-                      find_unused_parameters=bool(args.use_moe))
-        actor_train, critic_train = DDP(actor_train, **ddp_kw), DDP(critic_train, **ddp_kw)
+        def ddp(model: nn.Module) -> DDP:
+            dev = next(model.parameters()).device  # the critic may sit on --critic_device
+            return DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, find_unused_parameters=bool(args.use_moe))
+        actor_train, critic_train = ddp(actor_train), ddp(critic_train)
     if args.use_compile:
         actor_train, critic_train = torch.compile(actor_train), torch.compile(critic_train)
     models.actor_train, models.critic_train = actor_train, critic_train
@@ -239,6 +270,9 @@ def validate_flags(args: argparse.Namespace) -> None:
         # torch.device() would take "tpu"/"mps" and fail later with a traceback.
         (re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device) is not None,
          f"--device {args.device}: expected one of auto, cpu, cuda, cuda:N"),
+        *[(re.fullmatch(r"cpu|cuda(:\d+)?|", getattr(args, f)) is not None,
+           f"--{f} {getattr(args, f)}: expected cpu, cuda or cuda:N (or nothing: the actor's device)")
+          for f in ("ref_device", "critic_device", "reward_device")],
     ]
     # nan compares False with everything, so "x > 0" alone would let it through.
     for flag, lowest in (("learning_rate", "> 0"), ("critic_learning_rate", "> 0"), ("grad_clip", "> 0"),
@@ -277,6 +311,9 @@ def setup(args: argparse.Namespace, info: DistInfo | None = None) -> Setup:
         info = init_distributed(args.device, timeout_s=args.ddp_timeout)
     with failing_together(info):  # rank-local work only: no collective runs inside
         built = _build(args, info)
+    s = built.settings
+    if info.enabled:
+        check_devices_per_rank({"ref": s.ref_device, "critic": s.critic_device, "reward": s.reward_device}, info)
     wrap_for_training(args, built.models, info)  # DDP's constructor broadcasts rank 0's weights
     return built
 
@@ -294,8 +331,9 @@ def _build(args: argparse.Namespace, info: DistInfo) -> Setup:
         allow_tf32()
     seed_everything(args.seed)  # the same random-init models (--from_weight none, value head) on every rank
     dtype_name, frozen_dtype = resolve_precision(args, info.device)
+    devices = model_devices(args, info)
     try:
-        models = build_models(args, info.device, frozen_dtype)
+        models = build_models(args, info.device, frozen_dtype, devices)
         if info.rank > 0:  # then each rank samples differently (rank 0 keeps the single-process stream)
             seed_everything(args.seed + info.rank)
         custom_fns = {spec.split(":")[-1]: load_reward_fn(spec) for spec in args.reward_fn}
@@ -327,6 +365,7 @@ def _build(args: argparse.Namespace, info: DistInfo) -> Setup:
         parallel_update=use_parallel_update(args.parallel_update, info.device, info.enabled, cpu_bf16),
         train_attn=train_attn, sample_temperature=1.0 if args.greedy else args.temperature,
         sample_interval=args.debug_interval if args.debug_mode else args.sample_interval,
+        ref_device=devices["ref"], critic_device=devices["critic"], reward_device=devices["reward"],
         flags={**vars(args), "dtype": dtype_name, "hidden_size": hidden_size},
     )
     return Setup(settings, models, optim, kl_ctl, ds, custom_fns, n_bad)
