@@ -27,7 +27,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent
@@ -230,8 +229,8 @@ def score_responses(args: argparse.Namespace, batch: dict, ro: Rollout, m: Model
     Rewards see the full assistant reply: the prefix the chat template forced + the decoded response."""
     rep = args.num_generations
     expand = lambda xs: [x for x in xs for _ in range(rep)]  # prompt i's samples are rows i*N .. i*N+N-1
-    responses = [m.tok.decode(r[k.bool()].tolist(), skip_special_tokens=True)
-                 for r, k in zip(ro.sequences[:, -ro.response_len:], ro.response_mask)]
+    tokens, mask = ro.sequences[:, -ro.response_len:].tolist(), ro.response_mask.bool().tolist()  # one copy, not two per row
+    responses = [m.tok.decode([t for t, keep in zip(row, k) if keep], skip_special_tokens=True) for row, k in zip(tokens, mask)]
     replies = [p + r for p, r in zip(expand(batch["assistant_prefix"]), responses)]
     weights = {"format": args.format_weight, "tags": args.tag_weight, "rm": args.rm_weight,
                "accuracy": args.accuracy_weight, "eos": args.eos_penalty}
@@ -291,7 +290,8 @@ def ppo_update(args: argparse.Namespace, ro: Rollout, m: Models, opt: Optim, ste
                 break
     for sched in opt.scheds.values():
         sched.step()
-    out = {k: float(np.mean(v)) for k, v in stats.items()}
+    means = torch.stack([torch.stack([torch.as_tensor(x, dtype=torch.float64, device=s.device) for x in v]).mean() for v in stats.values()])
+    out = dict(zip(stats, means.tolist()))  # the step's stats, read from the device once
     out["ppo/early_stopped"] = float(stopped_early)
     out["nonfinite"] = float(nonfinite)
     out["value/explained_var"] = explained_variance(ro.values, ro.returns, ro.response_mask, reduce=D.rank_sum(s.info))

@@ -181,7 +181,7 @@ def policy_loss(
     advantages: Tensor,
     response_mask: Tensor,
     clip_eps: float,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Token-level PPO clipped surrogate (Schulman et al. 2017, eq. 7), as a loss to minimise:
     mean over all real tokens of max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))."""
     m = _as_bool(response_mask)
@@ -191,12 +191,12 @@ def policy_loss(
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
     loss = masked_mean(torch.maximum(unclipped, clipped), m)
-    with torch.no_grad():
+    with torch.no_grad():  # 0-d tensors: the trainer reads them once per minibatch, not per call
         stats = {
-            "clipfrac": float(masked_mean((clipped > unclipped).float(), m)),
+            "clipfrac": masked_mean((clipped > unclipped).float(), m),
             # k3 estimate of KL(old || new) from tokens sampled by the old policy.
-            "approx_kl": float(masked_mean((ratio - 1.0) - log_ratio, m)),
-            "ratio": float(masked_mean(ratio, m)),
+            "approx_kl": masked_mean((ratio - 1.0) - log_ratio, m),
+            "ratio": masked_mean(ratio, m),
         }
     return loss, stats
 
@@ -215,13 +215,13 @@ def value_loss(
     ret = returns.detach().float()
     err = _zero_pads((v - ret) ** 2, m)
     if not clip_range:
-        return 0.5 * masked_mean(err, m), {"value_clipfrac": 0.0}
+        return 0.5 * masked_mean(err, m), {"value_clipfrac": torch.zeros((), device=v.device)}
     old = old_values.detach().float()
     v_clipped = old + torch.clamp(v - old, -clip_range, clip_range)
     err_clipped = _zero_pads((v_clipped - ret) ** 2, m)
     loss = 0.5 * masked_mean(torch.maximum(err, err_clipped), m)
     with torch.no_grad():
-        clipfrac = float(masked_mean((err_clipped > err).float(), m))
+        clipfrac = masked_mean((err_clipped > err).float(), m)
     return loss, {"value_clipfrac": clipfrac}
 
 

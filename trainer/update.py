@@ -28,7 +28,7 @@ def minibatch_backward(args: argparse.Namespace, ro: Rollout, mb: torch.Tensor, 
     # mean equals the single-process token mean whatever each rank's share of tokens.
     n_tokens = D.sum_global(ro.response_mask[mb].sum(), s.info).clamp(min=1)
     approx_kl_sum = torch.zeros((), device=s.device)
-    bad = False
+    bad = torch.zeros((), dtype=torch.bool, device=s.device)
     for k, ub in enumerate(mb.split(args.mini_batch_size // args.accumulation_steps)):
         part = ro.index(ub)
         sync = k == args.accumulation_steps - 1  # DDP all-reduces gradients on the last micro-batch only
@@ -43,11 +43,13 @@ def minibatch_backward(args: argparse.Namespace, ro: Rollout, mb: torch.Tensor, 
         with ctx:
             for part_stats, part_bad, kl_sum in run_side_by_side(parts, s.parallel_update):
                 for key, v in part_stats.items():
-                    stats.setdefault(key, []).append(float(v))
-                bad = bad or part_bad
+                    stats.setdefault(key, []).append(v)
+                bad = bad | part_bad
                 if kl_sum is not None:
                     approx_kl_sum += kl_sum
-    return bad, (D.sum_global(approx_kl_sum, s.info) / n_tokens).item()
+    # The minibatch's one host sync: its verdict and approx-KL, read together.
+    bad, approx_kl = torch.stack([bad.float(), D.sum_global(approx_kl_sum, s.info) / n_tokens]).tolist()
+    return bool(bad), approx_kl
 
 
 def actor_backward(args, actor, part: Rollout, scale: torch.Tensor, kl_coef: float, s: Settings, scaler,
@@ -66,12 +68,12 @@ def actor_backward(args, actor, part: Rollout, scale: torch.Tensor, kl_coef: flo
         if args.entropy_coef > 0:
             loss = loss - args.entropy_coef * masked_mean(entropy, part.response_mask) * scale
     scaler.scale(loss).backward()
-    stats = {"loss/policy": pg_loss.item(), "ppo/clipfrac": pg_stats["clipfrac"], "ppo/ratio": pg_stats["ratio"]}
-    return stats, not bool(torch.isfinite(loss)), pg_stats["approx_kl"] * part.response_mask.sum()
+    stats = {"loss/policy": pg_loss.detach(), "ppo/clipfrac": pg_stats["clipfrac"], "ppo/ratio": pg_stats["ratio"]}
+    return stats, ~torch.isfinite(loss.detach()), pg_stats["approx_kl"] * part.response_mask.sum()
 
 
 def critic_backward(args, critic, part: Rollout, scale: torch.Tensor, s: Settings, scaler,
-                     timer: PhaseTimer) -> tuple[dict, bool, None]:
+                    timer: PhaseTimer) -> tuple[dict, torch.Tensor, None]:
     """Clipped value loss of one micro-batch, backward. Returns its stats and whether it was non-finite."""
     dev = s.critic_device  # the critic may live on its own device (--critic_device): its tensors go there
     sequences, attention_mask, old_values, returns, mask, scale = on(dev, part.sequences, part.attention_mask, part.values,
@@ -82,7 +84,8 @@ def critic_backward(args, critic, part: Rollout, scale: torch.Tensor, s: Setting
         v_loss, v_stats = value_loss(values, old_values, returns, mask, args.cliprange_value or None)
         loss = args.vf_coef * v_loss * scale
     scaler.scale(loss).backward()
-    return {"loss/value": v_loss.item(), "value/clipfrac": v_stats["value_clipfrac"]}, not bool(torch.isfinite(loss)), None
+    stats = {"loss/value": v_loss.detach().to(s.device), "value/clipfrac": v_stats["value_clipfrac"].to(s.device)}
+    return stats, ~torch.isfinite(loss.detach()).to(s.device), None
 
 
 def optimizer_step(opt: Optim, trained: dict[str, torch.nn.Module], grad_clip: float, stats: dict,
@@ -90,12 +93,14 @@ def optimizer_step(opt: Optim, trained: dict[str, torch.nn.Module], grad_clip: f
     """Clip each trained model's gradients (logging the pre-clip norm) and step its optimizer. False, with
     no step taken on any rank, when a gradient norm is NaN/inf: a loss can be finite while its gradient is
     not, and one such step makes every weight NaN. fp16's scaler skips overflowing steps itself."""
-    norms = {}
+    norms = []
     for name, model in trained.items():
         opt.scaler.unscale_(opt.optims[name])
-        norms[name] = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip).item()
-        stats.setdefault(f"grad_norm/{name}", []).append(norms[name])
-    if not opt.scaler.is_enabled() and D.any_rank(not all(map(np.isfinite, norms.values())), info):
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip).to(info.device))
+    norms = torch.stack(norms).tolist()  # one host sync for both models
+    for name, norm in zip(trained, norms):
+        stats.setdefault(f"grad_norm/{name}", []).append(norm)
+    if not opt.scaler.is_enabled() and D.any_rank(not all(map(np.isfinite, norms)), info):
         opt.zero_grad()
         return False
     for name in trained:
