@@ -61,8 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--update_old_actor_freq", type=int, default=0,
       help="0: old log-probs recorded by the actor at rollout (no copy); N: MiniMind's frozen copy refreshed every N steps")
     a("--rollout_logprobs", type=int, default=1, choices=[0, 1],
-      help="with no old-actor copy, old_logprobs come from the sampling pass itself instead of a second "
-           "forward (same distribution; equal up to float rounding, see tests/test_rollout.py)")
+      help="with no old-actor copy, old_logprobs come from the sampling pass itself instead of a second forward "
+           "(fp32: equal to ~1e-6; bf16: ~2e-3 nats apart, no clipping on it; the second forward costs ~9%% of a step: "
+           "scripts/measure_logprob_gap.py, README)")
     a = p.add_argument_group("data").add_argument
     a("--data_path", default="dataset/demo_train.jsonl", help="MiniMind RLAIF jsonl")
     a("--skip_bad_lines", type=int, default=0, choices=[0, 1], help="skip and count malformed lines instead of failing")
@@ -203,10 +204,10 @@ def make_experience(args: argparse.Namespace, batch: dict, m: Models, s: Setting
         with timer("score"):
             with s.autocast():  # 2. score: log-probs under the temperature-scaled distribution that sampled (fp32 softmax)
                 entropy = ro.entropy
-                if ro.old_logprobs is None:  # a frozen old actor, or --rollout_logprobs 0: score the samples again
-                    with timer("score_old"):
-                        ro.old_logprobs, entropy = policy_forward(m.old_actor or m.actor, ro.sequences, ro.attention_mask, R, temp,
-                                                                  with_entropy=True)
+                if ro.old_logprobs is None:  # a frozen old actor, or --rollout_logprobs 0: score the samples again,
+                    scorer = m.old_actor or m.actor  # with the update's attention kernel: the first ratio is then exactly 1
+                    with timer("score_old"), attention_implementation(s.train_attn, scorer):
+                        ro.old_logprobs, entropy = policy_forward(scorer, ro.sequences, ro.attention_mask, R, temp, with_entropy=True)
                 with timer("score_ref"), s.autocast(s.ref_device):
                     ref_logprobs, _ = policy_forward(m.ref, *on(s.ref_device, ro.sequences, ro.attention_mask), R, temp)
                     ro.ref_logprobs = ref_logprobs.to(s.device)  # [B, R]

@@ -59,9 +59,9 @@ import torch  # noqa: E402
 import train_ppo as T  # noqa: E402
 from dataset.rlaif import collate_left_pad  # noqa: E402
 from trainer.ppo import masked_mean, policy_loss  # noqa: E402
-from trainer.rollout import attention_implementation, policy_forward  # noqa: E402
+from trainer.rollout import Rollout, attention_implementation, policy_forward  # noqa: E402
 from trainer.run.distributed import DistInfo  # noqa: E402
-from trainer.run.setup import setup  # noqa: E402
+from trainer.run.setup import Setup, setup  # noqa: E402
 from trainer.run.timing import PhaseTimer  # noqa: E402
 
 COLUMNS = ("tok", "gap_mean", "gap_p99", "gap_max", "A_ratio", "A_clipfrac", "A_logr", "A_max", "A_out",
@@ -77,7 +77,7 @@ def ratio_stats(new: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: t
             "max": log_ratio.abs()[mask.bool()].max().item(), "out": masked_mean(out.float(), mask).item()}
 
 
-def update_forward(args: argparse.Namespace, built, part) -> torch.Tensor:
+def update_forward(built: Setup, part: Rollout) -> torch.Tensor:
     """The new log-probs exactly as `trainer.update.actor_backward` computes them (grad on, update attention)."""
     m, s = built.models, built.settings
     with attention_implementation(s.train_attn, m.actor_train, m.critic_train), torch.enable_grad(), s.autocast():
@@ -86,6 +86,7 @@ def update_forward(args: argparse.Namespace, built, part) -> torch.Tensor:
 
 
 def measure(size: str, dtype: str, seed: int, o: argparse.Namespace) -> dict[str, float]:
+    """One (size, dtype, seed): build the run, one experience, the three forwards, one update (COLUMNS)."""
     dims, _, weight = size.partition(":")
     hidden, layers = (int(x) for x in dims.lower().split("x"))
     argv = ["--hidden_size", str(hidden), "--num_hidden_layers", str(layers), "--from_weight", weight or "none",
@@ -122,7 +123,7 @@ def measure(size: str, dtype: str, seed: int, o: argparse.Namespace) -> dict[str
     g = torch.Generator().manual_seed(args.seed * 7919)
     mb = torch.randperm(ro.sequences.shape[0], generator=g).split(args.mini_batch_size)[0]
     part, pmask = ro.index(mb), ro.response_mask[mb]
-    new = update_forward(args, built, part)
+    new = update_forward(built, part)
     A = ratio_stats(new, part.old_logprobs, part.advantages, pmask, args.clip_epsilon)
     B = ratio_stats(new, second[mb], part.advantages, pmask, args.clip_epsilon)
     C = ratio_stats(new, second_upd_attn[mb], part.advantages, pmask, args.clip_epsilon)
@@ -131,7 +132,7 @@ def measure(size: str, dtype: str, seed: int, o: argparse.Namespace) -> dict[str
         stats = T.ppo_update(args, ro, m, built.optim, 0, s, built.kl_ctl.value, timer)
     if len(mb) == ro.sequences.shape[0]:  # one minibatch: the trainer's own logged figures are A's
         assert abs(stats["ppo/ratio"] - A["ratio"]) < 1e-6 and abs(stats["ppo/clipfrac"] - A["clipfrac"]) < 1e-6, stats
-    after = update_forward(args, built, part)
+    after = update_forward(built, part)
     step_s = sum(timer.wall[k] for k in ("generate", "score", "update"))
     return {"tok": float(mask.sum()), "gap_mean": gap.mean().item(), "gap_p99": torch.quantile(gap.double(), 0.99).item(),
             "gap_max": gap.max().item(), **{f"A_{k}": v for k, v in A.items()},
