@@ -9,7 +9,7 @@ import torch
 
 import train_ppo as T
 from tests.helpers import UPDATE_BASE_FLAGS, build_update_world, run_experience
-from trainer.rollout import policy_forward
+from trainer.rollout import attention_implementation, policy_forward
 from trainer.run import setup as S
 from trainer.run.distributed import DistInfo
 
@@ -45,9 +45,10 @@ def test_old_actor_scores_with_the_actors_numerics():
     assert {p.dtype for p in m.old_actor.parameters()} == {p.dtype for p in m.actor.parameters()} == {torch.float32}
     assert {p.dtype for p in m.ref.parameters()} == {torch.bfloat16}
     ro, metrics = run_experience(world)  # old log-probs scored by the old-actor copy
-    with torch.no_grad(), world.settings.autocast():
+    # The update's forward (its attention kernel: eager under bf16 on CPU) gives exactly the old log-probs.
+    with torch.no_grad(), world.settings.autocast(), attention_implementation(world.settings.train_attn, m.actor):
         own, _ = policy_forward(m.actor, ro.sequences, ro.attention_mask, ro.response_len, world.settings.sample_temperature)
-    assert torch.equal(ro.old_logprobs, own)
+    assert world.settings.train_attn == "eager" and torch.equal(ro.old_logprobs, own)
     assert metrics["kl_ref"] != 0.0  # the bf16 reference: its rounding gap shows up as kl_ref at step 0
 
 
