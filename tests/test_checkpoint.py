@@ -3,26 +3,20 @@ and the sample-stream arithmetic that makes a resume under another world size ex
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import random
 import shutil
-import signal
 import subprocess
-import sys
 import time
 import zipfile
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 
-from tests.helpers import ROOT, make_tiny_world, read_metrics, run_train, tiny_flags
-from train_ppo import main
+from tests.helpers import deep_equal, make_tiny_world, read_metrics, run_main, run_train, sigkill_after, spawn_train, tiny_flags
 from trainer.run.distributed import shard_batches
 from trainer.run import checkpoint as ckpt
 
@@ -34,41 +28,10 @@ def _name(step: int) -> str:
     return f"{PREFIX}_step{step:08d}.pth"
 
 
-def run_main(flags: list[str]) -> tuple[object, str]:
-    """train_ppo.main in this process (saves the ~10 s interpreter + transformers start-up of a
-    subprocess), without the end-of-run PNGs (seconds of matplotlib, not under test here).
-    Returns (SystemExit code or None, stdout + stderr)."""
-    buf, threads, code = io.StringIO(), torch.get_num_threads(), None
-    no_plots = mock.patch("trainer.run.plots.plot_run", side_effect=ValueError("not drawn in tests"))
-    try:
-        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf), no_plots:
-            main(flags)
-    except SystemExit as e:
-        code = e.code
-    finally:
-        torch.set_num_threads(threads)  # --num_threads 1 must not slow the rest of the suite
-    return code, buf.getvalue()
 
 
-def spawn_train(flags: list[str], cwd: Path, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", SWANLAB_MODE="disabled")
-    with log.open("w") as out:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen([sys.executable, str(ROOT / "train_ppo.py"), *flags], cwd=cwd, env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
 
 
-def sigkill_after(proc: subprocess.Popen, saved: Path, delay: float, timeout: float = 240) -> None:
-    """Wait until `saved` exists (step k's resume file), let the run go on for `delay` s, then SIGKILL
-    it while it is still running: no handler, no cleanup, exactly like an OOM kill or preemption."""
-    t_end = time.monotonic() + timeout
-    while not saved.exists():
-        assert proc.poll() is None, f"run ended (rc {proc.returncode}) before {saved.name} was written"
-        assert time.monotonic() < t_end, f"timed out waiting for {saved}"
-        time.sleep(0.01)
-    time.sleep(delay)
-    assert proc.poll() is None, "the run finished before it could be killed; the kill would test nothing"
-    os.kill(proc.pid, signal.SIGKILL)
-    assert proc.wait(timeout=60) == -signal.SIGKILL
 
 
 def wait_for_line(log: Path, prefix: str, proc: subprocess.Popen, timeout: float = 240) -> str:
@@ -86,20 +49,6 @@ def resumed_step(out: str) -> int:
     return int(line.split(" at step ")[1].split()[0])
 
 
-def deep_equal(a, b, where: str = "") -> list[str]:
-    """Paths where two resume-file trees differ (tensors compared bit for bit with torch.equal)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        ok = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-        return [] if ok else [where]
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
-            return [f"{where} keys {sorted(set(a) ^ set(b))}"]
-        return [d for k in a for d in deep_equal(a[k], b[k], f"{where}/{k}")]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return [f"{where} len"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in deep_equal(x, y, f"{where}[{i}]")]
-    return [] if a == b else [where]
 
 
 def step_metrics(run_dir: Path) -> list[dict]:

@@ -14,8 +14,11 @@ from unittest import mock
 import pytest
 import torch
 
-from tests.helpers import build_update_world, make_tiny_world, param_snapshot, read_metrics, run_experience, run_update, tiny_flags
-from tests.test_checkpoint import PREFIX, _name, deep_equal, run_main, sigkill_after, spawn_train
+from tests.helpers import (
+    build_update_world, deep_equal, make_tiny_world, param_snapshot, read_metrics, run_experience, run_main, run_update,
+    sigkill_after, spawn_train, tiny_flags,
+)
+from tests.test_checkpoint import PREFIX, _name
 from trainer.run import checkpoint as ckpt
 from trainer.run.lock import FolderBusy, FolderLock
 

@@ -33,7 +33,7 @@ def world(tmp_path_factory):
 def test_smoke_three_steps_writes_weights_and_logs(world, tmp_path):
     flags = tiny_flags(world, tmp_path, save_dir=world["save_dir"], save_weight="smoke", swanlab_mode="offline",
                        sample_interval=1)
-    r = run_train(flags, cwd=tmp_path)
+    run_train(flags, cwd=tmp_path)
     out = Path(world["save_dir"]) / f"smoke_{world['hidden']}.pth"
     state = torch.load(out, weights_only=True)
     assert state["model.embed_tokens.weight"].dtype == torch.float16  # MiniMind's format
