@@ -147,6 +147,15 @@ def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_file(world, t
     assert ckpt.save_resume is real
 
 
+def test_disk_full_while_writing_metrics_is_one_line(world, tmp_path):
+    from trainer.run.logging import RunLogger
+
+    with mock.patch.object(RunLogger, "log", side_effect=OSError(errno.ENOSPC, "No space left on device")):
+        code, out = run_main(tiny_flags(world, tmp_path, max_steps=2))
+    assert code == f"error: no space left on {tmp_path / 'run'} while writing the metrics of step 1"
+    assert _run_json(tmp_path / "run")["status"].startswith("stopped: no space left")
+
+
 def test_free_space_is_checked_before_writing(tmp_path):
     state = {"w": torch.zeros(1000)}
     with mock.patch("shutil.disk_usage", return_value=mock.Mock(free=100)):
