@@ -110,10 +110,11 @@ class Run:
                                       check_inputs=bool(args.resume_check_inputs), seed=args.seed, info=info, say=say)
         except ckpt.ResumeError as e:
             raise SystemExit(f"error: {e}")
-        if resumed is None and args.from_resume == 1:  # a typo in a folder name must not start over and wipe the logs
-            raise SystemExit(f"error: --from_resume 1: nothing to resume in {args.checkpoint_dir}/ (no {self.prefix}_step*.pth): "
-                             f"check --checkpoint_dir, --save_weight and the model size flags, or use --from_resume 2 "
-                             f"to resume when there is something to resume and start a new run otherwise")
+        # A typo in a folder name must not start over and wipe the logs. (Rank 0's verdict: every rank stops.)
+        D.stop_all(f"--from_resume 1: nothing to resume in {args.checkpoint_dir}/ (no {self.prefix}_step*.pth): "
+                   f"check --checkpoint_dir, --save_weight and the model size flags, or use --from_resume 2 "
+                   f"to resume when there is something to resume and start a new run otherwise"
+                   if resumed is None and args.from_resume == 1 else None, info)
         if resumed is None:
             say(f"no resume file {args.checkpoint_dir}/{self.prefix}_step*.pth: starting a new run (--from_resume 2)")
         return resumed
