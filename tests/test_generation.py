@@ -358,15 +358,16 @@ def test_preallocated_cache_gives_the_dynamic_cache_logits():
 # ---------------------------------------------------------------- fast decode step (model/fast_decode.py)
 
 
-def _decode_logits(m, ids, mask, n, fast: bool):
-    """Greedy-decode n tokens on a preallocated cache; logits of every step from either path."""
+def _decode_logits(m, ids, mask, n, fast: bool, device_type: str = "cpu"):
+    """Greedy-decode n tokens on a preallocated cache; logits of every step from either path
+    (device_type: the device the fast decoder is built for; the tensors stay on CPU)."""
     from model.fast_decode import fast_decoder
     from model.generation import preallocated_cache
 
     B, P = ids.shape
     cache = preallocated_cache(m, P + n)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    dec = fast_decoder(m, "cpu") if fast else None
+    dec = fast_decoder(m, device_type) if fast else None
     assert (dec is not None) == fast
     with torch.no_grad():
         last = m(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
@@ -425,6 +426,48 @@ def test_fast_decode_declines_what_it_does_not_reproduce():
     eager = build_minimind(64, 2, vocab_size=64)
     eager.set_attn_implementation("eager")
     assert fast_decoder(eager, "cpu") is None
+
+
+@pytest.mark.parametrize("n_kv", [1, 2, 4])
+def test_decode_attention_packed_heads_equal_enable_gqa(n_kv):
+    """The CUDA layout (query heads packed per K/V head) and the CPU one (enable_gqa) are the same
+    attention, and both match transformers' repeat_kv expansion (query head h reads K/V head h // n_rep)."""
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    from model.fast_decode import decode_attention, pack_gqa_heads
+
+    assert pack_gqa_heads("cuda") and not pack_gqa_heads("cpu")
+    g = torch.Generator().manual_seed(0)
+    B, Hq, n, D = 3, 4, 9, 16
+    q = torch.randn(B, Hq, 1, D, generator=g)
+    k, v = torch.randn(B, n_kv, n, D, generator=g), torch.randn(B, n_kv, n, D, generator=g)
+    mask = torch.rand(B, 1, 1, n, generator=g) > 0.4
+    mask[..., -1] = True  # the current token always attends itself
+    cpu_path = decode_attention(q, k, v, mask, 0.25, pack=False)
+    cuda_path = decode_attention(q, k, v, mask, 0.25, pack=True)
+    assert cuda_path.shape == cpu_path.shape == (B, Hq, 1, D)
+    torch.testing.assert_close(cuda_path, cpu_path, atol=1e-6, rtol=0)
+    expanded = F.scaled_dot_product_attention(q, repeat_kv(k, Hq // n_kv), repeat_kv(v, Hq // n_kv), attn_mask=mask, scale=0.25)
+    torch.testing.assert_close(cpu_path, expanded, atol=1e-6, rtol=0)
+    # A masked key must not count: changing its value leaves every head's output alone.
+    v2 = v.clone()
+    v2[~mask[:, 0, 0, :].unsqueeze(1).expand_as(v[..., 0])] += 100.0
+    torch.testing.assert_close(decode_attention(q, k, v2, mask, 0.25, pack=True), cuda_path, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_fast_decode_cuda_layout_gives_the_cpu_logits(arch):
+    """A decoder built for a CUDA device (packed GQA heads), run on CPU tensors, decodes like the CPU one."""
+    from model.fast_decode import fast_decoder
+
+    m = _scramble(build_minimind(64, 2, arch=arch, vocab_size=256, num_attention_heads=4, num_key_value_heads=2), seed=5).eval()
+    assert fast_decoder(m, "cuda").pack_gqa and not fast_decoder(m, "cpu").pack_gqa
+    ids, mask = _left_pad(PROMPTS)
+    want = _decode_logits(m, ids, mask, 8, fast=True)
+    got = _decode_logits(m, ids, mask, 8, fast=True, device_type="cuda")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_token_logprobs_entropy_hand_computed():
