@@ -207,8 +207,9 @@ def score_responses(args: argparse.Namespace, batch: dict, ro: Rollout, m: Model
     Rewards see the full assistant reply: the prefix the chat template forced + the decoded response."""
     rep = args.num_generations
     expand = lambda xs: [x for x in xs for _ in range(rep)]  # prompt i's samples are rows i*N .. i*N+N-1
-    responses = [m.tok.decode(r[k.bool()].tolist(), skip_special_tokens=True)
-                 for r, k in zip(ro.sequences[:, -ro.response_len:], ro.response_mask)]
+    # One device->host copy: a boolean index and .tolist() on a CUDA row would each sync, twice per row.
+    seqs, masks = ro.sequences[:, -ro.response_len:].cpu(), ro.response_mask.cpu()
+    responses = [m.tok.decode(r[k.bool()].tolist(), skip_special_tokens=True) for r, k in zip(seqs, masks)]
     replies = [p + r for p, r in zip(expand(batch["assistant_prefix"]), responses)]
     weights = {"format": args.format_weight, "tags": args.tag_weight, "rm": args.rm_weight,
                "accuracy": args.accuracy_weight, "eos": args.eos_penalty}

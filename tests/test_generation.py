@@ -254,6 +254,85 @@ def test_top_k_restricts_sampled_tokens(lm):
     assert (responses != top3[..., 0])[s.response_mask.bool()].any()
 
 
+STOP_PROMPTS = [[5, 6, 7], [3, 4, 5, 6, 7, 3], [4, 4, 4, 4, 5], [7, 3], [6, 6, 5, 4]]
+
+
+@pytest.fixture(scope="module")
+def lm8_greedy_stops():
+    """Greedy decoding of STOP_PROMPTS stops on EOS after 10, 6, 14, 6 and 4 tokens."""
+    m = _scramble(build_minimind(64, 2, vocab_size=8), seed=13, std=0.4).eval()
+    ids, mask = _left_pad(STOP_PROMPTS)
+    s = sample(m, ids, mask, max_new_tokens=24, eos_token_id=EOS, pad_token_id=PAD, greedy=True, sync_interval=1)
+    assert s.response_mask.sum(1).tolist() == [10, 6, 14, 6, 4] and s.has_eos.all()
+    return m
+
+
+def _assert_same_samples(a: Samples, b: Samples) -> None:
+    assert torch.equal(a.sequences, b.sequences)
+    assert torch.equal(a.response_mask, b.response_mask) and a.response_mask.dtype == b.response_mask.dtype
+    assert torch.equal(a.has_eos, b.has_eos)
+    assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.entropy, b.entropy)
+
+
+@pytest.mark.parametrize("interval", [2, 3, 8])
+@pytest.mark.parametrize("max_new", [24, 12, 15])
+def test_sync_interval_greedy_equals_every_token_checks(lm8_greedy_stops, interval, max_new):
+    """CUDA's schedule (stop checked every `interval` tokens; extra steps after the last EOS are cut
+    off) returns what the every-token schedule returns: sequences, masks, has_eos, log-probs. max_new
+    24: every row stops (at 14); 12: one row is cut at the limit; 15: the limit falls right after it."""
+    ids, mask = _left_pad(STOP_PROMPTS)
+    kw = dict(max_new_tokens=max_new, eos_token_id=EOS, pad_token_id=PAD, greedy=True, return_logprobs=True)
+    want = sample(lm8_greedy_stops, ids, mask, sync_interval=1, **kw)
+    got = sample(lm8_greedy_stops, ids, mask, sync_interval=interval, **kw)
+    _assert_same_samples(got, want)
+    _check_samples(got, ids.shape[1], max_new)
+    assert got.sequences.shape[1] - ids.shape[1] == min(14, max_new)
+
+
+def test_sync_interval_sampling_equals_every_token_checks_under_a_seed(lm8):
+    """Sampled rows too: the extra steps run after every row stopped, so the draws that chose the
+    tokens are the same ones; rows after EOS are pads with mask 0 in both."""
+    ids, mask = _left_pad([[5, 6, 7], [3, 4, 5, 6, 7, 3]])
+    kw = dict(max_new_tokens=24, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, return_logprobs=True)
+    lengths = []
+    for seed in range(8):
+        torch.manual_seed(seed)
+        want = sample(lm8, ids, mask, sync_interval=1, **kw)
+        torch.manual_seed(seed)
+        got = sample(lm8, ids, mask, sync_interval=8, **kw)
+        _assert_same_samples(got, want)
+        _check_samples(got, ids.shape[1], 24)
+        lengths.append(got.sequences.shape[1] - ids.shape[1])
+    # Batches that stopped before the first check, on it, between checks, and ran to the limit.
+    assert min(lengths) < 8 and 8 in lengths and max(lengths) == 24 and any(n % 8 and n > 8 for n in lengths), lengths
+
+
+def test_sync_interval_default_is_every_token_on_cpu():
+    from model.generation import host_sync_interval
+
+    assert host_sync_interval("cpu") == 1 and host_sync_interval("cuda") > 1
+
+
+def test_nonfinite_logits_raise_under_either_schedule(lm8):
+    import copy
+
+    from model.generation import sample_from_logits
+
+    bad = copy.deepcopy(lm8)
+    with torch.no_grad():
+        bad.lm_head.weight[3] = float("nan")
+    ids, mask = _left_pad([[5, 6, 7], [3, 4, 5, 6, 7, 3]])
+    for interval in (1, 8):
+        with pytest.raises(RuntimeError, match="non-finite"):
+            sample(bad, ids, mask, max_new_tokens=3, eos_token_id=EOS, pad_token_id=PAD, sync_interval=interval)
+    # The deferred check: no raise, the flag goes (and stays) False, the index stays in range.
+    flag = torch.ones((), dtype=torch.bool)
+    tok = sample_from_logits(torch.tensor([[0.0, float("nan")]]), finite=flag)
+    assert not flag and 0 <= tok.item() <= 1
+    sample_from_logits(torch.tensor([[0.0, 1.0]]), finite=flag)
+    assert not flag
+
+
 def test_sample_restores_training_mode(lm8):
     lm8.train()
     try:
