@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 from trainer.ppo import compute_gae, compute_token_rewards, kl_penalty, masked_mean, masked_whiten, policy_loss, value_loss  # noqa: E402
 from trainer.ppo import explained_variance  # noqa: E402
 from trainer.rewards import compute_rewards  # noqa: E402
-from trainer.rollout import Rollout, attention_implementation, critic_forward, generate_rollout, policy_forward, rollout_metrics  # noqa: E402
+from trainer.rollout import Rollout, attention_implementation, critic_forward, forward_in_row_chunks, generate_rollout  # noqa: E402
+from trainer.rollout import policy_forward, rollout_metrics  # noqa: E402
 from trainer.run import distributed as D  # noqa: E402
 from trainer.run.lifecycle import Run  # noqa: E402
 from trainer.run.parallel import run_side_by_side  # noqa: E402
@@ -131,6 +132,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="attention kernel of the update's forward/backward (sampling and scoring keep the model's own); "
            "auto = eager under bf16 on CPU (update 1.85 vs 2.31 s at 512x8, scripts/bench_ppo.py; in fp32 sdpa "
            "was faster, 3.15 vs 3.55 s), else the model's own")
+    a("--forward_batch_size", type=int, default=0,
+      help="rows per scoring forward (old/ref log-probs, critic values); 0 = all batch_size x num_generations rows "
+           "at once. Lower it when [rows, response_len, vocab] logits do not fit in memory")
     a("--num_threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     a("--parallel_update", type=int, default=-1, choices=[-1, 0, 1],
       help="actor and critic forward/backward side by side, one CPU core each, instead of one after the other "
@@ -184,14 +188,17 @@ def make_experience(args: argparse.Namespace, batch: dict, m: Models, s: Setting
     with timer("score"):
         with s.autocast():  # 2. score: log-probs under the temperature-scaled distribution that sampled (fp32 softmax)
             entropy = ro.entropy
+            rows = args.forward_batch_size  # rows per scoring forward (0 = all at once)
             if ro.old_logprobs is None:  # a frozen old actor, or --rollout_logprobs 0: score the samples again
                 with timer("score_old"):
-                    ro.old_logprobs, entropy = policy_forward(m.old_actor or m.actor, ro.sequences, ro.attention_mask, R, temp,
-                                                              with_entropy=True)
+                    ro.old_logprobs, entropy = forward_in_row_chunks(policy_forward, m.old_actor or m.actor, ro.sequences,
+                                                                     ro.attention_mask, R, temp, with_entropy=True, rows=rows)
             with timer("score_ref"):
-                ro.ref_logprobs, _ = policy_forward(m.ref, ro.sequences, ro.attention_mask, R, temp)  # [B, R]
+                ro.ref_logprobs, _ = forward_in_row_chunks(policy_forward, m.ref, ro.sequences, ro.attention_mask, R, temp,
+                                                           rows=rows)  # [B, R]
             with timer("score_critic"):
-                ro.values = critic_forward(m.critic, ro.sequences, ro.attention_mask, R).float()  # [B, R]
+                ro.values = forward_in_row_chunks(critic_forward, m.critic, ro.sequences, ro.attention_mask, R,
+                                                  rows=rows).float()  # [B, R]
         with timer("score_reward"):  # 3. reward
             responses, comps = score_responses(args, batch, ro, m, custom_fns)
     compute_advantages(args, ro, kl_coef, s)  # 4. advantages

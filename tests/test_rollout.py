@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from model.critic import CriticModel
 from model.generation import filter_logits, sample_from_logits
 from model.loader import build_minimind
-from trainer.rollout import attention_implementation, critic_forward, generate_rollout, logprobs_from_logits, policy_forward, position_ids_from_mask
+from trainer.rollout import attention_implementation, critic_forward, forward_in_row_chunks, generate_rollout, logprobs_from_logits
+from trainer.rollout import policy_forward, position_ids_from_mask
 
 ROOT = Path(__file__).resolve().parents[1]
 PAD, EOS, V = 0, 2, 256
@@ -193,6 +194,50 @@ def test_critic_forward_alignment_equals_plain_values(critic):
     assert got.abs().max() > 1e-3
     assert torch.allclose(got, full[:, P - 1 : P + R - 1], atol=1e-5)
     assert not torch.allclose(got, full[:, P : P + R], atol=1e-3)  # the off-by-one would be visible
+
+
+# ------------------------------------------------------------------ --forward_batch_size
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_scoring_in_row_chunks_equals_one_forward(lm, critic, rows):
+    """--forward_batch_size: old/ref log-probs, entropy and values scored `rows` rows at a time (last
+    chunk shorter) equal the all-rows forward up to fp32 rounding (a smaller matmul may round differently
+    in the last bits); rows = 0 or >= B is that one forward."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [PROMPTS[i % 3][: 3 + i % 4] for i in range(7)]
+    seq, mask, P = _batch(prompts, torch.randint(3, V, (7, 6), generator=g))
+    mask[2, -3:] = 0  # rows that stopped early: post-EOS pads are masked out of attention
+    mask[5, -1:] = 0
+    R = 6
+    with torch.no_grad():
+        want_lp, want_ent = policy_forward(lm, seq, mask, R, 0.8, with_entropy=True)
+        want_ref, none = policy_forward(lm, seq, mask, R, 0.8)
+        want_v = critic_forward(critic, seq, mask, R)
+        lp, ent = forward_in_row_chunks(policy_forward, lm, seq, mask, R, 0.8, with_entropy=True, rows=rows)
+        ref, no_ent = forward_in_row_chunks(policy_forward, lm, seq, mask, R, 0.8, rows=rows)
+        v = forward_in_row_chunks(critic_forward, critic, seq, mask, R, rows=rows)
+    assert none is None and no_ent is None
+    assert lp.shape == ent.shape == v.shape == (7, R)
+    torch.testing.assert_close(lp, want_lp, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ent, want_ent, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ref, want_ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(v, want_v, atol=1e-6, rtol=1e-5)
+    # Rows are really split: the model sees chunks of `rows` rows (0 and >= B: one call, as before).
+    seen = []
+    spy = lambda model, s, m, *a, **k: seen.append(s.shape[0]) or policy_forward(model, s, m, *a, **k)
+    with torch.no_grad():
+        for r, want in ((rows, [rows] * (7 // rows) + ([7 % rows] if 7 % rows else [])), (0, [7]), (9, [7])):
+            seen.clear()
+            forward_in_row_chunks(spy, lm, seq, mask, R, 0.8, rows=r)
+            assert seen == want, (r, seen)
+
+
+def test_forward_batch_size_flag_defaults_to_one_forward():
+    import train_ppo
+
+    assert train_ppo.parse_args([]).forward_batch_size == 0
+    assert train_ppo.parse_args(["--forward_batch_size", "8"]).forward_batch_size == 8
 
 
 # ------------------------------------------------------------------ generate_rollout

@@ -10,8 +10,9 @@ of rows so no fp32 [B, T, vocab] tensor is ever materialised.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -100,6 +101,22 @@ def critic_forward(critic: nn.Module, sequences: torch.Tensor, attention_mask: t
         values_to_keep=response_len + 1,
     )  # [B, R+1]
     return values[:, :-1]
+
+
+def forward_in_row_chunks(fn: Callable[..., Any], model: nn.Module, sequences: torch.Tensor,
+                          attention_mask: torch.Tensor, *args: Any, rows: int = 0, **kwargs: Any) -> Any:
+    """fn(model, sequences, attention_mask, *args, **kwargs) over `rows` rows at a time (< 1: all at
+    once, one call exactly as before), its tensor outputs (or each tensor of a tuple; None stays None)
+    concatenated along rows. For the scoring forwards under no_grad: a forward over every row of the
+    rollout holds [rows, R, vocab] logits at once (tens of GB at a 150k vocabulary, 64 rows x 512
+    tokens); in chunks the peak is one chunk's. Rows are independent (per-row masks and positions)."""
+    n = sequences.shape[0]
+    if rows < 1 or rows >= n:
+        return fn(model, sequences, attention_mask, *args, **kwargs)
+    parts = [fn(model, sequences[s : s + rows], attention_mask[s : s + rows], *args, **kwargs) for s in range(0, n, rows)]
+    if isinstance(parts[0], tuple):
+        return tuple(None if col[0] is None else torch.cat(col) for col in zip(*parts))
+    return torch.cat(parts)
 
 
 @dataclass
