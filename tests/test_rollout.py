@@ -103,6 +103,93 @@ def test_logprobs_from_logits_chunking_invariant():
     assert lp16.dtype == torch.float32 and torch.equal(lp16, ref16)
 
 
+def _reference_logprobs(logits, tokens, T, chunk_rows, with_entropy):
+    """The no-grad path's formula under autograd (what the update ran before _TokenLogprobs)."""
+    from model.generation import token_logprobs
+
+    parts = [token_logprobs(logits[s : s + chunk_rows], tokens[s : s + chunk_rows], T, with_entropy)
+             for s in range(0, logits.shape[0], chunk_rows)]
+    return torch.cat([p[0] for p in parts]), (torch.cat([p[1] for p in parts]) if with_entropy else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1.0, 0.7])
+@pytest.mark.parametrize("loss_of", ["lp", "lp+ent", "ent"])
+def test_logprobs_grad_path_equals_autograd_of_the_plain_formula(dtype, T, loss_of):
+    """With grad, logprobs_from_logits recomputes the softmax in backward: forward values are the
+    no-grad path's bit for bit; gradients equal autograd through the plain formula (to rounding)."""
+    g = torch.Generator().manual_seed(0)
+    base = (3 * torch.randn(5, 7, 40, generator=g)).to(dtype)  # [B, R+1, V]: policy_forward's slice below
+    tokens = torch.randint(0, 40, (5, 6), generator=g)
+    w_lp, w_ent = torch.randn(5, 6, generator=g), torch.randn(5, 6, generator=g)
+    with_ent = loss_of != "lp"
+    grads, values = [], []
+    for fn in (logprobs_from_logits, _reference_logprobs):
+        leaf = base.clone().requires_grad_(True)
+        lp, ent = fn(leaf[:, :-1], tokens, T, 2, with_ent)  # chunks of 2 rows, last one shorter
+        loss = (lp * w_lp).sum() if "lp" in loss_of else 0
+        loss = loss + ((ent * w_ent).sum() if with_ent else 0)
+        loss.backward()
+        grads.append(leaf.grad)
+        values.append((lp.detach(), ent.detach() if with_ent else None))
+    with torch.no_grad():
+        nograd_lp, nograd_ent = logprobs_from_logits(base[:, :-1], tokens, T, 2, with_ent)
+    assert torch.equal(values[0][0], nograd_lp) and torch.equal(values[0][0], values[1][0])
+    if with_ent:
+        assert torch.equal(values[0][1], nograd_ent) and torch.equal(values[0][1], values[1][1])
+    got, want = grads
+    assert got.dtype == dtype and got.shape == base.shape and got[:, -1].eq(0).all()
+    assert want.abs().max() > 0.1
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    else:  # both round the same fp32 gradient to bf16; an ulp apart at most
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-6, rtol=2 ** -7)
+
+
+def test_logprobs_grad_path_saves_no_full_vocab_fp32_tensor():
+    """What the update keeps alive for backward: the logits themselves (bf16 here), never an fp32
+    [B, R, V] log-softmax per chunk as autograd through the plain formula does."""
+    from torch.autograd.graph import saved_tensors_hooks
+
+    B, R, V = 4, 5, 64
+    logits = torch.randn(B, R, V).bfloat16().requires_grad_(True)
+    tokens = torch.randint(0, V, (B, R))
+
+    def saved_full_vocab_fp32(fn) -> int:
+        found = []
+
+        def pack(t):
+            if t.dtype == torch.float32 and t.shape[-1] == V and t.numel() >= R * V:
+                found.append(t.numel())
+            return t
+
+        with saved_tensors_hooks(pack, lambda t: t):
+            lp, ent = fn(logits, tokens, 0.8, 2, True)
+        (lp.sum() + ent.sum()).backward()
+        return sum(found)
+
+    assert saved_full_vocab_fp32(_reference_logprobs) >= B * R * V  # the plain formula does (the test can fail)
+    assert saved_full_vocab_fp32(logprobs_from_logits) == 0
+
+
+def test_policy_forward_gradients_equal_the_full_logits_path(lm):
+    """The model's gradients through policy_forward (kept positions, _TokenLogprobs) equal autograd
+    through the plain full-logits formula."""
+    seq, mask, P = _batch(PROMPTS, RESPONSE)
+    R = RESPONSE.shape[1]
+    w = torch.randn(3, R, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for fn in (lambda: policy_forward(lm, seq, mask, R, 0.8, with_entropy=True), lambda: _plain_logprobs(lm, seq, mask, R, 0.8)):
+        lm.zero_grad(set_to_none=True)
+        lp, ent = fn()
+        ((lp * w).sum() + 0.1 * ent.sum()).backward()
+        grads.append({n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None})
+    lm.zero_grad(set_to_none=True)
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 5
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-5, rtol=1e-4, msg=n)
+
+
 # ------------------------------------------------------------------ policy_forward
 
 

@@ -61,13 +61,71 @@ def logprobs_from_logits(
 
     logits [B, R, V] (any dtype), tokens [B, R] -> logprobs [B, R] fp32 (and entropy [B, R]).
     The temperature matches the sampler's, so the ratio's denominator is the policy that sampled.
+
+    With grad (the update), _TokenLogprobs gives the same values but saves only the logits for
+    backward, recomputing the softmax there: autograd would keep every chunk's fp32 log-softmax
+    alive [B, R, V] until backward (twice the bf16 logits' size).
     """
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _TokenLogprobs.apply(logits, tokens, temperature, chunk_rows, with_entropy)
     out, ents = [], []
     for s in range(0, logits.shape[0], chunk_rows):
         lp, ent = token_logprobs(logits[s : s + chunk_rows], tokens[s : s + chunk_rows], temperature, with_entropy)
         out.append(lp)
         ents.append(ent)
     return torch.cat(out), (torch.cat(ents) if with_entropy else None)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """logprobs_from_logits with a hand-written backward that recomputes the softmax row by row.
+
+    Forward: token_logprobs per chunk, the very ops of the no-grad path (bit-identical values).
+    Saved: the logits (which the model made anyway), the tokens and the entropy [B, R]; no fp32
+    [B, R, V] tensor. Backward, with u = logits / T, p = softmax(u), logp = u - logsumexp(u), H the entropy:
+      d lp / d u = onehot(token) - p,   d H / d u = -p * (logp + H),   then / T,
+    one row at a time straight into one gradient tensor of the logits' dtype: the fp32 temporaries
+    are [R, V] (autograd through sliced chunks would also allocate a zero-filled [B, R, V] gradient
+    per chunk)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float, chunk_rows: int,
+                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out, ents = [], []
+        for s in range(0, logits.shape[0], chunk_rows):
+            lp, ent = token_logprobs(logits[s : s + chunk_rows], tokens[s : s + chunk_rows], temperature, with_entropy)
+            out.append(lp)
+            ents.append(ent)
+        lp, ent = torch.cat(out), (torch.cat(ents) if with_entropy else None)
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not a zero [B, R] tensor
+        ctx.save_for_backward(logits, tokens, ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        logits, tokens, ent = ctx.saved_tensors
+        T = ctx.temperature
+        if g_lp is None and g_ent is None:
+            return None, None, None, None, None
+        grad = torch.empty_like(logits)
+        for b in range(logits.shape[0]):
+            # fp32 logits: work in the gradient's own memory; others: one fp32 row, cast at the end.
+            u = grad[b].copy_(logits[b]) if logits.dtype == torch.float32 else logits[b].float()  # [R, V]
+            if T != 1.0:
+                u.div_(T)
+            lse = torch.logsumexp(u, dim=-1, keepdim=True)  # [R, 1]
+            coeff = -g_lp[b].unsqueeze(-1) if g_lp is not None else torch.zeros_like(lse)
+            if g_ent is not None:  # coeff - g_H * (logp + H)
+                coeff = (u - lse + ent[b].unsqueeze(-1)).mul_(-g_ent[b].unsqueeze(-1)).add_(coeff)
+            p = u.sub_(lse).exp_()
+            p.mul_(coeff)
+            if g_lp is not None:  # + onehot(token) * g_lp
+                p.scatter_add_(-1, tokens[b].unsqueeze(-1), g_lp[b].unsqueeze(-1))
+            if T != 1.0:
+                p.div_(T)
+            if p.data_ptr() != grad[b].data_ptr():
+                grad[b].copy_(p)
+        return grad, None, None, None, None
 
 
 def policy_forward(
