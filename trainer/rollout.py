@@ -77,15 +77,18 @@ def logprobs_from_logits(
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """logprobs_from_logits with a hand-written backward that recomputes the softmax row by row.
+    """logprobs_from_logits for the update: the same forward, a backward that recomputes the softmax.
 
     Forward: token_logprobs per chunk, the very ops of the no-grad path (bit-identical values).
     Saved: the logits (which the model made anyway), the tokens and the entropy [B, R]; no fp32
-    [B, R, V] tensor. Backward, with u = logits / T, p = softmax(u), logp = u - logsumexp(u), H the entropy:
-      d lp / d u = onehot(token) - p,   d H / d u = -p * (logp + H),   then / T,
-    one row at a time straight into one gradient tensor of the logits' dtype: the fp32 temporaries
-    are [R, V] (autograd through sliced chunks would also allocate a zero-filled [B, R, V] gradient
-    per chunk)."""
+    [B, R, V] tensor. Backward, one row at a time into one gradient tensor of the logits' dtype (fp32
+    temporaries are [R, V]; autograd through sliced chunks would also allocate a zero-filled [B, R, V]
+    gradient per chunk):
+      log-prob part: autograd's own ops (gather's scatter, log_softmax's backward kernel on the
+        recomputed log-softmax, / T), so the gradient is bit-identical to the plain formula's and the
+        CPU fp32 demo trains exactly as before;
+      entropy part (entropy_coef > 0): dH/du = -p * (logp + H), u = logits / T, equal to autograd's
+        to rounding."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float, chunk_rows: int,
@@ -109,22 +112,23 @@ class _TokenLogprobs(torch.autograd.Function):
             return None, None, None, None, None
         grad = torch.empty_like(logits)
         for b in range(logits.shape[0]):
-            # fp32 logits: work in the gradient's own memory; others: one fp32 row, cast at the end.
-            u = grad[b].copy_(logits[b]) if logits.dtype == torch.float32 else logits[b].float()  # [R, V]
+            u = logits[b].float()  # [R, V], as token_logprobs computes it
             if T != 1.0:
-                u.div_(T)
-            lse = torch.logsumexp(u, dim=-1, keepdim=True)  # [R, 1]
-            coeff = -g_lp[b].unsqueeze(-1) if g_lp is not None else torch.zeros_like(lse)
-            if g_ent is not None:  # coeff - g_H * (logp + H)
-                coeff = (u - lse + ent[b].unsqueeze(-1)).mul_(-g_ent[b].unsqueeze(-1)).add_(coeff)
-            p = u.sub_(lse).exp_()
-            p.mul_(coeff)
-            if g_lp is not None:  # + onehot(token) * g_lp
-                p.scatter_add_(-1, tokens[b].unsqueeze(-1), g_lp[b].unsqueeze(-1))
+                u = u / T
+            logp = torch.log_softmax(u, dim=-1)
+            del u
+            if g_lp is not None:  # gather's backward, then log_softmax's (the kernel autograd calls)
+                g_logp = torch.zeros_like(logp).scatter_add_(-1, tokens[b].unsqueeze(-1), g_lp[b].unsqueeze(-1))
+                g_u = torch._log_softmax_backward_data(g_logp, logp, -1, logp.dtype)
+                del g_logp
+            if g_ent is not None:  # -g_H * p * (logp + H), computed in logp's memory
+                p = logp.exp()
+                g_h = logp.add_(ent[b].unsqueeze(-1)).mul_(p).mul_(-g_ent[b].unsqueeze(-1))
+                del p
+                g_u = g_u.add_(g_h) if g_lp is not None else g_h
             if T != 1.0:
-                p.div_(T)
-            if p.data_ptr() != grad[b].data_ptr():
-                grad[b].copy_(p)
+                g_u = g_u / T  # DivBackward's op
+            grad[b].copy_(g_u)  # to the logits' dtype, as .float()'s backward casts
         return grad, None, None, None, None
 
 
