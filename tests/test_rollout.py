@@ -149,6 +149,26 @@ def test_logprobs_grad_path_equals_autograd_of_the_plain_formula(dtype, T, loss_
         torch.testing.assert_close(got.float(), want.float(), atol=1e-6, rtol=2 ** -7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_grad_path_exact_at_the_demo_vocabulary(dtype):
+    """At MiniMind's vocabulary (6400) and the default 8-row chunks, as the update runs it: the
+    grad path's per-row values equal the no-grad chunks' and its gradient autograd's, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    base = (4 * torch.randn(11, 34, 6400, generator=g)).to(dtype)
+    tokens = torch.randint(0, 6400, (11, 33), generator=g)
+    w = torch.randn(11, 33, generator=g)
+    with torch.no_grad():
+        want_lp, _ = logprobs_from_logits(base[:, :-1], tokens, 0.8)
+    grads = []
+    for fn in (logprobs_from_logits, _reference_logprobs):
+        leaf = base.clone().requires_grad_(True)
+        lp, _ = fn(leaf[:, :-1], tokens, 0.8, 8, False)
+        assert torch.equal(lp.detach(), want_lp)
+        (lp * w).sum().backward()
+        grads.append(leaf.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
 def test_logprobs_grad_path_saves_no_full_vocab_fp32_tensor():
     """What the update keeps alive for backward: the logits themselves (bf16 here), never an fp32
     [B, R, V] log-softmax per chunk as autograd through the plain formula does."""

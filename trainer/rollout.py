@@ -62,12 +62,12 @@ def logprobs_from_logits(
     logits [B, R, V] (any dtype), tokens [B, R] -> logprobs [B, R] fp32 (and entropy [B, R]).
     The temperature matches the sampler's, so the ratio's denominator is the policy that sampled.
 
-    With grad (the update), _TokenLogprobs gives the same values but saves only the logits for
-    backward, recomputing the softmax there: autograd would keep every chunk's fp32 log-softmax
-    alive [B, R, V] until backward (twice the bf16 logits' size).
+    With grad (the update) _TokenLogprobs gives the same values, but autograd keeps no fp32
+    log-softmax [B, R, V] alive until backward (twice the bf16 logits' size): only the logits are
+    saved, the softmax is recomputed in backward. Under no_grad, this loop as it always was.
     """
     if torch.is_grad_enabled() and logits.requires_grad:
-        return _TokenLogprobs.apply(logits, tokens, temperature, chunk_rows, with_entropy)
+        return _TokenLogprobs.apply(logits, tokens, temperature, with_entropy)
     out, ents = [], []
     for s in range(0, logits.shape[0], chunk_rows):
         lp, ent = token_logprobs(logits[s : s + chunk_rows], tokens[s : s + chunk_rows], temperature, with_entropy)
@@ -77,9 +77,9 @@ def logprobs_from_logits(
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """logprobs_from_logits for the update: the same forward, a backward that recomputes the softmax.
+    """logprobs_from_logits for the update: the same values, a backward that recomputes the softmax.
 
-    Forward: token_logprobs per chunk, the very ops of the no-grad path (bit-identical values).
+    Forward: token_logprobs, the no-grad path's ops, one row at a time.
     Saved: the logits (which the model made anyway), the tokens and the entropy [B, R]; no fp32
     [B, R, V] tensor. Backward, one row at a time into one gradient tensor of the logits' dtype (fp32
     temporaries are [R, V]; autograd through sliced chunks would also allocate a zero-filled [B, R, V]
@@ -91,11 +91,13 @@ class _TokenLogprobs(torch.autograd.Function):
         to rounding."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float, chunk_rows: int,
+    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # Row by row: the fp32 temporaries are [R, V] and none outlives its row. The log-softmax and
+        # entropy are per position, so the values are the no-grad path's 8-row chunks' bit for bit.
         out, ents = [], []
-        for s in range(0, logits.shape[0], chunk_rows):
-            lp, ent = token_logprobs(logits[s : s + chunk_rows], tokens[s : s + chunk_rows], temperature, with_entropy)
+        for b in range(logits.shape[0]):
+            lp, ent = token_logprobs(logits[b : b + 1], tokens[b : b + 1], temperature, with_entropy)
             out.append(lp)
             ents.append(ent)
         lp, ent = torch.cat(out), (torch.cat(ents) if with_entropy else None)
@@ -109,7 +111,7 @@ class _TokenLogprobs(torch.autograd.Function):
         logits, tokens, ent = ctx.saved_tensors
         T = ctx.temperature
         if g_lp is None and g_ent is None:
-            return None, None, None, None, None
+            return None, None, None, None
         grad = torch.empty_like(logits)
         for b in range(logits.shape[0]):
             u = logits[b].float()  # [R, V], as token_logprobs computes it
@@ -129,7 +131,7 @@ class _TokenLogprobs(torch.autograd.Function):
             if T != 1.0:
                 g_u = g_u / T  # DivBackward's op
             grad[b].copy_(g_u)  # to the logits' dtype, as .float()'s backward casts
-        return grad, None, None, None, None
+        return grad, None, None, None
 
 
 def policy_forward(
