@@ -12,8 +12,9 @@ fp32 the matmuls are weight-bandwidth bound and it gains little.
 
 Exactness: the same operations in the same dtypes as transformers' Qwen3/Llama layers (norms in
 fp32 then cast back to the input dtype, rotary in the residual dtype, SDPA with a boolean padding
-mask; grouped K/V heads handed to SDPA as `decode_attention` says). Concatenated matmuls may round differently in the last bit: fp32 logits agree to ~1e-6,
-bf16 to one bf16 step (tests/test_generation.py::test_fast_decode_*).
+mask; grouped K/V heads as `decode_attention` lays them out per device). Concatenated matmuls may
+round differently in the last bit: fp32 logits agree to ~1e-6, bf16 to one bf16 step
+(tests/test_generation.py::test_fast_decode_*).
 
 Anything else (MoE, biases, sliding windows, other model types, hub kernels) returns None from
 `fast_decoder` and `sample()` keeps transformers' forward.
