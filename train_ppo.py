@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 from trainer.ppo import compute_gae, compute_token_rewards, explained_variance, kl_penalty, masked_whiten  # noqa: E402
 from trainer.rewards import RewardFnError, compute_rewards  # noqa: E402
-from trainer.rollout import Rollout, attention_implementation, critic_forward, generate_rollout, policy_forward, rollout_metrics  # noqa: E402
+from trainer.rollout import Rollout, attention_implementation, critic_forward, forward_in_row_chunks, generate_rollout  # noqa: E402
+from trainer.rollout import policy_forward, rollout_metrics  # noqa: E402
 from trainer.run import distributed as D  # noqa: E402
 from trainer.run.lifecycle import Run  # noqa: E402
 from trainer.run.setup import DTYPES, Models, Optim, Settings, on, setup  # noqa: E402
@@ -132,6 +133,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="attention kernel of the update's forward/backward (sampling and scoring keep the model's own); "
            "auto = eager under bf16 on CPU (update 1.85 vs 2.31 s at 512x8, scripts/bench_ppo.py; in fp32 sdpa "
            "was faster, 3.15 vs 3.55 s), else the model's own")
+    a("--forward_batch_size", type=int, default=0,
+      help="rows per scoring forward (old/ref log-probs, critic values); 0 = all batch_size x num_generations rows "
+           "at once. Lower it when [rows, response_len, vocab] logits do not fit in memory")
     a("--num_threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     a("--parallel_update", type=int, default=-1, choices=[-1, 0, 1],
       help="actor and critic forward/backward side by side, one CPU core each, instead of one after the other "
@@ -203,16 +207,19 @@ def make_experience(args: argparse.Namespace, batch: dict, m: Models, s: Setting
         R, temp = ro.response_len, s.sample_temperature
         with timer("score"):
             with s.autocast():  # 2. score: log-probs under the temperature-scaled distribution that sampled (fp32 softmax)
-                entropy = ro.entropy
+                entropy, rows = ro.entropy, args.forward_batch_size  # rows per scoring forward (0 = all at once)
                 if ro.old_logprobs is None:  # a frozen old actor, or --rollout_logprobs 0: score the samples again,
                     scorer = m.old_actor or m.actor  # with the update's attention kernel: the first ratio is then exactly 1
                     with timer("score_old"), attention_implementation(s.train_attn, scorer):
-                        ro.old_logprobs, entropy = policy_forward(scorer, ro.sequences, ro.attention_mask, R, temp, with_entropy=True)
+                        ro.old_logprobs, entropy = forward_in_row_chunks(policy_forward, scorer, ro.sequences, ro.attention_mask,
+                                                                         R, temp, with_entropy=True, rows=rows)
                 with timer("score_ref"), s.autocast(s.ref_device):
-                    ref_logprobs, _ = policy_forward(m.ref, *on(s.ref_device, ro.sequences, ro.attention_mask), R, temp)
+                    ref_logprobs, _ = forward_in_row_chunks(policy_forward, m.ref, *on(s.ref_device, ro.sequences, ro.attention_mask),
+                                                            R, temp, rows=rows)
                     ro.ref_logprobs = ref_logprobs.to(s.device)  # [B, R]
                 with timer("score_critic"), s.autocast(s.critic_device):
-                    values = critic_forward(m.critic, *on(s.critic_device, ro.sequences, ro.attention_mask), R)
+                    values = forward_in_row_chunks(critic_forward, m.critic, *on(s.critic_device, ro.sequences, ro.attention_mask),
+                                                   R, rows=rows)
                     ro.values = values.float().to(s.device)  # [B, R]
             with timer("score_reward"):  # 3. reward
                 responses, comps = score_responses(args, batch, ro, m, custom_fns, timer)

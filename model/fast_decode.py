@@ -12,8 +12,9 @@ fp32 the matmuls are weight-bandwidth bound and it gains little.
 
 Exactness: the same operations in the same dtypes as transformers' Qwen3/Llama layers (norms in
 fp32 then cast back to the input dtype, rotary in the residual dtype, SDPA with a boolean padding
-mask). Concatenated matmuls may round differently in the last bit: fp32 logits agree to ~1e-6,
-bf16 to one bf16 step (tests/test_generation.py::test_fast_decode_*).
+mask; grouped K/V heads as `decode_attention` lays them out per device). Concatenated matmuls may
+round differently in the last bit: fp32 logits agree to ~1e-6, bf16 to one bf16 step
+(tests/test_generation.py::test_fast_decode_*).
 
 Anything else (MoE, biases, sliding windows, other model types, hub kernels) returns None from
 `fast_decoder` and `sample()` keeps transformers' forward.
@@ -30,6 +31,32 @@ from torch import nn
 _SUPPORTED = ("Qwen3Model", "LlamaModel")
 
 
+def pack_gqa_heads(device_type: str) -> bool:
+    """How a decode step gives SDPA grouped K/V heads (GQA). True (CUDA): each K/V head's query heads
+    become that head's query rows (transformers' `pack_gqa`, its own choice for one-token decode on
+    CUDA). False (CPU and others): `enable_gqa=True`, today's path and the demo's numerics.
+
+    Why not enable_gqa on CUDA: SDPA with an attention mask and enable_gqa has no fused CUDA kernel
+    (flash takes no mask; torch documents GQA for the flash and math kernels only), so it falls back
+    to the math kernel. Packed, no enable_gqa is needed and the memory-efficient kernel runs; unlike
+    repeat_kv, nothing copies the K/V cache n_rep times per layer on every decoded token."""
+    return device_type == "cuda"
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+                     pack: bool) -> torch.Tensor:
+    """One query token's attention over grouped K/V heads. q [B, Hq, 1, D], keys/values [B, Hkv, n, D],
+    mask [B, 1, 1, n] bool (the same for every head, as a padding mask is) -> [B, Hq, 1, D].
+    Query head h reads K/V head h // (Hq // Hkv), as repeat_kv and enable_gqa both lay them out."""
+    if not pack:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    B, Hq, _, D = q.shape
+    Hkv = keys.shape[1]
+    # [B, Hkv, n_rep, D]: the group's query heads become query rows; the [B, 1, 1, n] mask broadcasts over them.
+    o = F.scaled_dot_product_attention(q.reshape(B, Hkv, Hq // Hkv, D), keys, values, attn_mask=mask, scale=scale)
+    return o.reshape(B, Hq, 1, values.shape[-1])
+
+
 def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """transformers' Qwen3RMSNorm / LlamaRMSNorm forward, inlined (skips nn.Module call overhead):
     fp32 statistics, cast back to the input dtype, then the weight."""
@@ -41,8 +68,9 @@ def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
 class FastDecoder:
     """Decode steps over the PreallocatedLayer buffers a transformers prefill has filled."""
 
-    def __init__(self, lm: nn.Module, compute_dtype: torch.dtype | None):
+    def __init__(self, lm: nn.Module, compute_dtype: torch.dtype | None, device_type: str = "cpu"):
         trunk = lm.model
+        self.pack_gqa = pack_gqa_heads(device_type)
         cfg = trunk.config
         self.trunk = trunk
         # transformers' own rotary helper for this model type (Qwen3 and Llama each define one).
@@ -82,7 +110,7 @@ class FastDecoder:
                 q, k = _rms(q, a.q_norm), _rms(k, a.k_norm)
             q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, heads, 1, hd]
             keys, values = cache.layers[a.layer_idx].update(k, v)  # [B, nkv, n+1, hd]
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.scaling, enable_gqa=True)
+            o = decode_attention(q, keys, values, mask, a.scaling, self.pack_gqa)
             h = h + F.linear(o.transpose(1, 2).reshape(B, 1, nq), w["o"])
             gate, up = F.linear(_rms(h, layer.post_attention_layernorm), w["gate_up"]).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, w["down"])
@@ -111,4 +139,4 @@ def fast_decoder(lm: nn.Module, device_type: str) -> FastDecoder | None:
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
     if dtype is None and head.weight.dtype != torch.float32:
         return None  # low-precision weights without autocast: leave it to transformers
-    return FastDecoder(lm, dtype)
+    return FastDecoder(lm, dtype, device_type)

@@ -122,14 +122,32 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0
     return logits
 
 
-def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+_NONFINITE = "sampling: the model produced non-finite logits (nan/inf); the policy has diverged"
+
+
+def host_sync_interval(device_type: str) -> int:
+    """Decoded tokens between the sampler's host syncs (the all-rows-stopped and finite-logits checks).
+    CPU: every token (no sync cost there; the demo's decode steps and RNG draws stay as they were).
+    CUDA: a Python bool of a device tensor waits for every queued kernel, so a check per token keeps
+    the GPU idle while Python launches the next step; every 8 tokens lets it run ahead."""
+    return 1 if device_type == "cpu" else 8
+
+
+def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None = None,
+                       finite: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row from softmax(logits) [B, V] by inverse CDF: index of the first cumulative
-    probability above u ~ U(0, total). Entries at -inf (probability 0) are never drawn."""
+    probability above u ~ U(0, total). Entries at -inf (probability 0) are never drawn.
+
+    Non-finite logits raise at once; with `finite` (a 0-dim bool device tensor) the check is ANDed into
+    it instead, without a host sync, for the caller to raise on later (indices stay in range meanwhile)."""
     probs = torch.softmax(logits.float(), dim=-1)
     cdf = probs.double().cumsum(dim=-1)  # fp64: the running sum over the vocabulary loses nothing
     total = cdf[:, -1:]
-    if not bool(torch.isfinite(total).all()):
-        raise RuntimeError("sampling: the model produced non-finite logits (nan/inf); the policy has diverged")
+    if finite is None:
+        if not bool(torch.isfinite(total).all()):
+            raise RuntimeError(_NONFINITE)
+    else:
+        finite.logical_and_(torch.isfinite(total).all())
     u = torch.rand(total.shape, dtype=torch.float64, device=logits.device, generator=generator) * total
     return torch.searchsorted(cdf, u, right=True).clamp_(max=logits.shape[-1] - 1).squeeze(-1)
 
@@ -157,6 +175,7 @@ def sample(
     suppress_eos: bool = False,
     return_logprobs: bool = False,
     fast_decode: bool = True,
+    sync_interval: int | None = None,
 ) -> Samples:
     """Sample responses for a left-padded batch [B, P]; per-row stop at EOS, pads after it.
 
@@ -168,9 +187,19 @@ def sample(
     forward pass scores: PPO can use them as old_logprobs instead of running the policy again.
 
     fast_decode runs the decode steps with model.fast_decode.FastDecoder when the model is a dense
-    Qwen3/Llama trunk (same math, fewer ops); otherwise, or with False, transformers' forward."""
+    Qwen3/Llama trunk (same math, fewer ops); otherwise, or with False, transformers' forward.
+
+    sync_interval: tokens between host checks of "every row stopped" and "logits finite" (None =
+    `host_sync_interval` of the device: 1 on CPU, 8 on CUDA). With k > 1 up to k-1 steps may run after
+    the last row stopped; they decode pads into finished rows and are cut off before returning, so the
+    outputs equal the every-token schedule's (a sampled batch under the same seed included). Those
+    steps still draw from the device RNG, so later draws differ from a k = 1 run's (deterministic all
+    the same). Non-finite logits raise at the next check instead of at once."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    interval = sync_interval if sync_interval is not None else host_sync_interval(input_ids.device.type)
+    if interval < 1:
+        raise ValueError(f"sync_interval must be >= 1, got {interval}")
     model = getattr(model, "module", model)  # the unwrapped module (DDP wraps only the training forward)
     eos_ids = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
     eos_t = torch.tensor(eos_ids, device=input_ids.device)
@@ -194,13 +223,15 @@ def sample(
             kv_mask = torch.cat([mask.bool(), mask.new_ones(B, max_new_tokens, dtype=torch.bool)], dim=1)
         position = position[:, -1:]
         finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+        # interval 1 checks finiteness per token inside sample_from_logits (a sync), as it always has.
+        finite = torch.ones((), dtype=torch.bool, device=input_ids.device) if interval > 1 else None
         for step in range(max_new_tokens):
             raw = last.float()  # [B, V]; kept unsuppressed for return_logprobs
             logits = raw.index_fill(-1, eos_t, float("-inf")) if suppress_eos else raw
             if greedy:
                 nxt = logits.argmax(dim=-1)
             else:
-                nxt = sample_from_logits(filter_logits(logits, temperature, top_k, top_p))
+                nxt = sample_from_logits(filter_logits(logits, temperature, top_k, top_p), finite=finite)
             nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)  # finished rows get pads
             tokens.append(nxt)
             if return_logprobs:
@@ -209,7 +240,10 @@ def sample(
                 step_entropy.append(ent)
             if not suppress_eos:
                 finished = finished | torch.isin(nxt, eos_t)
-                if bool(finished.all()):
+            if (step + 1) % interval == 0:  # the host syncs: every token on CPU
+                if finite is not None and not bool(finite):
+                    raise RuntimeError(_NONFINITE)
+                if not suppress_eos and bool(finished.all()):
                     break
             if step == max_new_tokens - 1:
                 break
@@ -223,12 +257,19 @@ def sample(
                 last = out.logits[:, -1, :]
     finally:
         model.train(was_training)
+    if finite is not None and not bool(finite):
+        raise RuntimeError(_NONFINITE)
     responses = torch.stack(tokens, dim=1)  # [B, R]; R < max_new_tokens when every row hit EOS
     response_mask, has_eos = response_mask_from_tokens(responses, eos_ids)
+    logprobs = torch.stack(step_logprobs, dim=1) if return_logprobs else None
+    entropy = torch.stack(step_entropy, dim=1) if return_logprobs else None
+    if interval > 1 and not suppress_eos:  # drop the steps run after the last row stopped (one sync)
+        R = int(response_mask.sum(dim=1).max())  # = the every-token schedule's step count
+        responses, response_mask = responses[:, :R], response_mask[:, :R]
+        if return_logprobs:
+            logprobs, entropy = logprobs[:, :R], entropy[:, :R]
     if suppress_eos:
         has_eos = torch.zeros_like(has_eos)
     responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad_token_id))
-    logprobs = torch.stack(step_logprobs, dim=1) if return_logprobs else None
-    entropy = torch.stack(step_entropy, dim=1) if return_logprobs else None
     return Samples(sequences=torch.cat([input_ids, responses], dim=1), response_mask=response_mask, has_eos=has_eos,
                    logprobs=logprobs, entropy=entropy)

@@ -246,6 +246,85 @@ def test_top_k_restricts_sampled_tokens(lm):
     assert (responses != top3[..., 0])[s.response_mask.bool()].any()
 
 
+STOP_PROMPTS = [[5, 6, 7], [3, 4, 5, 6, 7, 3], [4, 4, 4, 4, 5], [7, 3], [6, 6, 5, 4]]
+
+
+@pytest.fixture(scope="module")
+def lm8_greedy_stops():
+    """Greedy decoding of STOP_PROMPTS stops on EOS after 10, 6, 14, 6 and 4 tokens."""
+    m = scramble(build_minimind(64, 2, vocab_size=8), seed=13, std=0.4).eval()
+    ids, mask = _left_pad(STOP_PROMPTS)
+    s = sample(m, ids, mask, max_new_tokens=24, eos_token_id=EOS, pad_token_id=PAD, greedy=True, sync_interval=1)
+    assert s.response_mask.sum(1).tolist() == [10, 6, 14, 6, 4] and s.has_eos.all()
+    return m
+
+
+def _assert_same_samples(a: Samples, b: Samples) -> None:
+    assert torch.equal(a.sequences, b.sequences)
+    assert torch.equal(a.response_mask, b.response_mask) and a.response_mask.dtype == b.response_mask.dtype
+    assert torch.equal(a.has_eos, b.has_eos)
+    assert torch.equal(a.logprobs, b.logprobs) and torch.equal(a.entropy, b.entropy)
+
+
+@pytest.mark.parametrize("interval", [2, 3, 8])
+@pytest.mark.parametrize("max_new", [24, 12, 15])
+def test_sync_interval_greedy_equals_every_token_checks(lm8_greedy_stops, interval, max_new):
+    """CUDA's schedule (stop checked every `interval` tokens; extra steps after the last EOS are cut
+    off) returns what the every-token schedule returns: sequences, masks, has_eos, log-probs. max_new
+    24: every row stops (at 14); 12: one row is cut at the limit; 15: the limit falls right after it."""
+    ids, mask = _left_pad(STOP_PROMPTS)
+    kw = dict(max_new_tokens=max_new, eos_token_id=EOS, pad_token_id=PAD, greedy=True, return_logprobs=True)
+    want = sample(lm8_greedy_stops, ids, mask, sync_interval=1, **kw)
+    got = sample(lm8_greedy_stops, ids, mask, sync_interval=interval, **kw)
+    _assert_same_samples(got, want)
+    _check_samples(got, ids.shape[1], max_new)
+    assert got.sequences.shape[1] - ids.shape[1] == min(14, max_new)
+
+
+def test_sync_interval_sampling_equals_every_token_checks_under_a_seed(lm8):
+    """Sampled rows too: the extra steps run after every row stopped, so the draws that chose the
+    tokens are the same ones; rows after EOS are pads with mask 0 in both."""
+    ids, mask = _left_pad([[5, 6, 7], [3, 4, 5, 6, 7, 3]])
+    kw = dict(max_new_tokens=24, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, return_logprobs=True)
+    lengths = []
+    for seed in range(8):
+        torch.manual_seed(seed)
+        want = sample(lm8, ids, mask, sync_interval=1, **kw)
+        torch.manual_seed(seed)
+        got = sample(lm8, ids, mask, sync_interval=8, **kw)
+        _assert_same_samples(got, want)
+        _check_samples(got, ids.shape[1], 24)
+        lengths.append(got.sequences.shape[1] - ids.shape[1])
+    # Batches that stopped before the first check, on it, between checks, and ran to the limit.
+    assert min(lengths) < 8 and 8 in lengths and max(lengths) == 24 and any(n % 8 and n > 8 for n in lengths), lengths
+
+
+def test_sync_interval_default_is_every_token_on_cpu():
+    from model.generation import host_sync_interval
+
+    assert host_sync_interval("cpu") == 1 and host_sync_interval("cuda") > 1
+
+
+def test_nonfinite_logits_raise_under_either_schedule(lm8):
+    import copy
+
+    from model.generation import sample_from_logits
+
+    bad = copy.deepcopy(lm8)
+    with torch.no_grad():
+        bad.lm_head.weight[3] = float("nan")
+    ids, mask = _left_pad([[5, 6, 7], [3, 4, 5, 6, 7, 3]])
+    for interval in (1, 8):
+        with pytest.raises(RuntimeError, match="non-finite"):
+            sample(bad, ids, mask, max_new_tokens=3, eos_token_id=EOS, pad_token_id=PAD, sync_interval=interval)
+    # The deferred check: no raise, the flag goes (and stays) False, the index stays in range.
+    flag = torch.ones((), dtype=torch.bool)
+    tok = sample_from_logits(torch.tensor([[0.0, float("nan")]]), finite=flag)
+    assert not flag and 0 <= tok.item() <= 1
+    sample_from_logits(torch.tensor([[0.0, 1.0]]), finite=flag)
+    assert not flag
+
+
 def test_sample_restores_training_mode(lm8):
     lm8.train()
     try:
@@ -350,15 +429,16 @@ def test_preallocated_cache_gives_the_dynamic_cache_logits():
 # ---------------------------------------------------------------- fast decode step (model/fast_decode.py)
 
 
-def _decode_logits(m, ids, mask, n, fast: bool):
-    """Greedy-decode n tokens on a preallocated cache; logits of every step from either path."""
+def _decode_logits(m, ids, mask, n, fast: bool, device_type: str = "cpu"):
+    """Greedy-decode n tokens on a preallocated cache; logits of every step from either path
+    (device_type: the device the fast decoder is built for; the tensors stay on CPU)."""
     from model.fast_decode import fast_decoder
     from model.generation import preallocated_cache
 
     B, P = ids.shape
     cache = preallocated_cache(m, P + n)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    dec = fast_decoder(m, "cpu") if fast else None
+    dec = fast_decoder(m, device_type) if fast else None
     assert (dec is not None) == fast
     with torch.no_grad():
         last = m(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
@@ -417,6 +497,48 @@ def test_fast_decode_declines_what_it_does_not_reproduce():
     eager = build_minimind(64, 2, vocab_size=64)
     eager.set_attn_implementation("eager")
     assert fast_decoder(eager, "cpu") is None
+
+
+@pytest.mark.parametrize("n_kv", [1, 2, 4])
+def test_decode_attention_packed_heads_equal_enable_gqa(n_kv):
+    """The CUDA layout (query heads packed per K/V head) and the CPU one (enable_gqa) are the same
+    attention, and both match transformers' repeat_kv expansion (query head h reads K/V head h // n_rep)."""
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    from model.fast_decode import decode_attention, pack_gqa_heads
+
+    assert pack_gqa_heads("cuda") and not pack_gqa_heads("cpu")
+    g = torch.Generator().manual_seed(0)
+    B, Hq, n, D = 3, 4, 9, 16
+    q = torch.randn(B, Hq, 1, D, generator=g)
+    k, v = torch.randn(B, n_kv, n, D, generator=g), torch.randn(B, n_kv, n, D, generator=g)
+    mask = torch.rand(B, 1, 1, n, generator=g) > 0.4
+    mask[..., -1] = True  # the current token always attends itself
+    cpu_path = decode_attention(q, k, v, mask, 0.25, pack=False)
+    cuda_path = decode_attention(q, k, v, mask, 0.25, pack=True)
+    assert cuda_path.shape == cpu_path.shape == (B, Hq, 1, D)
+    torch.testing.assert_close(cuda_path, cpu_path, atol=1e-6, rtol=0)
+    expanded = F.scaled_dot_product_attention(q, repeat_kv(k, Hq // n_kv), repeat_kv(v, Hq // n_kv), attn_mask=mask, scale=0.25)
+    torch.testing.assert_close(cpu_path, expanded, atol=1e-6, rtol=0)
+    # A masked key must not count: changing its value leaves every head's output alone.
+    v2 = v.clone()
+    v2[~mask[:, 0, 0, :].unsqueeze(1).expand_as(v[..., 0])] += 100.0
+    torch.testing.assert_close(decode_attention(q, k, v2, mask, 0.25, pack=True), cuda_path, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_fast_decode_cuda_layout_gives_the_cpu_logits(arch):
+    """A decoder built for a CUDA device (packed GQA heads), run on CPU tensors, decodes like the CPU one."""
+    from model.fast_decode import fast_decoder
+
+    m = scramble(build_minimind(64, 2, arch=arch, vocab_size=256, num_attention_heads=4, num_key_value_heads=2), seed=5).eval()
+    assert fast_decoder(m, "cuda").pack_gqa and not fast_decoder(m, "cpu").pack_gqa
+    ids, mask = _left_pad(PROMPTS)
+    want = _decode_logits(m, ids, mask, 8, fast=True)
+    got = _decode_logits(m, ids, mask, 8, fast=True, device_type="cuda")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_token_logprobs_entropy_hand_computed():

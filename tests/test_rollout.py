@@ -19,7 +19,8 @@ from model.critic import CriticModel
 from model.generation import filter_logits, sample_from_logits
 from model.loader import build_minimind
 from tests.helpers import scramble
-from trainer.rollout import attention_implementation, critic_forward, generate_rollout, logprobs_from_logits, policy_forward, position_ids_from_mask
+from trainer.rollout import attention_implementation, critic_forward, forward_in_row_chunks, generate_rollout, logprobs_from_logits
+from trainer.rollout import policy_forward, position_ids_from_mask
 
 ROOT = Path(__file__).resolve().parents[1]
 PAD, EOS, V = 0, 2, 256
@@ -92,6 +93,116 @@ def test_logprobs_from_logits_chunking_invariant():
     lp16, _ = logprobs_from_logits(logits.bfloat16(), tokens, 0.7, chunk_rows=3)
     ref16, _ = logprobs_from_logits(logits.bfloat16().float(), tokens, 0.7)
     assert lp16.dtype == torch.float32 and torch.equal(lp16, ref16)
+
+
+def _reference_logprobs(logits, tokens, T, chunk_rows, with_entropy):
+    """The no-grad path's formula under autograd (what the update ran before _TokenLogprobs)."""
+    from model.generation import token_logprobs
+
+    parts = [token_logprobs(logits[s : s + chunk_rows], tokens[s : s + chunk_rows], T, with_entropy)
+             for s in range(0, logits.shape[0], chunk_rows)]
+    return torch.cat([p[0] for p in parts]), (torch.cat([p[1] for p in parts]) if with_entropy else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1.0, 0.7])
+@pytest.mark.parametrize("loss_of", ["lp", "lp+ent", "ent"])
+def test_logprobs_grad_path_equals_autograd_of_the_plain_formula(dtype, T, loss_of):
+    """With grad, logprobs_from_logits recomputes the softmax in backward: forward values are the
+    no-grad path's bit for bit; the log-prob gradient is autograd's bit for bit too (the CPU fp32 demo
+    must train exactly as before), the entropy's equal to rounding."""
+    g = torch.Generator().manual_seed(0)
+    base = (3 * torch.randn(5, 7, 40, generator=g)).to(dtype)  # [B, R+1, V]: policy_forward's slice below
+    tokens = torch.randint(0, 40, (5, 6), generator=g)
+    w_lp, w_ent = torch.randn(5, 6, generator=g), torch.randn(5, 6, generator=g)
+    with_ent = loss_of != "lp"
+    grads, values = [], []
+    for fn in (logprobs_from_logits, _reference_logprobs):
+        leaf = base.clone().requires_grad_(True)
+        lp, ent = fn(leaf[:, :-1], tokens, T, 2, with_ent)  # chunks of 2 rows, last one shorter
+        loss = (lp * w_lp).sum() if "lp" in loss_of else 0
+        loss = loss + ((ent * w_ent).sum() if with_ent else 0)
+        loss.backward()
+        grads.append(leaf.grad)
+        values.append((lp.detach(), ent.detach() if with_ent else None))
+    with torch.no_grad():
+        nograd_lp, nograd_ent = logprobs_from_logits(base[:, :-1], tokens, T, 2, with_ent)
+    assert torch.equal(values[0][0], nograd_lp) and torch.equal(values[0][0], values[1][0])
+    if with_ent:
+        assert torch.equal(values[0][1], nograd_ent) and torch.equal(values[0][1], values[1][1])
+    got, want = grads
+    assert got.dtype == dtype and got.shape == base.shape and got[:, -1].eq(0).all()
+    assert want.abs().max() > 0.1
+    if loss_of == "lp":
+        assert torch.equal(got, want)
+    elif dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    else:  # both round an fp32 gradient to bf16; an ulp apart at most
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-6, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_grad_path_exact_at_the_demo_vocabulary(dtype):
+    """At MiniMind's vocabulary (6400) and the default 8-row chunks, as the update runs it: the
+    grad path's per-row values equal the no-grad chunks' and its gradient autograd's, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    base = (4 * torch.randn(11, 34, 6400, generator=g)).to(dtype)
+    tokens = torch.randint(0, 6400, (11, 33), generator=g)
+    w = torch.randn(11, 33, generator=g)
+    with torch.no_grad():
+        want_lp, _ = logprobs_from_logits(base[:, :-1], tokens, 0.8)
+    grads = []
+    for fn in (logprobs_from_logits, _reference_logprobs):
+        leaf = base.clone().requires_grad_(True)
+        lp, _ = fn(leaf[:, :-1], tokens, 0.8, 8, False)
+        assert torch.equal(lp.detach(), want_lp)
+        (lp * w).sum().backward()
+        grads.append(leaf.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_logprobs_grad_path_saves_no_full_vocab_fp32_tensor():
+    """What the update keeps alive for backward: the logits themselves (bf16 here), never an fp32
+    [B, R, V] log-softmax per chunk as autograd through the plain formula does."""
+    from torch.autograd.graph import saved_tensors_hooks
+
+    B, R, V = 4, 5, 64
+    logits = torch.randn(B, R, V).bfloat16().requires_grad_(True)
+    tokens = torch.randint(0, V, (B, R))
+
+    def saved_full_vocab_fp32(fn) -> int:
+        found = []
+
+        def pack(t):
+            if t.dtype == torch.float32 and t.shape[-1] == V and t.numel() >= R * V:
+                found.append(t.numel())
+            return t
+
+        with saved_tensors_hooks(pack, lambda t: t):
+            lp, ent = fn(logits, tokens, 0.8, 2, True)
+        (lp.sum() + ent.sum()).backward()
+        return sum(found)
+
+    assert saved_full_vocab_fp32(_reference_logprobs) >= B * R * V  # the plain formula does (the test can fail)
+    assert saved_full_vocab_fp32(logprobs_from_logits) == 0
+
+
+def test_policy_forward_gradients_equal_the_full_logits_path(lm):
+    """The model's gradients through policy_forward (kept positions, _TokenLogprobs) equal autograd
+    through the plain full-logits formula."""
+    seq, mask, P = _batch(PROMPTS, RESPONSE)
+    R = RESPONSE.shape[1]
+    w = torch.randn(3, R, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for fn in (lambda: policy_forward(lm, seq, mask, R, 0.8, with_entropy=True), lambda: _plain_logprobs(lm, seq, mask, R, 0.8)):
+        lm.zero_grad(set_to_none=True)
+        lp, ent = fn()
+        ((lp * w).sum() + 0.1 * ent.sum()).backward()
+        grads.append({n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None})
+    lm.zero_grad(set_to_none=True)
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 5
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-5, rtol=1e-4, msg=n)
 
 
 # ------------------------------------------------------------------ policy_forward
@@ -185,6 +296,50 @@ def test_critic_forward_alignment_equals_plain_values(critic):
     assert got.abs().max() > 1e-3
     assert torch.allclose(got, full[:, P - 1 : P + R - 1], atol=1e-5)
     assert not torch.allclose(got, full[:, P : P + R], atol=1e-3)  # the off-by-one would be visible
+
+
+# ------------------------------------------------------------------ --forward_batch_size
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_scoring_in_row_chunks_equals_one_forward(lm, critic, rows):
+    """--forward_batch_size: old/ref log-probs, entropy and values scored `rows` rows at a time (last
+    chunk shorter) equal the all-rows forward up to fp32 rounding (a smaller matmul may round differently
+    in the last bits); rows = 0 or >= B is that one forward."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [PROMPTS[i % 3][: 3 + i % 4] for i in range(7)]
+    seq, mask, P = _batch(prompts, torch.randint(3, V, (7, 6), generator=g))
+    mask[2, -3:] = 0  # rows that stopped early: post-EOS pads are masked out of attention
+    mask[5, -1:] = 0
+    R = 6
+    with torch.no_grad():
+        want_lp, want_ent = policy_forward(lm, seq, mask, R, 0.8, with_entropy=True)
+        want_ref, none = policy_forward(lm, seq, mask, R, 0.8)
+        want_v = critic_forward(critic, seq, mask, R)
+        lp, ent = forward_in_row_chunks(policy_forward, lm, seq, mask, R, 0.8, with_entropy=True, rows=rows)
+        ref, no_ent = forward_in_row_chunks(policy_forward, lm, seq, mask, R, 0.8, rows=rows)
+        v = forward_in_row_chunks(critic_forward, critic, seq, mask, R, rows=rows)
+    assert none is None and no_ent is None
+    assert lp.shape == ent.shape == v.shape == (7, R)
+    torch.testing.assert_close(lp, want_lp, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ent, want_ent, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ref, want_ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(v, want_v, atol=1e-6, rtol=1e-5)
+    # Rows are really split: the model sees chunks of `rows` rows (0 and >= B: one call, as before).
+    seen = []
+    spy = lambda model, s, m, *a, **k: seen.append(s.shape[0]) or policy_forward(model, s, m, *a, **k)
+    with torch.no_grad():
+        for r, want in ((rows, [rows] * (7 // rows) + ([7 % rows] if 7 % rows else [])), (0, [7]), (9, [7])):
+            seen.clear()
+            forward_in_row_chunks(spy, lm, seq, mask, R, 0.8, rows=r)
+            assert seen == want, (r, seen)
+
+
+def test_forward_batch_size_flag_defaults_to_one_forward():
+    import train_ppo
+
+    assert train_ppo.parse_args([]).forward_batch_size == 0
+    assert train_ppo.parse_args(["--forward_batch_size", "8"]).forward_batch_size == 8
 
 
 # ------------------------------------------------------------------ generate_rollout

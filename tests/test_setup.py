@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
 import train_ppo as T
 from tests.helpers import UPDATE_BASE_FLAGS, build_update_world, run_experience
 from trainer.rollout import attention_implementation, policy_forward
 from trainer.run import setup as S
+from trainer.run import setup as setup_mod
 from trainer.run.distributed import DistInfo
 
 
@@ -78,7 +82,7 @@ def test_minimind_flags_are_accepted_and_sglang_is_one_line():
         S.validate_flags(T.parse_args(["--rollout_engine", "sglang"]))
 
 
-def test_deterministic_mode_and_tf32_touch_only_what_they_say(monkeypatch):
+def test_deterministic_mode_sets_what_it_says(monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     before = torch.are_deterministic_algorithms_enabled()
     try:
@@ -90,16 +94,6 @@ def test_deterministic_mode_and_tf32_touch_only_what_they_say(monkeypatch):
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     finally:
         torch.use_deterministic_algorithms(before)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    calls = []
-    monkeypatch.setattr(S, "allow_tf32", lambda: calls.append(1))
-    S._build(_args(), DistInfo())
-    assert calls == []  # CPU: untouched
-    monkeypatch.undo()
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    S.allow_tf32()
-    assert torch.backends.cuda.matmul.allow_tf32
 
 
 def test_deterministic_cpu_run_equals_the_plain_one():
@@ -143,3 +137,87 @@ def test_ranks_must_not_share_a_gpu(monkeypatch):
     monkeypatch.setattr(S, "all_gather_objects", lambda obj, info: [obj, ["cuda:2", "cuda:3"]])
     S.check_devices_per_rank({"ref": cuda(1), "critic": cuda(0), "reward": torch.device("cpu")}, info)
     assert stopped[-1] is None  # every rank its own GPUs (CPU is not a GPU to share)
+
+
+# ------------------------------------------------------------------ CUDA-only switches, driven on CPU
+@pytest.fixture
+def tf32_flags(monkeypatch):
+    """Stand-ins for torch's TF32 switches: what allow_tf32 sets, without touching the process."""
+    matmul, cudnn = SimpleNamespace(allow_tf32=False), SimpleNamespace(allow_tf32=False)
+    monkeypatch.setattr(torch.backends.cuda, "matmul", matmul)
+    monkeypatch.setattr(torch.backends, "cudnn", cudnn)
+    return matmul, cudnn
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:3"])
+def test_allow_tf32_turns_tf32_on_for_cuda(tf32_flags, device):
+    setup_mod.allow_tf32(torch.device(device))
+    assert tf32_flags[0].allow_tf32 and tf32_flags[1].allow_tf32
+
+
+def test_allow_tf32_leaves_cpu_alone(tf32_flags):
+    setup_mod.allow_tf32(torch.device("cpu"))
+    assert not tf32_flags[0].allow_tf32 and not tf32_flags[1].allow_tf32
+
+
+def test_allow_tf32_on_cpu_keeps_fp32_matmul_precision():
+    """The real switches, unpatched: a CPU run's fp32 matmuls (the demo's numerics) stay full precision."""
+    before = (torch.get_float32_matmul_precision(), torch.backends.mkldnn.matmul.fp32_precision)
+    setup_mod.allow_tf32(torch.device("cpu"))
+    assert (torch.get_float32_matmul_precision(), torch.backends.mkldnn.matmul.fp32_precision) == before
+    assert before[0] == "highest"
+
+
+def test_setup_passes_its_device_to_allow_tf32(monkeypatch, tmp_path):
+    """setup() hands allow_tf32 the run's device (a CPU run here, where it is a no-op)."""
+    from tests.helpers import make_tiny_world, tiny_flags
+    from train_ppo import parse_args
+
+    seen: list[torch.device] = []
+    monkeypatch.setattr(setup_mod, "allow_tf32", seen.append)
+    world = make_tiny_world(tmp_path)
+    setup_mod.setup(parse_args(tiny_flags(world, tmp_path)), DistInfo())
+    assert seen == [torch.device("cpu")]
+
+
+class _RecordingDDP(nn.Module):
+    calls: list[dict] = []
+
+    def __init__(self, module: nn.Module, **kw):
+        super().__init__()
+        self.module = module
+        _RecordingDDP.calls.append(kw)
+
+
+class _OnDevice(nn.Module):
+    """A model whose parameters report `device` (CUDA layouts, without a GPU)."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+
+    def parameters(self, recurse: bool = True):
+        yield SimpleNamespace(device=self.device)
+
+
+@pytest.mark.parametrize("actor_dev, critic_dev, ids", [
+    (torch.device("cpu"), torch.device("cpu"), [None, None]),
+    (torch.device("cuda", 1), torch.device("cuda", 1), [[1], [1]]),
+    (torch.device("cuda", 1), torch.device("cuda", 5), [[1], [5]]),  # --critic_device cuda:5
+])
+def test_ddp_wraps_without_broadcasting_buffers(monkeypatch, actor_dev, critic_dev, ids):
+    """Training changes no buffer, so DDP must not broadcast them from rank 0 before every forward; each
+    model is wrapped on the device it lives on."""
+    _RecordingDDP.calls = []
+    monkeypatch.setattr(setup_mod, "DDP", _RecordingDDP)
+    models = SimpleNamespace(actor=_OnDevice(actor_dev), critic=_OnDevice(critic_dev), actor_train=None, critic_train=None)
+    args = argparse.Namespace(use_moe=0, use_compile=0)
+    setup_mod.wrap_for_training(args, models, DistInfo(rank=0, world_size=2, device=actor_dev))
+    assert [kw["device_ids"] for kw in _RecordingDDP.calls] == ids
+    for kw in _RecordingDDP.calls:
+        assert kw["find_unused_parameters"] is False and kw["broadcast_buffers"] is False
+    assert models.actor_train.module is models.actor and models.critic_train.module is models.critic
+    # One process: no DDP at all.
+    _RecordingDDP.calls = []
+    setup_mod.wrap_for_training(args, models, DistInfo())
+    assert _RecordingDDP.calls == [] and models.actor_train is models.actor

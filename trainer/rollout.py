@@ -10,8 +10,9 @@ of rows so no fp32 [B, T, vocab] tensor is ever materialised.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,13 +61,77 @@ def logprobs_from_logits(
 
     logits [B, R, V] (any dtype), tokens [B, R] -> logprobs [B, R] fp32 (and entropy [B, R]).
     The temperature matches the sampler's, so the ratio's denominator is the policy that sampled.
+
+    With grad (the update) _TokenLogprobs gives the same values, but autograd keeps no fp32
+    log-softmax [B, R, V] alive until backward (twice the bf16 logits' size): only the logits are
+    saved, the softmax is recomputed in backward. Under no_grad, this loop as it always was.
     """
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _TokenLogprobs.apply(logits, tokens, temperature, with_entropy)
     out, ents = [], []
     for s in range(0, logits.shape[0], chunk_rows):
         lp, ent = token_logprobs(logits[s : s + chunk_rows], tokens[s : s + chunk_rows], temperature, with_entropy)
         out.append(lp)
         ents.append(ent)
     return torch.cat(out), (torch.cat(ents) if with_entropy else None)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """logprobs_from_logits for the update: the same values, a backward that recomputes the softmax.
+
+    Forward: token_logprobs, the no-grad path's ops, one row at a time.
+    Saved: the logits (which the model made anyway), the tokens and the entropy [B, R]; no fp32
+    [B, R, V] tensor. Backward, one row at a time into one gradient tensor of the logits' dtype (fp32
+    temporaries are [R, V]; autograd through sliced chunks would also allocate a zero-filled [B, R, V]
+    gradient per chunk):
+      log-prob part: autograd's own ops (gather's scatter, log_softmax's backward kernel on the
+        recomputed log-softmax, / T), so the gradient is bit-identical to the plain formula's and the
+        CPU fp32 demo trains exactly as before;
+      entropy part (entropy_coef > 0): dH/du = -p * (logp + H), u = logits / T, equal to autograd's
+        to rounding."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # Row by row: the fp32 temporaries are [R, V] and none outlives its row. The log-softmax and
+        # entropy are per position, so the values are the no-grad path's 8-row chunks' bit for bit.
+        out, ents = [], []
+        for b in range(logits.shape[0]):
+            lp, ent = token_logprobs(logits[b : b + 1], tokens[b : b + 1], temperature, with_entropy)
+            out.append(lp)
+            ents.append(ent)
+        lp, ent = torch.cat(out), (torch.cat(ents) if with_entropy else None)
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not a zero [B, R] tensor
+        ctx.save_for_backward(logits, tokens, ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        logits, tokens, ent = ctx.saved_tensors
+        T = ctx.temperature
+        if g_lp is None and g_ent is None:
+            return None, None, None, None
+        grad = torch.empty_like(logits)
+        for b in range(logits.shape[0]):
+            u = logits[b].float()  # [R, V], as token_logprobs computes it
+            if T != 1.0:
+                u = u / T
+            logp = torch.log_softmax(u, dim=-1)
+            del u
+            if g_lp is not None:  # gather's backward, then log_softmax's (the kernel autograd calls)
+                g_logp = torch.zeros_like(logp).scatter_add_(-1, tokens[b].unsqueeze(-1), g_lp[b].unsqueeze(-1))
+                g_u = torch._log_softmax_backward_data(g_logp, logp, -1, logp.dtype)
+                del g_logp
+            if g_ent is not None:  # -g_H * p * (logp + H), computed in logp's memory
+                p = logp.exp()
+                g_h = logp.add_(ent[b].unsqueeze(-1)).mul_(p).mul_(-g_ent[b].unsqueeze(-1))
+                del p
+                g_u = g_u.add_(g_h) if g_lp is not None else g_h
+            if T != 1.0:
+                g_u = g_u / T  # DivBackward's op
+            grad[b].copy_(g_u)  # to the logits' dtype, as .float()'s backward casts
+        return grad, None, None, None
 
 
 def policy_forward(
@@ -100,6 +165,22 @@ def critic_forward(critic: nn.Module, sequences: torch.Tensor, attention_mask: t
         values_to_keep=response_len + 1,
     )  # [B, R+1]
     return values[:, :-1]
+
+
+def forward_in_row_chunks(fn: Callable[..., Any], model: nn.Module, sequences: torch.Tensor,
+                          attention_mask: torch.Tensor, *args: Any, rows: int = 0, **kwargs: Any) -> Any:
+    """fn(model, sequences, attention_mask, *args, **kwargs) over `rows` rows at a time (< 1: all at
+    once, one call exactly as before), its tensor outputs (or each tensor of a tuple; None stays None)
+    concatenated along rows. For the scoring forwards under no_grad: a forward over every row of the
+    rollout holds [rows, R, vocab] logits at once (tens of GB at a 150k vocabulary, 64 rows x 512
+    tokens); in chunks the peak is one chunk's. Rows are independent (per-row masks and positions)."""
+    n = sequences.shape[0]
+    if rows < 1 or rows >= n:
+        return fn(model, sequences, attention_mask, *args, **kwargs)
+    parts = [fn(model, sequences[s : s + rows], attention_mask[s : s + rows], *args, **kwargs) for s in range(0, n, rows)]
+    if isinstance(parts[0], tuple):
+        return tuple(None if col[0] is None else torch.cat(col) for col in zip(*parts))
+    return torch.cat(parts)
 
 
 @dataclass

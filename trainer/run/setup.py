@@ -134,13 +134,6 @@ def set_deterministic(enabled: bool, device: torch.device) -> None:
     torch.use_deterministic_algorithms(True)
 
 
-def allow_tf32() -> None:
-    """fp32 matmuls on TF32 tensor cores (CUDA): ~8x the fp32 rate at 10-bit mantissa inputs, the usual
-    choice for training; the bf16 autocast default does not use fp32 matmuls much anyway."""
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -229,13 +222,33 @@ def build_optim(args: argparse.Namespace, models: Models, total_steps: int, dtyp
     return Optim(optims, scheds, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16))
 
 
+def allow_tf32(device: torch.device) -> None:
+    """On CUDA, fp32 matmuls and cuDNN convolutions may use TF32 tensor cores: several times the fp32
+    matmul throughput from Ampere on, with 10-bit-mantissa products and fp32 accumulation. This speeds
+    up --dtype float32 runs; matmuls under bf16 autocast are bf16 already. Never on CPU: the demo's
+    numerics stay exact.
+
+    The allow_tf32 flags, not their alternatives in torch 2.13: set_float32_matmul_precision("high")
+    also turns on TF32 for CPU oneDNN matmuls (torch.backends.mkldnn.matmul.fp32_precision), and after
+    the newer torch.backends.cuda.matmul.fp32_precision = "tf32" reading the older flags or
+    torch.get_float32_matmul_precision() (torch.compile's inductor does) raises a mixed-API error."""
+    if device.type != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
 def wrap_for_training(args: argparse.Namespace, models: Models, info: DistInfo) -> None:
     """DDP (only the trained models; sampling and scoring use the plain modules) and torch.compile."""
     actor_train, critic_train = models.actor, models.critic
     if info.enabled:
+        # broadcast_buffers=False: training changes no buffer (the only ones are rotary inv_freq tables,
+        # fixed by the config; a dynamic RoPE recomputes them inside each forward from that rank's own
+        # lengths), so DDP's broadcast of every buffer from rank 0 before each forward is wasted traffic.
         def ddp(model: nn.Module) -> DDP:
             dev = next(model.parameters()).device  # the critic may sit on --critic_device
-            return DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, find_unused_parameters=bool(args.use_moe))
+            return DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                       find_unused_parameters=bool(args.use_moe), broadcast_buffers=False)
         actor_train, critic_train = ddp(actor_train), ddp(critic_train)
     if args.use_compile:
         actor_train, critic_train = torch.compile(actor_train), torch.compile(critic_train)
@@ -322,13 +335,12 @@ def _build(args: argparse.Namespace, info: DistInfo) -> Setup:
     validate_flags(args)
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
+    allow_tf32(info.device)
     try:
         check_parallel_update(args.parallel_update, info.device, info.enabled)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     set_deterministic(bool(args.deterministic), info.device)
-    if info.device.type == "cuda":
-        allow_tf32()
     seed_everything(args.seed)  # the same random-init models (--from_weight none, value head) on every rank
     dtype_name, frozen_dtype = resolve_precision(args, info.device)
     devices = model_devices(args, info)
