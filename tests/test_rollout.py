@@ -305,7 +305,7 @@ def test_critic_forward_alignment_equals_plain_values(critic):
 def test_scoring_in_row_chunks_equals_one_forward(lm, critic, rows):
     """--forward_batch_size: old/ref log-probs, entropy and values scored `rows` rows at a time (last
     chunk shorter) equal the all-rows forward up to fp32 rounding (a smaller matmul may round differently
-    in the last bits); rows = 0 or >= B is that one forward."""
+    in the last bits, more so with several threads: up to 4e-6 seen); rows = 0 or >= B is that one forward."""
     g = torch.Generator().manual_seed(1)
     prompts = [PROMPTS[i % 3][: 3 + i % 4] for i in range(7)]
     seq, mask, P = _batch(prompts, torch.randint(3, V, (7, 6), generator=g))
@@ -321,10 +321,10 @@ def test_scoring_in_row_chunks_equals_one_forward(lm, critic, rows):
         v = forward_in_row_chunks(critic_forward, critic, seq, mask, R, rows=rows)
     assert none is None and no_ent is None
     assert lp.shape == ent.shape == v.shape == (7, R)
-    torch.testing.assert_close(lp, want_lp, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(ent, want_ent, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(ref, want_ref, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(v, want_v, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lp, want_lp, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(ent, want_ent, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(ref, want_ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(v, want_v, atol=2e-5, rtol=1e-4)
     # Rows are really split: the model sees chunks of `rows` rows (0 and >= B: one call, as before).
     seen = []
     spy = lambda model, s, m, *a, **k: seen.append(s.shape[0]) or policy_forward(model, s, m, *a, **k)
