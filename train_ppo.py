@@ -273,7 +273,7 @@ def ppo_update(args: argparse.Namespace, ro: Rollout, m: Models, opt: Optim, ste
     timer = timer or PhaseTimer()
     train_actor = step >= args.critic_warmup_steps
     g = torch.Generator().manual_seed(args.seed * 7919 + step * 31 + s.info.rank)
-    stats: dict[str, list[float]] = {}
+    stats: dict[str, list] = {}  # per minibatch: floats, or 0-d tensors still on the device
     stopped_early = nonfinite = False
     with attention_implementation(s.train_attn, m.actor_train, m.critic_train):
         for _ in range(args.ppo_update_iters):
@@ -298,7 +298,8 @@ def ppo_update(args: argparse.Namespace, ro: Rollout, m: Models, opt: Optim, ste
                 break
     for sched in opt.scheds.values():
         sched.step()
-    means = torch.stack([torch.stack([torch.as_tensor(x, dtype=torch.float64, device=s.device) for x in v]).mean() for v in stats.values()])
+    as_t = lambda x: torch.as_tensor(x, dtype=torch.float64, device=s.device)  # noqa: E731
+    means = torch.stack([torch.stack([as_t(x) for x in v]).mean() for v in stats.values()])
     out = dict(zip(stats, means.tolist()))  # the step's stats, read from the device once
     out["ppo/early_stopped"] = float(stopped_early)
     out["nonfinite"] = float(nonfinite)
@@ -320,7 +321,8 @@ def main(argv: list[str] | None = None) -> None:
                 exp = make_experience(args, batch, m, s, kl_ctl.value, built.custom_fns, timer)  # steps 1-4
                 with timer("update"):
                     stats = ppo_update(args, exp.rollout, m, opt, run.step, s, kl_ctl.value, timer)  # step 5
-            times = {f"time/{k}": v for k, v in timer.wall.items() if k in ("generate", "score", "update", "step") or k.startswith("reward/")}
+            times = {f"time/{k}": v for k, v in timer.wall.items()
+                     if k in ("generate", "score", "update", "step") or k.startswith("reward/")}
             metrics = {**exp.metrics, **stats, **times,
                        "lr/actor": opt.optims["actor"].param_groups[0]["lr"], "lr/critic": opt.optims["critic"].param_groups[0]["lr"]}
             # Reduce first: the adaptive KL controller must see the global kl_ref, or each rank
