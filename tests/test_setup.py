@@ -215,7 +215,9 @@ def test_ddp_wraps_without_broadcasting_buffers(monkeypatch, actor_dev, critic_d
     setup_mod.wrap_for_training(args, models, DistInfo(rank=0, world_size=2, device=actor_dev))
     assert [kw["device_ids"] for kw in _RecordingDDP.calls] == ids
     for kw in _RecordingDDP.calls:
-        assert kw["find_unused_parameters"] is False and kw["broadcast_buffers"] is False
+        assert kw["find_unused_parameters"] is False
+        assert kw.get("forward_sync_buffers", kw.get("broadcast_buffers")) is False
+        assert kw.keys() & {"forward_sync_buffers", "broadcast_buffers"} == setup_mod.NO_FORWARD_BUFFER_SYNC.keys()
     assert models.actor_train.module is models.actor and models.critic_train.module is models.critic
     # One process: no DDP at all.
     _RecordingDDP.calls = []

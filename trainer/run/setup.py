@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import inspect
 import math
 import os
 import random
@@ -33,6 +34,9 @@ from trainer.run.distributed import DistInfo, all_gather_objects, failing_togeth
 from trainer.run.parallel import check_parallel_update, use_parallel_update
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# torch 2.13 renamed DDP's broadcast_buffers (deprecated, a warning on every rank) to forward_sync_buffers.
+NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                          else {"broadcast_buffers": False})
 
 
 @dataclass(frozen=True)
@@ -242,13 +246,13 @@ def wrap_for_training(args: argparse.Namespace, models: Models, info: DistInfo) 
     """DDP (only the trained models; sampling and scoring use the plain modules) and torch.compile."""
     actor_train, critic_train = models.actor, models.critic
     if info.enabled:
-        # broadcast_buffers=False: training changes no buffer (the only ones are rotary inv_freq tables,
-        # fixed by the config; a dynamic RoPE recomputes them inside each forward from that rank's own
-        # lengths), so DDP's broadcast of every buffer from rank 0 before each forward is wasted traffic.
+        # No buffer sync before each forward: training changes no buffer (the only ones are rotary
+        # inv_freq tables, fixed by the config; a dynamic RoPE recomputes them inside each forward from
+        # that rank's own lengths), so DDP's broadcast of every buffer from rank 0 is wasted traffic.
         def ddp(model: nn.Module) -> DDP:
             dev = next(model.parameters()).device  # the critic may sit on --critic_device
             return DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None,
-                       find_unused_parameters=bool(args.use_moe), broadcast_buffers=False)
+                       find_unused_parameters=bool(args.use_moe), **NO_FORWARD_BUFFER_SYNC)
         actor_train, critic_train = ddp(actor_train), ddp(critic_train)
     if args.use_compile:
         actor_train, critic_train = torch.compile(actor_train), torch.compile(critic_train)
