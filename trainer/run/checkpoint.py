@@ -241,12 +241,18 @@ def restore_rng_state(state: dict, device: torch.device = torch.device("cpu")) -
     set_cuda_rng_state(state.get("cuda"), device)
 
 
-def seed_rngs(seed: int, device: torch.device = torch.device("cpu")) -> dict:
-    """Seed python, numpy and torch (CPU and CUDA) from `seed`; returns the resulting state.
-    For ranks that a resume file has no RNG state for (the world size grew)."""
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and every CUDA device) from `seed`: the generators a resume
+    file captures."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def seed_rngs(seed: int, device: torch.device = torch.device("cpu")) -> dict:
+    """seed_everything, then the resulting state: for ranks that a resume file has no RNG state for
+    (the world size grew)."""
+    seed_everything(seed)
     return capture_rng_state(device)
 
 

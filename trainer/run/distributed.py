@@ -210,7 +210,8 @@ def _check_same_keys(keys: list[str], info: DistInfo) -> None:
     crc = zlib.crc32("\n".join(keys).encode())
     t = torch.tensor([crc, -crc], dtype=torch.int64, device=info.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    if t[0].item() == -t[1].item():  # max == min: every rank has the same keys
+    highest, neg_lowest = t.tolist()
+    if highest == -neg_lowest:  # max == min: every rank has the same keys
         return
     per_rank = all_gather_objects(keys, info)
     common = set.intersection(*map(set, per_rank))

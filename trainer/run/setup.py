@@ -13,13 +13,11 @@ import copy
 import inspect
 import math
 import os
-import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ContextManager
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -30,6 +28,7 @@ from model.loader import eos_token_ids, load_policy, load_reward_model
 from model.weights import WeightsError, native_weight_path
 from trainer.ppo import AdaptiveKLController, FixedKLController
 from trainer.rewards import RewardModelScorer, load_reward_fn
+from trainer.run.checkpoint import seed_everything
 from trainer.run.distributed import DistInfo, all_gather_objects, failing_together, init_distributed, resolve_device, stop_all
 from trainer.run.parallel import check_parallel_update, use_parallel_update
 
@@ -136,12 +135,6 @@ def set_deterministic(enabled: bool, device: torch.device) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(True)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
