@@ -23,6 +23,7 @@ ranks in trainer/run/ (setup.py, lifecycle.py, checkpoint.py, distributed.py, ..
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +33,9 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from trainer.ppo import compute_gae, compute_token_rewards, explained_variance, kl_penalty, masked_whiten  # noqa: E402
-from trainer.rewards import RewardFnError, compute_rewards  # noqa: E402
+from trainer.ppo import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, compute_gae, compute_token_rewards, discounted_returns  # noqa: E402
+from trainer.ppo import explained_variance, group_advantages, kl_penalty, masked_whiten  # noqa: E402
+from trainer.rewards import RewardFnError, compute_rewards, overlong_penalty  # noqa: E402
 from trainer.rollout import Rollout, attention_implementation, critic_forward, forward_in_row_chunks, generate_rollout  # noqa: E402
 from trainer.rollout import policy_forward, rollout_metrics  # noqa: E402
 from trainer.run import distributed as D  # noqa: E402
@@ -44,6 +46,9 @@ from trainer.update import minibatch_backward, optimizer_step  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------- flags
+GAE_ONLY_FLAGS = ("critic_learning_rate", "vf_coef", "cliprange_value", "lam", "whiten_advantages", "critic_device")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="minippo: PPO for small causal LMs (MiniMind flag names)",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -82,6 +87,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--greedy", type=int, default=0, choices=[0, 1], help="argmax decoding (tests, debugging)")
     a("--fast_decode", type=int, default=1, choices=[0, 1],
       help="decode steps of dense Qwen3/Llama policies by model/fast_decode.py (same math, fewer ops); 0 = transformers' forward")
+    a("--filter_groups", type=int, default=0, choices=[0, 1],
+      help="DAPO dynamic sampling: drop groups whose --num_generations rewards are all equal (no signal) and sample "
+           "the next prompts until the batch is full")
+    a("--filter_max_rounds", type=int, default=4,
+      help="--filter_groups: at most this many extra prompt batches per step; then the batch is filled up with "
+           "dropped groups (zero advantage under group estimators)")
     a = p.add_argument_group("reward").add_argument
     a("--reasoning", type=int, default=1, choices=[0, 1], help="RM score = 0.4 x whole reply + 0.6 x <answer> content")
     a("--format_weight", type=float, default=1.0, help="x format regex reward (0.5 when matched)")
@@ -90,7 +101,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--accuracy_weight", type=float, default=1.0, help="x 1.0 when the answer matches the row's reference")
     a("--eos_penalty", type=float, default=0.5, help="subtracted when a response never emits EOS")
     a("--reward_fn", action="append", default=[], help="custom reward module:function (repeatable), fn(prompt, reply, reference) -> float")
+    a("--overlong_buffer_len", type=int, default=0,
+      help="DAPO soft overlong punishment: a penalty growing linearly over the last N tokens before --max_gen_len (0 = off)")
+    a("--overlong_penalty", type=float, default=1.0, help="the penalty at --max_gen_len tokens (reward/overlong)")
     a = p.add_argument_group("ppo").add_argument
+    a("--advantage_estimator", default="gae", choices=list(ADVANTAGE_ESTIMATORS),
+      help="gae: learned critic (PPO); critic-free, no critic built: grpo (group mean/std), dr_grpo (group mean), "
+           "rloo (leave-one-out mean), reinforce_pp (global whitening), reinforce_pp_baseline (group mean, then global)")
     a("--epochs", type=int, default=1, help="passes over the prompt data")
     a("--max_steps", type=int, default=250, help="stop after this many PPO steps (0 = no limit)")
     a("--ppo_update_iters", type=int, default=1,
@@ -104,6 +121,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--critic_warmup_steps", type=int, default=0, help="steps that train only the critic")
     a("--grad_clip", type=float, default=1.0)
     a("--clip_epsilon", type=float, default=0.2)
+    a("--clip_epsilon_high", type=float, default=None, help="upper clip 1 + this (DAPO's clip-higher, e.g. 0.28); default --clip_epsilon")
+    a("--loss_agg_mode", default="token_mean", choices=list(LOSS_AGG_MODES),
+      help="policy loss over tokens: token_mean (DAPO, PPO), seq_mean_token_mean (GRPO), seq_mean_token_sum, "
+           "seq_mean_token_sum_norm (Dr. GRPO: token sums / --max_gen_len)")
     a("--vf_coef", type=float, default=0.5)
     a("--cliprange_value", type=float, default=0.2, help="0 = unclipped value loss")
     a("--gamma", type=float, default=1.0)
@@ -111,13 +132,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--whiten_advantages", type=int, default=1, choices=[0, 1])
     a("--kl_coef", type=float, default=0.02)
     a("--kl_estimator", default="k1", choices=["k1", "k2", "k3"])
-    a("--kl_placement", default="reward", choices=["reward", "loss"], help="KL as per-token reward penalty or as a loss term")
+    a("--kl_placement", default="auto", choices=["auto", "reward", "loss"],
+      help="KL as per-token reward penalty or as a loss term; auto = loss for grpo/dr_grpo (as their papers), reward otherwise")
     a("--adaptive_kl", type=int, default=0, choices=[0, 1], help="Ziegler et al. adaptive KL coefficient")
     a("--kl_target", type=float, default=1.0, help="adaptive KL: target KL per sequence (nats)")
     a("--kl_horizon", type=int, default=10000, help="adaptive KL: horizon in samples")
     a("--entropy_coef", type=float, default=0.0)
     a("--early_stop_kl", type=float, default=0.0, help="stop the update when approx-KL exceeds this (0 = off)")
     a("--max_nonfinite", type=int, default=5, help="stop after this many non-finite steps in a row")
+    a = p.add_argument_group("evaluation during training (greedy, held-out prompts)").add_argument
+    a("--eval_data_path", default="auto", help="RLAIF jsonl of held-out prompts; auto = dataset/demo_eval.jsonl for the "
+                                                "demo's data, none otherwise; 'none' = off")
+    a("--eval_interval", type=int, default=50, help="evaluate every N steps (and before the first, and after the last)")
+    a("--eval_samples", type=int, default=100, help="prompts per evaluation (the first N of the file)")
     a = p.add_argument_group("system").add_argument
     a("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     a("--dtype", default="auto", choices=["auto", *DTYPES],
@@ -174,7 +201,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--use_wandb", type=int, default=1, choices=[0, 1], help="MiniMind's name for 'log to SwanLab' (0 = disabled)")
     a("--wandb_project", default="minippo", help="swanlab project")
     a("--suppress_eos", type=int, default=0, choices=[0, 1], help=argparse.SUPPRESS)  # benchmarks: fixed lengths
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.advantage_estimator != "gae":  # one line, not an error: a command line may switch estimators
+        unused = [f"--{k}" for k in GAE_ONLY_FLAGS if getattr(args, k) != p.get_default(k)]
+        if unused and os.environ.get("RANK", "0") == "0":
+            print(f"warning: --advantage_estimator {args.advantage_estimator} builds no critic: {', '.join(unused)} "
+                  f"{'is' if len(unused) == 1 else 'are'} ignored", file=sys.stderr)
+    return args
 
 
 # --------------------------------------------------------------------------------------- steps 1-4
@@ -217,10 +250,9 @@ def make_experience(args: argparse.Namespace, batch: dict, m: Models, s: Setting
                     ref_logprobs, _ = forward_in_row_chunks(policy_forward, m.ref, *on(s.ref_device, ro.sequences, ro.attention_mask),
                                                             R, temp, rows=rows)
                     ro.ref_logprobs = ref_logprobs.to(s.device)  # [B, R]
-                with timer("score_critic"), s.autocast(s.critic_device):
-                    values = forward_in_row_chunks(critic_forward, m.critic, *on(s.critic_device, ro.sequences, ro.attention_mask),
-                                                   R, rows=rows)
-                    ro.values = values.float().to(s.device)  # [B, R]
+                if m.critic is not None:
+                    with timer("score_critic"), s.autocast(s.critic_device):
+                        score_values(ro, m, s, rows)
             with timer("score_reward"):  # 3. reward
                 responses, comps = score_responses(args, batch, ro, m, custom_fns, timer)
     compute_advantages(args, ro, kl_coef, s)  # 4. advantages
@@ -229,6 +261,18 @@ def make_experience(args: argparse.Namespace, batch: dict, m: Models, s: Setting
                 "reward": ro.rewards[i].item(), **{k: v[i].item() for k, v in comps.items()}}
                for i in range(min(4, len(responses)))]
     return Experience(ro, metrics, weights, samples)
+
+
+def score_values(ro: Rollout, m: Models, s: Settings, rows: int) -> None:
+    """Sets ro.values [B, R]: the critic's values of the sampled tokens. With one epoch of one minibatch
+    (Settings.reuse_values) this is the update's own forward, with grad, so the update does not run it again."""
+    seqs, mask = on(s.critic_device, ro.sequences, ro.attention_mask)
+    if s.reuse_values:
+        with torch.enable_grad(), attention_implementation(s.train_attn, m.critic_train):
+            ro.values_with_grad = critic_forward(m.critic_train, seqs, mask, ro.response_len)
+        ro.values = ro.values_with_grad.detach().float().to(s.device)
+    else:
+        ro.values = forward_in_row_chunks(critic_forward, m.critic, seqs, mask, ro.response_len, rows=rows).float().to(s.device)
 
 
 def score_responses(args: argparse.Namespace, batch: dict, ro: Rollout, m: Models, custom_fns: dict,
@@ -250,20 +294,36 @@ def score_responses(args: argparse.Namespace, batch: dict, ro: Rollout, m: Model
         )
     except RewardFnError as e:  # the user's function, the user's to fix: one line, not a traceback
         raise SystemExit(f"error: {e}") from None
+    if args.overlong_buffer_len:  # DAPO: warn long responses before the cut, in proportion
+        comps["overlong"] = overlong_penalty(ro.response_mask.sum(1).cpu(), args.max_gen_len, args.overlong_buffer_len)
+        rewards = rewards + args.overlong_penalty * comps["overlong"]
     ro.rewards = rewards.to(ro.sequences.device)
     return responses, comps
 
 
 def compute_advantages(args: argparse.Namespace, ro: Rollout, kl_coef: float, s: Settings) -> None:
-    """Sets ro.advantages and ro.returns [B, R]: per-token KL penalty (if in the reward) + the score on
-    the last token, GAE, whitening over every rank's tokens."""
+    """Sets ro.advantages and ro.returns [B, R] from the scores [B] (on each response's last token) and,
+    with the KL in the reward, a per-token KL penalty:
+      gae:               GAE over the critic's values, whitened over every rank's tokens;
+      grpo/dr_grpo/rloo: each score minus its group's baseline (trainer/ppo.py group_advantages), then
+                         the return-to-go (equal on every token when the KL is in the loss);
+      reinforce_pp[_baseline]: the return-to-go of (group-centred) scores and KL, whitened over every rank."""
     kl = kl_penalty(ro.old_logprobs, ro.ref_logprobs, args.kl_estimator)  # [B, R]
+    kl = kl if s.kl_placement == "reward" else None
     ro.rewards_finite = bool(torch.isfinite(ro.rewards).all())  # a non-finite step is skipped by the update
     scores = torch.nan_to_num(ro.rewards, nan=0.0, posinf=0.0, neginf=0.0)
-    token_rewards = compute_token_rewards(scores, kl if args.kl_placement == "reward" else None, ro.response_mask, kl_coef)
-    ro.advantages, ro.returns = compute_gae(token_rewards, ro.values, ro.response_mask, args.gamma, args.lam)
-    if args.whiten_advantages:
-        ro.advantages = masked_whiten(ro.advantages, ro.response_mask, reduce=D.rank_sum(s.info))
+    estimator, mask = args.advantage_estimator, ro.response_mask
+    if estimator == "gae":
+        token_rewards = compute_token_rewards(scores, kl, mask, kl_coef)
+        ro.advantages, ro.returns = compute_gae(token_rewards, ro.values, mask, args.gamma, args.lam)
+        whiten = args.whiten_advantages
+    else:
+        shaped = group_advantages(scores, args.num_generations, estimator)  # [B]: groups are this rank's rows
+        ro.advantages = discounted_returns(compute_token_rewards(shaped, kl, mask, kl_coef), mask, args.gamma)
+        ro.returns = ro.advantages  # no critic learns from them; logged only
+        whiten = estimator.startswith("reinforce_pp")  # REINFORCE++'s baseline is the global batch
+    if whiten:
+        ro.advantages = masked_whiten(ro.advantages, mask, reduce=D.rank_sum(s.info))
 
 
 # --------------------------------------------------------------------------------------- step 5
@@ -275,7 +335,7 @@ def ppo_update(args: argparse.Namespace, ro: Rollout, m: Models, opt: Optim, ste
     g = torch.Generator().manual_seed(args.seed * 7919 + step * 31 + s.info.rank)
     stats: dict[str, list] = {}  # per minibatch: floats, or 0-d tensors still on the device
     stopped_early = nonfinite = False
-    with attention_implementation(s.train_attn, m.actor_train, m.critic_train):
+    with attention_implementation(s.train_attn, *[x for x in (m.actor_train, m.critic_train) if x is not None]):
         for _ in range(args.ppo_update_iters):
             for mb in torch.randperm(ro.sequences.shape[0], generator=g).split(args.mini_batch_size):
                 bad, approx_kl = minibatch_backward(args, ro, mb, m, opt, s, train_actor, kl_coef, stats, timer)
@@ -290,7 +350,9 @@ def ppo_update(args: argparse.Namespace, ro: Rollout, m: Models, opt: Optim, ste
                     opt.zero_grad()  # the minibatch that crossed the limit does not step
                     break
                 with timer("update_optimizer"):  # clip, then step unless a gradient norm is NaN/inf (skipped, counted)
-                    trained = {"actor": m.actor_train, "critic": m.critic_train} if train_actor else {"critic": m.critic_train}
+                    trained = {"actor": m.actor_train} if train_actor else {}
+                    if m.critic_train is not None:
+                        trained["critic"] = m.critic_train
                     if not optimizer_step(opt, trained, args.grad_clip, stats, s.info):
                         nonfinite = True
                         break
@@ -303,7 +365,8 @@ def ppo_update(args: argparse.Namespace, ro: Rollout, m: Models, opt: Optim, ste
     out = dict(zip(stats, means.tolist()))  # the step's stats, read from the device once
     out["ppo/early_stopped"] = float(stopped_early)
     out["nonfinite"] = float(nonfinite)
-    out["value/explained_var"] = explained_variance(ro.values, ro.returns, ro.response_mask, reduce=D.rank_sum(s.info))
+    if m.critic is not None:
+        out["value/explained_var"] = explained_variance(ro.values, ro.returns, ro.response_mask, reduce=D.rank_sum(s.info))
     return out
 
 
@@ -323,8 +386,7 @@ def main(argv: list[str] | None = None) -> None:
                     stats = ppo_update(args, exp.rollout, m, opt, run.step, s, kl_ctl.value, timer)  # step 5
             times = {f"time/{k}": v for k, v in timer.wall.items()
                      if k in ("generate", "score", "update", "step") or k.startswith("reward/")}
-            metrics = {**exp.metrics, **stats, **times,
-                       "lr/actor": opt.optims["actor"].param_groups[0]["lr"], "lr/critic": opt.optims["critic"].param_groups[0]["lr"]}
+            metrics = {**exp.metrics, **stats, **times, **{f"lr/{k}": o.param_groups[0]["lr"] for k, o in opt.optims.items()}}
             # Reduce first: the adaptive KL controller must see the global kl_ref, or each rank
             # steers its own coefficient and the ranks (and the resume file) disagree.
             metrics = D.reduce_mean(metrics, s.info, weights=exp.metric_weights)

@@ -9,6 +9,15 @@ References
   from Human Preferences", sec. 2.2.
 - KL estimators k1/k2/k3: John Schulman, "Approximating KL Divergence" (2020 note), with
   r = p_ref(x) / pi(x) and x ~ pi: k1 = -log r, k2 = (log r)^2 / 2, k3 = (r - 1) - log r.
+- Critic-free outcome advantages over a group of G responses to one prompt (`group_advantages`):
+  GRPO, Shao et al. 2024, "DeepSeekMath", sec. 4.1.2: A_i = (r_i - mean(r)) / std(r);
+  Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training", sec. 3.1: A_i = r_i - mean(r);
+  RLOO, Ahmadian et al. 2024, "Back to Basics", eq. (5): A_i = r_i - 1/(G-1) sum_{j != i} r_j;
+  REINFORCE++, Hu 2025, "REINFORCE++", sec. 3: per-token KL in the reward, the discounted return
+  as the advantage, normalised over the whole global batch (the "_baseline" variant subtracts the
+  group mean from r_i first).
+- Clip-higher (an upper clip 1 + eps_high above 1 + eps_low) and token-level loss aggregation: DAPO,
+  Yu et al. 2025, sec. 3.1 and 3.3; Dr. GRPO's constant normaliser: Liu et al. 2025, eq. (4).
 
 Shapes: B = batch rows, R = response length. `response_mask` is [B, R], 1/True for real response
 tokens (up to and including EOS), 0/False for the pads after it. Masking uses torch.where rather
@@ -32,6 +41,9 @@ __all__ = [
     "kl_penalty",
     "compute_token_rewards",
     "compute_gae",
+    "discounted_returns",
+    "group_advantages",
+    "aggregate_loss",
     "policy_loss",
     "value_loss",
     "explained_variance",
@@ -40,6 +52,9 @@ __all__ = [
 ]
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # need --num_generations > 1
+ADVANTAGE_ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 # Sums a statistics tensor over data-parallel ranks (trainer.run.distributed.all_reduce_sum); None = one process.
 Reduce = Callable[[Tensor], Tensor]
 
@@ -173,7 +188,60 @@ def compute_gae(
     return advantages, returns
 
 
+def discounted_returns(token_rewards: Tensor, response_mask: Tensor, gamma: float) -> Tensor:
+    """G_t = sum_l gamma^l r_{t+l} over the real tokens of each row (REINFORCE's return-to-go); pads 0.
+    It is GAE with V = 0 and lam = 1, so the same recursion serves both."""
+    zeros = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+    return compute_gae(token_rewards, zeros, response_mask, gamma, 1.0)[0]
+
+
+def group_advantages(scores: Tensor, group_size: int, estimator: str, eps: float = 1e-6) -> Tensor:
+    """Outcome scores [B] -> each response's baselined score [B]; rows i*G .. i*G+G-1 are the G
+    responses to prompt i (never split across ranks, so this needs no collective).
+
+    grpo: (r - mean) / (std + eps), std unbiased as in the GRPO implementations (TRL, verl);
+    dr_grpo and reinforce_pp_baseline: r - mean; rloo: r - mean of the others = G/(G-1) (r - mean);
+    reinforce_pp: r unchanged (its baseline is the global whitening the caller applies)."""
+    if estimator == "reinforce_pp":
+        return scores.float()
+    if estimator not in GROUP_ESTIMATORS:
+        raise ValueError(f"unknown group estimator {estimator!r}: expected one of {', '.join(GROUP_ESTIMATORS)} or reinforce_pp")
+    if group_size < 2 or scores.shape[0] % group_size:
+        raise ValueError(f"{estimator} needs groups of >= 2 responses (got {scores.shape[0]} scores in groups of {group_size})")
+    g = scores.float().view(-1, group_size)  # [B/G, G]
+    centred = g - g.mean(dim=1, keepdim=True)
+    if estimator == "grpo":
+        centred = centred / (g.std(dim=1, keepdim=True) + eps)
+    elif estimator == "rloo":
+        centred = centred * (group_size / (group_size - 1))
+    return centred.reshape(-1)
+
+
 # ----------------------------------------------------------------------------- losses
+
+def aggregate_loss(token_loss: Tensor, response_mask: Tensor, mode: str = "token_mean", max_len: int | None = None) -> Tensor:
+    """Per-token losses [B, R] -> the scalar to minimise (the papers differ here):
+
+    token_mean (DAPO; PPO-for-LMs implementations): mean over every real token of the batch, so
+      each token weighs the same whatever its response's length;
+    seq_mean_token_mean (GRPO's 1/G sum_i 1/|o_i| sum_t): each response's token mean, then the mean
+      over responses, so a long response's tokens weigh less;
+    seq_mean_token_sum: each response's token sum, mean over responses;
+    seq_mean_token_sum_norm (Dr. GRPO): token sums divided by a constant, `max_len`, not by each
+      response's own length, which removes GRPO's length bias."""
+    m = _as_bool(response_mask)
+    if mode == "token_mean":
+        return masked_mean(token_loss, m)
+    if mode == "seq_mean_token_mean":
+        return masked_mean(token_loss, m, dim=1).mean()
+    if mode == "seq_mean_token_sum":
+        return _zero_pads(token_loss, m).sum(dim=1).mean()
+    if mode == "seq_mean_token_sum_norm":
+        if not max_len:
+            raise ValueError("seq_mean_token_sum_norm needs max_len (the generation budget)")
+        return _zero_pads(token_loss, m).sum(dim=1).mean() / max_len
+    raise ValueError(f"unknown loss aggregation {mode!r}: expected one of {', '.join(LOSS_AGG_MODES)}")
+
 
 def policy_loss(
     logprobs: Tensor,
@@ -181,16 +249,21 @@ def policy_loss(
     advantages: Tensor,
     response_mask: Tensor,
     clip_eps: float,
+    clip_eps_high: float | None = None,
+    loss_agg_mode: str = "token_mean",
+    max_len: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Token-level PPO clipped surrogate (Schulman et al. 2017, eq. 7), as a loss to minimise:
-    mean over all real tokens of max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))."""
+    """PPO clipped surrogate (Schulman et al. 2017, eq. 7) per token, as a loss to minimise:
+    max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high)), aggregated by `aggregate_loss`.
+    eps_high (DAPO's clip-higher) defaults to eps: the symmetric clip."""
     m = _as_bool(response_mask)
     log_ratio = _zero_pads(logprobs - old_logprobs, m)  # 0 at pads: exp() stays finite there
     ratio = torch.exp(log_ratio)
     adv = _zero_pads(advantages.detach(), m)
     unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
-    loss = masked_mean(torch.maximum(unclipped, clipped), m)
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
+    loss = aggregate_loss(torch.maximum(unclipped, clipped), m, loss_agg_mode, max_len)
     with torch.no_grad():  # 0-d tensors: the trainer reads them once per minibatch, not per call
         stats = {
             "clipfrac": masked_mean((clipped > unclipped).float(), m),

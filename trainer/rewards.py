@@ -359,6 +359,16 @@ def _answer_only(reply: str) -> str:
     return found[-1].strip() if found else reply
 
 
+def overlong_penalty(lengths: Tensor, max_len: int, buffer_len: int) -> Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), in [-1, 0]: 0 up to max_len - buffer_len
+    tokens, then falling linearly to -1 at max_len, so a response is warned before it is cut.
+    lengths [B] = response tokens (EOS included)."""
+    if not 0 < buffer_len <= max_len:
+        raise ValueError(f"overlong buffer {buffer_len} must be in (0, {max_len}]")
+    over = lengths.float() - (max_len - buffer_len)
+    return -(over.clamp(min=0) / buffer_len).clamp(max=1.0)
+
+
 def compute_rewards(
     *,
     prompts: list[str],

@@ -12,7 +12,7 @@ import functools
 import numpy as np
 import torch
 
-from trainer.ppo import kl_penalty, masked_mean, policy_loss, value_loss
+from trainer.ppo import aggregate_loss, kl_penalty, policy_loss, value_loss
 from trainer.rollout import Rollout, critic_forward, policy_forward
 from trainer.run import distributed as D
 from trainer.run.parallel import run_side_by_side
@@ -24,9 +24,12 @@ def minibatch_backward(args: argparse.Namespace, ro: Rollout, mb: torch.Tensor, 
                         kl_coef: float, stats: dict, timer: PhaseTimer) -> tuple[bool, float]:
     """Gradients of one minibatch, summed over --accumulation_steps micro-batches. Returns whether a
     loss was non-finite and the minibatch's approx-KL (token mean over every rank)."""
-    # Losses are token sums over the GLOBAL token count of the minibatch, so DDP's gradient
-    # mean equals the single-process token mean whatever each rank's share of tokens.
+    # Losses are token sums over the GLOBAL token count of the minibatch (row sums over the global row
+    # count for the per-sequence --loss_agg_mode), so DDP's gradient mean equals the single-process
+    # mean whatever each rank's share of tokens.
     n_tokens = D.sum_global(ro.response_mask[mb].sum(), s.info).clamp(min=1)
+    per_token = args.loss_agg_mode == "token_mean"
+    n_rows = len(mb) * s.info.world_size  # every rank's minibatch has the same number of rows
     approx_kl_sum = torch.zeros((), device=s.device)
     bad = torch.zeros((), dtype=torch.bool, device=s.device)
     for k, ub in enumerate(mb.split(args.mini_batch_size // args.accumulation_steps)):
@@ -34,12 +37,17 @@ def minibatch_backward(args: argparse.Namespace, ro: Rollout, mb: torch.Tensor, 
         sync = k == args.accumulation_steps - 1  # DDP all-reduces gradients on the last micro-batch only
         ctx = contextlib.nullcontext() if sync or not s.info.enabled else D.no_sync(m.actor_train, m.critic_train)
         scale = part.response_mask.sum() / n_tokens * s.info.world_size
+        pg_scale = scale if per_token else torch.tensor(len(ub) / n_rows * s.info.world_size, device=s.device)
         # Actor and critic share no parameters, so each loss gets its own backward: only one
         # graph's activations are alive at a time (the peak-memory term at 512x8), same gradients;
         # with --parallel_update they run side by side on two cores (two graphs alive).
-        parts = [functools.partial(critic_backward, args, m.critic_train, part, scale, s, opt.scaler, timer)]
+        parts = []
+        if m.critic_train is not None:
+            parts.append(functools.partial(critic_backward, args, m.critic_train, part, scale, s, opt.scaler, timer))
         if train_actor:
-            parts.insert(0, functools.partial(actor_backward, args, m.actor_train, part, scale, kl_coef, s, opt.scaler, timer))
+            # A critic graph kept from scoring (Settings.reuse_values) goes first, so it is freed before the actor's.
+            at = len(parts) if part.values_with_grad is not None else 0
+            parts.insert(at, functools.partial(actor_backward, args, m.actor_train, part, pg_scale, kl_coef, s, opt.scaler, timer))
         with ctx:
             for part_stats, part_bad, kl_sum in run_side_by_side(parts, s.parallel_update):
                 for key, v in part_stats.items():
@@ -60,13 +68,15 @@ def actor_backward(args, actor, part: Rollout, scale: torch.Tensor, kl_coef: flo
         with timer("update_actor_fwd"):
             logprobs, entropy = policy_forward(actor, part.sequences, part.attention_mask, part.response_len,
                                                s.sample_temperature, with_entropy=args.entropy_coef > 0)
-        pg_loss, pg_stats = policy_loss(logprobs, part.old_logprobs, part.advantages, part.response_mask, args.clip_epsilon)
+        agg = functools.partial(aggregate_loss, response_mask=part.response_mask, mode=args.loss_agg_mode, max_len=args.max_gen_len)
+        pg_loss, pg_stats = policy_loss(logprobs, part.old_logprobs, part.advantages, part.response_mask, args.clip_epsilon,
+                                        s.clip_epsilon_high, args.loss_agg_mode, args.max_gen_len)
         loss = pg_loss * scale
-        if args.kl_placement == "loss":
-            kl = masked_mean(kl_penalty(logprobs, part.ref_logprobs, args.kl_estimator), part.response_mask)
+        if s.kl_placement == "loss":
+            kl = agg(kl_penalty(logprobs, part.ref_logprobs, args.kl_estimator))
             loss = loss + kl_coef * kl * scale
         if args.entropy_coef > 0:
-            loss = loss - args.entropy_coef * masked_mean(entropy, part.response_mask) * scale
+            loss = loss - args.entropy_coef * agg(entropy) * scale
     scaler.scale(loss).backward()
     stats = {"loss/policy": pg_loss.detach(), "ppo/clipfrac": pg_stats["clipfrac"], "ppo/ratio": pg_stats["ratio"]}
     return stats, ~torch.isfinite(loss.detach()), pg_stats["approx_kl"] * part.response_mask.sum()
@@ -79,8 +89,11 @@ def critic_backward(args, critic, part: Rollout, scale: torch.Tensor, s: Setting
     sequences, attention_mask, old_values, returns, mask, scale = on(dev, part.sequences, part.attention_mask, part.values,
                                                                      part.returns, part.response_mask, scale)
     with s.autocast(dev):
-        with timer("update_critic_fwd"):
-            values = critic_forward(critic, sequences, attention_mask, part.response_len)
+        if part.values_with_grad is not None:  # the scoring forward's graph (one epoch, one minibatch): no second forward
+            values = part.values_with_grad
+        else:
+            with timer("update_critic_fwd"):
+                values = critic_forward(critic, sequences, attention_mask, part.response_len)
         v_loss, v_stats = value_loss(values, old_values, returns, mask, args.cliprange_value or None)
         loss = args.vf_coef * v_loss * scale
     scaler.scale(loss).backward()

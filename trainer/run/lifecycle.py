@@ -187,7 +187,8 @@ class Run:
         """The policy in the usual place and a resume file (atomic; the last --keep_checkpoints kept).
         Weights that are not finite are never written: the last good files stay."""
         args, info, m = self.args, self.s.info, self.built.models
-        bad = not all(bool(torch.isfinite(p).all()) for p in (*m.actor.parameters(), *m.critic.parameters()))
+        trained = [m.actor] + ([m.critic] if m.critic is not None else [])
+        bad = not all(bool(torch.isfinite(p).all()) for model in trained for p in model.parameters())
         if D.any_rank(bad, info):
             raise SystemExit(f"error: the weights are not finite after step {self.pos.step}: nothing was saved; the last good "
                              f"checkpoint in {args.checkpoint_dir}/ is intact. Lower --learning_rate or --grad_clip.")

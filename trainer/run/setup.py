@@ -26,7 +26,7 @@ from dataset.rlaif import DataError, RLAIFDataset, read_rlaif_jsonl
 from model.critic import CriticModel
 from model.loader import eos_token_ids, load_policy, load_reward_model
 from model.weights import WeightsError, native_weight_path
-from trainer.ppo import AdaptiveKLController, FixedKLController
+from trainer.ppo import GROUP_ESTIMATORS, AdaptiveKLController, FixedKLController
 from trainer.rewards import RewardModelScorer, load_reward_fn
 from trainer.run.checkpoint import seed_everything
 from trainer.run.distributed import DistInfo, all_gather_objects, failing_together, init_distributed, resolve_device, stop_all
@@ -54,6 +54,10 @@ class Settings:
     ref_device: torch.device  # --ref_device / --critic_device / --reward_device, default the actor's device
     critic_device: torch.device
     reward_device: torch.device
+    kl_placement: str  # "reward" or "loss" (--kl_placement auto resolved for the estimator)
+    clip_epsilon_high: float  # --clip_epsilon_high, default --clip_epsilon
+    reuse_values: bool  # GAE with one epoch of one minibatch: the critic's scoring forward is the update's
+    eval_data_path: str | None  # held-out prompts evaluated during training (None = no evaluation)
     flags: dict  # the flags with derived values filled in: run.json and resume files record these
 
     @property
@@ -63,6 +67,10 @@ class Settings:
     @property
     def dtype(self) -> torch.dtype:
         return DTYPES[self.dtype_name]
+
+    @property
+    def critic_free(self) -> bool:
+        return self.flags["advantage_estimator"] != "gae"
 
     def autocast(self, device: torch.device | None = None) -> ContextManager:
         """The one autocast context of the run (a no-op in fp32), for the actor's device or `device`."""
@@ -82,7 +90,7 @@ class Models:
     scoring use the plain modules."""
 
     actor: nn.Module
-    critic: nn.Module
+    critic: nn.Module | None  # None with a critic-free --advantage_estimator
     ref: nn.Module
     old_actor: nn.Module | None  # MiniMind's frozen copy (--update_old_actor_freq N), else None
     rm_scorer: RewardModelScorer | None
@@ -124,6 +132,24 @@ def resolve_precision(args: argparse.Namespace, device: torch.device) -> tuple[s
     name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     low = args.frozen_low_precision if args.frozen_low_precision >= 0 else int(device.type == "cuda")
     return name, (DTYPES[name] if low else torch.float32)
+
+
+def reuses_values(args: argparse.Namespace) -> bool:
+    """One PPO epoch of one minibatch in one micro-batch (MiniMind's shape): the critic's scoring forward
+    and the update's first forward see the same weights and rows, so one forward with grad serves both."""
+    rows = args.batch_size * args.num_generations
+    return (uses_critic(args) and args.ppo_update_iters == 1 and args.mini_batch_size == rows
+            and args.accumulation_steps == 1)
+
+
+def eval_data_path(args: argparse.Namespace) -> str | None:
+    """--eval_data_path resolved: auto = the demo's held-out file beside the demo's training prompts."""
+    if args.eval_data_path == "none":
+        return None
+    if args.eval_data_path != "auto":
+        return args.eval_data_path
+    held_out = Path(args.data_path).with_name("demo_eval.jsonl")
+    return str(held_out) if Path(args.data_path).name == "demo_train.jsonl" and held_out.is_file() else None
 
 
 def set_deterministic(enabled: bool, device: torch.device) -> None:
@@ -178,11 +204,15 @@ def check_devices_per_rank(devices: dict[str, torch.device], info: DistInfo) -> 
              f"with their reference models on cuda:4-7)", info)
 
 
+def uses_critic(args: argparse.Namespace) -> bool:
+    return getattr(args, "advantage_estimator", "gae") == "gae"
+
+
 def build_models(args: argparse.Namespace, device: torch.device, frozen_dtype: torch.dtype,
                  devices: dict[str, torch.device] | None = None) -> Models:
-    """Actor, reward model, reference, critic, old actor, in this order (random inits draw from the
-    seeded generator, so the order is part of a run's determinism). `--from_weight none` gives a
-    random-init actor (benchmarks)."""
+    """Actor, reward model, reference, critic (GAE only), old actor, in this order (random inits draw
+    from the seeded generator, so the order is part of a run's determinism). `--from_weight none`
+    gives a random-init actor (benchmarks)."""
     actor, tok = load_policy(
         weights=actor_weights_path(args), hf_path=args.actor_path, hidden_size=args.hidden_size,
         num_hidden_layers=args.num_hidden_layers, use_moe=bool(args.use_moe), arch=args.arch,
@@ -198,7 +228,7 @@ def build_models(args: argparse.Namespace, device: torch.device, frozen_dtype: t
     actor.config.use_cache = True
     devices = devices or {"ref": device, "critic": device, "reward": device}
     ref = frozen_copy(actor, frozen_dtype).to(devices["ref"])
-    critic = CriticModel.from_policy(actor).to(devices["critic"])
+    critic = CriticModel.from_policy(actor).to(devices["critic"]) if uses_critic(args) else None
     # The old actor scores with the actor's own numerics (its weights' dtype), or the ratio would not be 1
     # before the first update; the reference may be held in low precision (its KL at step 0 is then the
     # rounding gap, logged as kl_ref).
@@ -208,12 +238,14 @@ def build_models(args: argparse.Namespace, device: torch.device, frozen_dtype: t
 
 
 def build_optim(args: argparse.Namespace, models: Models, total_steps: int, dtype: torch.dtype, device: torch.device) -> Optim:
-    """AdamW for actor and critic, each with warm-up + cosine LR over total_steps."""
+    """AdamW for actor and critic (if any), each with warm-up + cosine LR over total_steps."""
     optims = {
         # Fused AdamW: one kernel for all parameters (~4x faster step on CPU, same math to ~1e-8).
         "actor": torch.optim.AdamW(models.actor.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay, fused=True),
-        "critic": torch.optim.AdamW(models.critic.parameters(), lr=args.critic_learning_rate, weight_decay=args.weight_decay, fused=True),
     }
+    if models.critic is not None:
+        optims["critic"] = torch.optim.AdamW(models.critic.parameters(), lr=args.critic_learning_rate,
+                                             weight_decay=args.weight_decay, fused=True)
     scheds = {k: torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(args.warmup_steps, total_steps)) for k, o in optims.items()}
     # fp16 needs loss scaling; bf16 and fp32 do not, and a disabled scaler passes everything through.
     return Optim(optims, scheds, torch.amp.GradScaler(device.type, enabled=dtype == torch.float16))
@@ -246,9 +278,10 @@ def wrap_for_training(args: argparse.Namespace, models: Models, info: DistInfo) 
             dev = next(model.parameters()).device  # the critic may sit on --critic_device
             return DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None,
                        find_unused_parameters=bool(args.use_moe), **NO_FORWARD_BUFFER_SYNC)
-        actor_train, critic_train = ddp(actor_train), ddp(critic_train)
+        actor_train, critic_train = ddp(actor_train), None if critic_train is None else ddp(critic_train)
     if args.use_compile:
-        actor_train, critic_train = torch.compile(actor_train), torch.compile(critic_train)
+        actor_train = torch.compile(actor_train)
+        critic_train = None if critic_train is None else torch.compile(critic_train)
     models.actor_train, models.critic_train = actor_train, critic_train
 
 
@@ -277,6 +310,19 @@ def validate_flags(args: argparse.Namespace) -> None:
         (args.rollout_engine == "torch", "--rollout_engine sglang is not supported: minippo samples with the policy "
                                          "in-process (--rollout_engine torch, the default); drop the --sglang_* flags"),
         (args.ddp_timeout > 0, "--ddp_timeout must be > 0 seconds"),
+        (args.num_generations >= 2 or args.advantage_estimator not in GROUP_ESTIMATORS,
+         f"--advantage_estimator {args.advantage_estimator} compares the --num_generations responses to each prompt: "
+         f"give --num_generations >= 2 (e.g. 4)"),
+        (args.num_generations >= 2 or not args.filter_groups,
+         "--filter_groups 1 drops groups of --num_generations responses with equal rewards: give --num_generations >= 2"),
+        (args.filter_max_rounds >= 1, "--filter_max_rounds must be >= 1"),
+        (args.critic_warmup_steps == 0 or args.advantage_estimator == "gae",
+         f"--critic_warmup_steps trains the critic, but --advantage_estimator {args.advantage_estimator} has none: drop it"),
+        (0 <= args.overlong_buffer_len < args.max_gen_len,
+         f"--overlong_buffer_len {args.overlong_buffer_len} must be in [0, --max_gen_len {args.max_gen_len})"),
+        (args.eval_interval >= 1 and args.eval_samples >= 1, "--eval_interval and --eval_samples must be >= 1"),
+        (args.eval_data_path in ("auto", "none") or Path(args.eval_data_path).is_file(),
+         f"--eval_data_path {args.eval_data_path}: file not found (or 'none' to train without evaluation)"),
         # torch.device() would take "tpu"/"mps" and fail later with a traceback.
         (re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device) is not None,
          f"--device {args.device}: expected one of auto, cpu, cuda, cuda:N"),
@@ -286,8 +332,10 @@ def validate_flags(args: argparse.Namespace) -> None:
     ]
     # nan compares False with everything, so "x > 0" alone would let it through.
     for flag, lowest in (("learning_rate", "> 0"), ("critic_learning_rate", "> 0"), ("grad_clip", "> 0"),
-                         ("clip_epsilon", "> 0"), ("kl_coef", ">= 0")):
+                         ("clip_epsilon", "> 0"), ("kl_coef", ">= 0"), ("clip_epsilon_high", "> 0"), ("overlong_penalty", ">= 0")):
         v = getattr(args, flag)
+        if v is None:  # --clip_epsilon_high not given
+            continue
         checks.append((math.isfinite(v) and (v > 0 if lowest == "> 0" else v >= 0),
                        f"--{flag} {v} must be a finite number {lowest}"))
 
@@ -369,12 +417,19 @@ def _build(args: argparse.Namespace, info: DistInfo) -> Setup:
     if train_attn == "auto":  # torch's CPU flash-attention backward under bf16 is slow at PPO's short sequences
         train_attn = "eager" if cpu_bf16 else None
     hidden_size = models.actor.config.hidden_size if args.actor_path else args.hidden_size
+    kl_placement = args.kl_placement
+    if kl_placement == "auto":  # GRPO and Dr. GRPO put the KL in the loss, so every token of a response shares its advantage
+        kl_placement = "loss" if args.advantage_estimator in ("grpo", "dr_grpo") else "reward"
+    clip_high = args.clip_epsilon if args.clip_epsilon_high is None else args.clip_epsilon_high
     settings = Settings(
         info=info, dtype_name=dtype_name, frozen_dtype=frozen_dtype, hidden_size=hidden_size, total_steps=total_steps,
         parallel_update=use_parallel_update(args.parallel_update, info.device, info.enabled, cpu_bf16),
         train_attn=train_attn, sample_temperature=1.0 if args.greedy else args.temperature,
         sample_interval=args.debug_interval if args.debug_mode else args.sample_interval,
         ref_device=devices["ref"], critic_device=devices["critic"], reward_device=devices["reward"],
-        flags={**vars(args), "dtype": dtype_name, "hidden_size": hidden_size},
+        kl_placement=kl_placement, clip_epsilon_high=clip_high, reuse_values=reuses_values(args),
+        eval_data_path=eval_data_path(args),
+        flags={**vars(args), "dtype": dtype_name, "hidden_size": hidden_size, "kl_placement": kl_placement,
+               "clip_epsilon_high": clip_high, "eval_data_path": eval_data_path(args)},
     )
     return Setup(settings, models, optim, kl_ctl, ds, custom_fns, n_bad)
