@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,9 +36,10 @@ sys.path.insert(0, str(ROOT))
 
 from trainer.ppo import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, compute_gae, compute_token_rewards, discounted_returns  # noqa: E402
 from trainer.ppo import explained_variance, group_advantages, kl_penalty, masked_whiten  # noqa: E402
+from trainer.evaluate import evaluate_policy  # noqa: E402
 from trainer.rewards import RewardFnError, compute_rewards, overlong_penalty  # noqa: E402
 from trainer.rollout import Rollout, attention_implementation, critic_forward, forward_in_row_chunks, generate_rollout  # noqa: E402
-from trainer.rollout import policy_forward, rollout_metrics  # noqa: E402
+from trainer.rollout import cat_rollouts, group_has_signal, policy_forward, rollout_metrics  # noqa: E402
 from trainer.run import distributed as D  # noqa: E402
 from trainer.run.lifecycle import Run  # noqa: E402
 from trainer.run.setup import DTYPES, Models, Optim, Settings, on, setup  # noqa: E402
@@ -131,7 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--lam", type=float, default=0.95)
     a("--whiten_advantages", type=int, default=1, choices=[0, 1])
     a("--kl_coef", type=float, default=0.02)
-    a("--kl_estimator", default="k1", choices=["k1", "k2", "k3"])
+    a("--kl_estimator", default="auto", choices=["auto", "k1", "k2", "k3"],
+      help="Schulman's KL estimators; auto = k3 for grpo/dr_grpo (GRPO's, in the loss), k1 otherwise")
     a("--kl_placement", default="auto", choices=["auto", "reward", "loss"],
       help="KL as per-token reward penalty or as a loss term; auto = loss for grpo/dr_grpo (as their papers), reward otherwise")
     a("--adaptive_kl", type=int, default=0, choices=[0, 1], help="Ziegler et al. adaptive KL coefficient")
@@ -221,15 +224,63 @@ class Experience:
     samples: list[dict]  # a few rows for the sample table
 
 
+@dataclass
+class Sampled:
+    """Steps 1 and 3 for some prompts: the rollout (with rewards), its prompts' rows of the batch, the
+    decoded responses and each reward component [B]."""
+
+    rollout: Rollout
+    batch: dict
+    responses: list[str]
+    comps: dict[str, torch.Tensor]
+
+    def rows(self, groups: torch.Tensor, n: int) -> tuple[Rollout, torch.Tensor, dict]:
+        """The rows of prompt groups `groups` (N rows each), and those prompts' fields of the batch."""
+        idx = (groups[:, None] * n + torch.arange(n)).flatten()
+        return self.rollout, idx, {k: [v[g] for g in groups.tolist()] for k, v in self.batch.items() if isinstance(v, list)}
+
+
 @torch.no_grad()
-def make_experience(args: argparse.Namespace, batch: dict, m: Models, s: Settings, kl_coef: float,
-                    custom_fns: dict, timer: PhaseTimer | None = None) -> Experience:
-    """Rollout, score, reward, advantages for one batch of prompts."""
+def make_experience(args: argparse.Namespace, batch: dict, m: Models, s: Settings, kl_coef: float, custom_fns: dict,
+                    timer: PhaseTimer | None = None, more_prompts: Callable[[], dict | None] | None = None) -> Experience:
+    """Rollout, reward, score, advantages for one batch of prompts (with --filter_groups, more prompts
+    from `more_prompts` until every group of the batch carries signal)."""
     timer = timer or PhaseTimer()
-    # Steps 1-3 are rank-local: a failure on some ranks only (reward function, reward model, OOM) stops
-    # every rank here with its line, before the collectives of step 4.
+    sampled = sample_and_reward(args, batch, m, s, custom_fns, timer)  # steps 1 and 3
+    filter_stats = {}
+    if args.filter_groups:
+        sampled, filter_stats = keep_groups_with_signal(args, sampled, m, s, custom_fns, timer, more_prompts)
+    ro, batch, responses, comps = sampled.rollout, sampled.batch, sampled.responses, sampled.comps
+    R, temp, rows = ro.response_len, s.sample_temperature, args.forward_batch_size  # rows per scoring forward (0 = all)
+    with D.failing_together(s.info), timer("score"), s.autocast():  # 2. log-probs under the sampling distribution (fp32 softmax)
+        entropy = ro.entropy
+        if ro.old_logprobs is None:  # a frozen old actor, or --rollout_logprobs 0: score the samples again,
+            scorer = m.old_actor or m.actor  # with the update's attention kernel: the first ratio is then exactly 1
+            with timer("score_old"), attention_implementation(s.train_attn, scorer):
+                ro.old_logprobs, entropy = forward_in_row_chunks(policy_forward, scorer, ro.sequences, ro.attention_mask,
+                                                                 R, temp, with_entropy=True, rows=rows)
+        with timer("score_ref"), s.autocast(s.ref_device):
+            ref_logprobs, _ = forward_in_row_chunks(policy_forward, m.ref, *on(s.ref_device, ro.sequences, ro.attention_mask),
+                                                    R, temp, rows=rows)
+            ro.ref_logprobs = ref_logprobs.to(s.device)  # [B, R]
+        if m.critic is not None:
+            with timer("score_critic"), s.autocast(s.critic_device):
+                score_values(ro, m, s, rows)
+    compute_advantages(args, ro, kl_coef, s)  # 4. advantages
+    metrics, weights = rollout_metrics(ro, comps, entropy, kl_coef, args.num_generations)
+    metrics.update(filter_stats)
+    samples = [{"prompt": batch["prompt"][i // args.num_generations][-200:], "response": responses[i],
+                "reward": ro.rewards[i].item(), **{k: v[i].item() for k, v in comps.items()}}
+               for i in range(min(4, len(responses)))]
+    return Experience(ro, metrics, weights, samples)
+
+
+def sample_and_reward(args: argparse.Namespace, batch: dict, m: Models, s: Settings, custom_fns: dict,
+                      timer: PhaseTimer) -> Sampled:
+    """1. rollout: [B*N, P+R] sequences, N = --num_generations; 3. reward. Rank-local: a failure on some
+    ranks only (reward function, reward model, OOM) stops every rank here with its line."""
     with D.failing_together(s.info):
-        with timer("generate"), s.autocast():  # 1. rollout: [B*N, P+R] sequences, N = --num_generations
+        with timer("generate"), s.autocast():
             ro = generate_rollout(
                 m.actor, batch["input_ids"].to(s.device), batch["attention_mask"].to(s.device), max_new_tokens=args.max_gen_len,
                 eos_token_id=m.eos_ids or m.tok.eos_token_id, pad_token_id=m.tok.pad_token_id, temperature=args.temperature,
@@ -237,30 +288,49 @@ def make_experience(args: argparse.Namespace, batch: dict, m: Models, s: Setting
                 num_generations=args.num_generations, return_logprobs=bool(args.rollout_logprobs) and m.old_actor is None,
                 fast_decode=bool(args.fast_decode),
             )
-        R, temp = ro.response_len, s.sample_temperature
-        with timer("score"):
-            with s.autocast():  # 2. score: log-probs under the temperature-scaled distribution that sampled (fp32 softmax)
-                entropy, rows = ro.entropy, args.forward_batch_size  # rows per scoring forward (0 = all at once)
-                if ro.old_logprobs is None:  # a frozen old actor, or --rollout_logprobs 0: score the samples again,
-                    scorer = m.old_actor or m.actor  # with the update's attention kernel: the first ratio is then exactly 1
-                    with timer("score_old"), attention_implementation(s.train_attn, scorer):
-                        ro.old_logprobs, entropy = forward_in_row_chunks(policy_forward, scorer, ro.sequences, ro.attention_mask,
-                                                                         R, temp, with_entropy=True, rows=rows)
-                with timer("score_ref"), s.autocast(s.ref_device):
-                    ref_logprobs, _ = forward_in_row_chunks(policy_forward, m.ref, *on(s.ref_device, ro.sequences, ro.attention_mask),
-                                                            R, temp, rows=rows)
-                    ro.ref_logprobs = ref_logprobs.to(s.device)  # [B, R]
-                if m.critic is not None:
-                    with timer("score_critic"), s.autocast(s.critic_device):
-                        score_values(ro, m, s, rows)
-            with timer("score_reward"):  # 3. reward
-                responses, comps = score_responses(args, batch, ro, m, custom_fns, timer)
-    compute_advantages(args, ro, kl_coef, s)  # 4. advantages
-    metrics, weights = rollout_metrics(ro, comps, entropy, kl_coef, args.num_generations)
-    samples = [{"prompt": batch["prompt"][i // args.num_generations][-200:], "response": responses[i],
-                "reward": ro.rewards[i].item(), **{k: v[i].item() for k, v in comps.items()}}
-               for i in range(min(4, len(responses)))]
-    return Experience(ro, metrics, weights, samples)
+        with timer("score"), timer("score_reward"):
+            responses, comps = score_responses(args, batch, ro, m, custom_fns, timer)
+    return Sampled(ro, batch, responses, comps)
+
+
+def keep_groups_with_signal(args: argparse.Namespace, first: Sampled, m: Models, s: Settings, custom_fns: dict,
+                            timer: PhaseTimer, more_prompts: Callable[[], dict | None] | None) -> tuple[Sampled, dict]:
+    """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): a group whose N rewards are all equal has zero
+    advantage under a group baseline, so it only dilutes the batch. Keep the groups with signal and sample
+    the next prompts (the same extra batches on every rank: the prompt stream is global) until each rank
+    has --batch_size of them, at most --filter_max_rounds extra batches; then fill up with dropped groups."""
+    n, want = args.num_generations, args.batch_size
+    kept, dropped, rounds, cur = [], [], 0, first
+    while True:
+        signal = group_has_signal(cur.rollout.rewards, n)
+        kept += [(cur, g) for g in signal.nonzero().flatten()]
+        dropped += [(cur, g) for g in (~signal).nonzero().flatten()]
+        if not D.any_rank(len(kept) < want, s.info) or rounds == args.filter_max_rounds:
+            break
+        batch = more_prompts() if more_prompts is not None else None
+        if batch is None:  # the prompt data ran out (the same on every rank)
+            break
+        rounds += 1
+        cur = sample_and_reward(args, batch, m, s, custom_fns, timer)
+    chosen = (kept + dropped)[:want]
+    stats = {"filter/groups_dropped": float(len(dropped)), "filter/extra_rollouts": float(rounds),
+             "filter/groups_filled": float(max(0, want - len(kept)))}
+    if rounds == 0 and len(kept) >= want:  # the first batch had signal everywhere: nothing to rebuild
+        return first, stats
+    by_source: dict[int, list] = {}
+    for src, g in chosen:
+        by_source.setdefault(id(src), [src, []])[1].append(int(g))
+    parts, fields, responses, comps = [], {}, [], {}
+    for src, groups in by_source.values():
+        ro, idx, prompt_fields = src.rows(torch.tensor(groups), n)
+        parts.append((ro, idx))
+        for k, v in prompt_fields.items():
+            fields.setdefault(k, []).extend(v)
+        responses += [src.responses[i] for i in idx.tolist()]
+        for k, v in src.comps.items():
+            comps.setdefault(k, []).append(v[idx])
+    merged = cat_rollouts(parts, m.tok.pad_token_id)
+    return Sampled(merged, fields, responses, {k: torch.cat(v) for k, v in comps.items()}), stats
 
 
 def score_values(ro: Rollout, m: Models, s: Settings, rows: int) -> None:
@@ -308,7 +378,7 @@ def compute_advantages(args: argparse.Namespace, ro: Rollout, kl_coef: float, s:
       grpo/dr_grpo/rloo: each score minus its group's baseline (trainer/ppo.py group_advantages), then
                          the return-to-go (equal on every token when the KL is in the loss);
       reinforce_pp[_baseline]: the return-to-go of (group-centred) scores and KL, whitened over every rank."""
-    kl = kl_penalty(ro.old_logprobs, ro.ref_logprobs, args.kl_estimator)  # [B, R]
+    kl = kl_penalty(ro.old_logprobs, ro.ref_logprobs, s.kl_estimator)  # [B, R]
     kl = kl if s.kl_placement == "reward" else None
     ro.rewards_finite = bool(torch.isfinite(ro.rewards).all())  # a non-finite step is skipped by the update
     scores = torch.nan_to_num(ro.rewards, nan=0.0, posinf=0.0, neginf=0.0)
@@ -370,18 +440,34 @@ def ppo_update(args: argparse.Namespace, ro: Rollout, m: Models, opt: Optim, ste
     return out
 
 
+# --------------------------------------------------------------------------------------- evaluation
+def evaluate(args: argparse.Namespace, m: Models, s: Settings, records: list) -> dict[str, float]:
+    """Greedy replies to held-out prompts, scored as in training (format, accuracy, reward model). Runs on
+    rank 0 only, in its own random stream: training's samples are the same with or without it."""
+    with s.autocast():
+        ev = evaluate_policy(m.actor, m.tok, records, rm_scorer=m.rm_scorer, batch_size=64, max_prompt_len=args.max_seq_len,
+                             max_new_tokens=args.max_gen_len, temperature=0.0, thinking_ratio=args.thinking_ratio, seed=args.seed)
+    nan = float("nan")
+    return {"eval/accuracy": nan if ev["accuracy"] is None else ev["accuracy"], "eval/format_rate": ev["format_rate"],
+            "eval/reward/rm": nan if ev["rm_score_mean"] is None else ev["rm_score_mean"],
+            "eval/response_length": ev["mean_response_len"], "eval/eos_rate": ev["eos_rate"]}
+
+
 # --------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     built = setup(args)  # torchrun's ranks, threads, seeds, models, data, optimizers, DDP
     s, m, opt, kl_ctl = built.settings, built.models, built.optim, built.kl_ctl
+    held_out = lambda: D.on_main(lambda: evaluate(args, m, s, built.eval_records), s.info)  # noqa: E731
     with Run(args, built) as run:  # resume, run.json, logger; marks the run's end however it ends
+        if built.eval_records and run.step == 0:
+            run.log_eval(held_out(), 0)  # where the policy starts
         for batch in run.batches():
             if m.old_actor is not None and run.step % args.update_old_actor_freq == 0:
                 m.old_actor.load_state_dict(m.actor.state_dict())  # MiniMind's scheme: refresh the frozen copy
             timer = PhaseTimer()
             with timer("step"):
-                exp = make_experience(args, batch, m, s, kl_ctl.value, built.custom_fns, timer)  # steps 1-4
+                exp = make_experience(args, batch, m, s, kl_ctl.value, built.custom_fns, timer, run.next_batch)  # steps 1-4
                 with timer("update"):
                     stats = ppo_update(args, exp.rollout, m, opt, run.step, s, kl_ctl.value, timer)  # step 5
             times = {f"time/{k}": v for k, v in timer.wall.items()
@@ -390,6 +476,10 @@ def main(argv: list[str] | None = None) -> None:
             # Reduce first: the adaptive KL controller must see the global kl_ref, or each rank
             # steers its own coefficient and the ranks (and the resume file) disagree.
             metrics = D.reduce_mean(metrics, s.info, weights=exp.metric_weights)
+            if built.eval_records and ((run.step + 1) % args.eval_interval == 0 or run.step + 1 == s.total_steps):
+                with timer("eval"):
+                    metrics.update(held_out())
+                metrics["time/eval"] = timer.wall["eval"]
             if not metrics["nonfinite"]:
                 kl_ctl.update(metrics["kl_ref"], args.batch_size * args.num_generations * s.info.world_size)
             run.end_step(metrics, exp.samples)  # 6. log; checkpoint every --save_interval steps

@@ -212,6 +212,40 @@ class Rollout:
         return Rollout(**{k: pick(v) for k, v in self.__dict__.items()})
 
 
+def group_has_signal(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[B] rewards -> [B/G] bool: the group's rewards are not all equal (DAPO's dynamic sampling keeps
+    these: an all-equal group has zero group-relative advantage). NaN counts as different (kept), so a
+    non-finite reward still reaches the step's non-finite check."""
+    g = rewards.view(-1, group_size)
+    return ~(g == g[:, :1]).all(dim=1)
+
+
+def cat_rollouts(parts: list[tuple[Rollout, torch.Tensor]], pad_token_id: int) -> Rollout:
+    """Rows `idx` of each rollout, stacked into one batch: prompts left-padded and responses right-padded
+    to the longest (masks 0 there, so every row's log-probs and rewards are unchanged). Only the fields a
+    rollout has before scoring (sampling, rewards) are carried."""
+    P = max(ro.prompt_len for ro, _ in parts)
+    R = max(ro.response_len for ro, _ in parts)
+
+    def pad(t: torch.Tensor | None, left: int, right: int, value: float = 0) -> torch.Tensor | None:
+        return None if t is None else torch.nn.functional.pad(t, (left, right), value=value)
+
+    cols: dict[str, list] = {k: [] for k in ("sequences", "attention_mask", "response_mask", "has_eos", "old_logprobs",
+                                             "entropy", "rewards")}
+    for ro, idx in parts:
+        p, r = P - ro.prompt_len, R - ro.response_len
+        seq = torch.cat([pad(ro.sequences[idx, :ro.prompt_len], p, 0, pad_token_id),
+                         pad(ro.sequences[idx, ro.prompt_len:], 0, r, pad_token_id)], dim=1)
+        att = torch.cat([pad(ro.attention_mask[idx, :ro.prompt_len], p, 0), pad(ro.attention_mask[idx, ro.prompt_len:], 0, r)], dim=1)
+        for k, v in (("sequences", seq), ("attention_mask", att), ("response_mask", pad(ro.response_mask[idx], 0, r)),
+                     ("has_eos", ro.has_eos[idx]), ("rewards", ro.rewards[idx]),
+                     ("old_logprobs", None if ro.old_logprobs is None else pad(ro.old_logprobs[idx], 0, r)),
+                     ("entropy", None if ro.entropy is None else pad(ro.entropy[idx], 0, r))):
+            cols[k].append(v)
+    joined = {k: (None if v[0] is None else torch.cat(v)) for k, v in cols.items()}
+    return Rollout(prompt_len=P, **joined)
+
+
 @torch.no_grad()
 def generate_rollout(
     policy: nn.Module,

@@ -73,7 +73,7 @@ def actor_backward(args, actor, part: Rollout, scale: torch.Tensor, kl_coef: flo
                                         s.clip_epsilon_high, args.loss_agg_mode, args.max_gen_len)
         loss = pg_loss * scale
         if s.kl_placement == "loss":
-            kl = agg(kl_penalty(logprobs, part.ref_logprobs, args.kl_estimator))
+            kl = agg(kl_penalty(logprobs, part.ref_logprobs, s.kl_estimator))
             loss = loss + kl_coef * kl * scale
         if args.entropy_coef > 0:
             loss = loss - args.entropy_coef * agg(entropy) * scale

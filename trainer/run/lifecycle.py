@@ -58,6 +58,7 @@ class Run:
         self.out_path = (Path(args.save_dir) / f"{args.save_weight}_hf" if args.actor_path
                          else native_weight_path(args.save_dir, args.save_weight, self.s.hidden_size, use_moe))
         self._closed = False
+        self._plan: tuple[int, int, list[list[int]]] | None = None  # (epoch, start, this rank's batches)
         self._locks: list[FolderLock] = []
         self.stop = StopRequest()
         self.stopped_by: str | None = None  # the signal that stopped the run (every rank agrees on it)
@@ -147,14 +148,36 @@ class Run:
     def batches(self) -> Iterator[dict]:
         """This rank's prompt batches, epoch after epoch, from the saved position, until the last step
         (or a stop signal, after the step that was running has been saved)."""
+        while self.pos.step < self.s.total_steps:
+            batch = self.next_batch()
+            if batch is None:
+                return
+            yield batch
+            if self.pos.step >= self.s.total_steps or self.stopped_by:
+                return
+
+    def next_batch(self) -> dict | None:
+        """This rank's next batch of the global prompt stream (None after the last epoch). The position
+        saved in resume files advances here, so a step that draws extra batches (--filter_groups) resumes
+        after them. Every rank draws together: the position is global."""
         args, info, pos, ds = self.args, self.s.info, self.pos, self.built.dataset
-        pad_id = self.built.models.tok.pad_token_id
-        while pos.step < self.s.total_steps and pos.epoch < args.epochs:
-            for idx in D.shard_batches(len(ds), args.seed, pos.epoch, pos.consumed, info.rank, info.world_size, args.batch_size):
-                yield collate_left_pad([ds[i] for i in idx], pad_id=pad_id)
-                if pos.step >= self.s.total_steps or self.stopped_by:
-                    return
+        per_step = args.batch_size * info.world_size
+        while pos.epoch < args.epochs:
+            if self._plan is None or self._plan[0] != pos.epoch:  # one permutation per epoch, from the saved position
+                self._plan = (pos.epoch, pos.consumed, D.shard_batches(len(ds), args.seed, pos.epoch, pos.consumed, info.rank,
+                                                                      info.world_size, args.batch_size))
+            epoch, start, plan = self._plan
+            k = (pos.consumed - start) // per_step
+            if k < len(plan):
+                pos.consumed += per_step
+                return collate_left_pad([ds[i] for i in plan[k]], pad_id=self.built.models.tok.pad_token_id)
             pos.epoch, pos.consumed = pos.epoch + 1, 0
+        return None
+
+    def log_eval(self, metrics: dict[str, float], step: int) -> None:
+        """Held-out evaluation figures outside a step's record (the one before the first step)."""
+        with D.failing_together(self.s.info):
+            self.logger.log(metrics, step)
 
     def end_step(self, metrics: dict[str, float], samples: list[dict]) -> None:
         """After a step's update, with its globally reduced metrics: advance, log, stop after
@@ -164,7 +187,6 @@ class Run:
         pos.nonfinite_run = pos.nonfinite_run + 1 if metrics["nonfinite"] else 0
         metrics["tokens_per_s"] = metrics.pop("tokens_generated") * info.world_size / max(metrics["time/step"], 1e-9)
         pos.step += 1
-        pos.consumed += args.batch_size * info.world_size
         with D.failing_together(info):
             try:
                 if pos.step % args.log_interval == 0 or pos.step == self.s.total_steps:

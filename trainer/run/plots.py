@@ -118,15 +118,19 @@ def _auto_alpha(n: int) -> float:
 def figure_specs(keys: set[str] | list[str]) -> list[tuple[str, str, list[tuple[str, Panel]]]]:
     """Figures that have data for these keys: (file stem, title, [(key drawn, panel)])."""
     keys = set(keys)
-    reward_keys = sorted(k for k in keys if k.startswith("reward/"))
+    reward_keys = sorted(k for k in keys if k.startswith("reward/"))  # eval/reward/* are drawn with the evaluation
     if "reward/total" in reward_keys:  # the headline number goes first
         reward_keys.remove("reward/total")
         reward_keys.insert(0, "reward/total")
     reward_panels = tuple(
         Panel((k,), "reward", "total reward" if k == "reward/total" else "") for k in reward_keys
     )
+    # Held-out evaluation: a few points per run, drawn unsmoothed.
+    eval_panels = tuple(Panel((k,), k.split("/")[-1].replace("_", " "), "held-out, greedy", smooth=False)
+                        for k in sorted(k for k in keys if k.startswith("eval/")))
     specs = []
-    for stem, title, panels in (("reward", "Rewards", reward_panels), *_FIXED_FIGURES):
+    for stem, title, panels in (("reward", "Rewards", reward_panels), ("eval", "Held-out evaluation", eval_panels),
+                                *_FIXED_FIGURES):
         chosen = []
         for panel in panels:
             key = next((k for k in panel.keys if k in keys), None)

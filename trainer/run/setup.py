@@ -55,6 +55,7 @@ class Settings:
     critic_device: torch.device
     reward_device: torch.device
     kl_placement: str  # "reward" or "loss" (--kl_placement auto resolved for the estimator)
+    kl_estimator: str  # k1 / k2 / k3 (--kl_estimator auto resolved for the estimator)
     clip_epsilon_high: float  # --clip_epsilon_high, default --clip_epsilon
     reuse_values: bool  # GAE with one epoch of one minibatch: the critic's scoring forward is the update's
     eval_data_path: str | None  # held-out prompts evaluated during training (None = no evaluation)
@@ -122,6 +123,7 @@ class Setup:
     dataset: RLAIFDataset
     custom_fns: dict[str, Callable]  # --reward_fn, by function name
     n_bad_lines: int  # malformed prompt lines skipped (--skip_bad_lines)
+    eval_records: list  # held-out prompts evaluated during training (empty: no evaluation)
 
 
 def resolve_precision(args: argparse.Namespace, device: torch.device) -> tuple[str, torch.dtype]:
@@ -395,6 +397,8 @@ def _build(args: argparse.Namespace, info: DistInfo) -> Setup:
             seed_everything(args.seed + info.rank)
         custom_fns = {spec.split(":")[-1]: load_reward_fn(spec) for spec in args.reward_fn}
         records, n_bad = read_rlaif_jsonl(args.data_path, skip_bad_lines=bool(args.skip_bad_lines))
+        eval_path = eval_data_path(args)
+        eval_records = read_rlaif_jsonl(eval_path)[0][:args.eval_samples] if eval_path else []
     except (WeightsError, DataError, ValueError, OSError) as e:
         raise SystemExit(f"error: {e}")
     kl_ctl = AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon) if args.adaptive_kl else FixedKLController(args.kl_coef)
@@ -420,6 +424,9 @@ def _build(args: argparse.Namespace, info: DistInfo) -> Setup:
     kl_placement = args.kl_placement
     if kl_placement == "auto":  # GRPO and Dr. GRPO put the KL in the loss, so every token of a response shares its advantage
         kl_placement = "loss" if args.advantage_estimator in ("grpo", "dr_grpo") else "reward"
+    kl_estimator = args.kl_estimator  # auto: GRPO's k3 for grpo/dr_grpo, k1 (Ziegler et al.) otherwise
+    if kl_estimator == "auto":
+        kl_estimator = "k3" if args.advantage_estimator in ("grpo", "dr_grpo") else "k1"
     clip_high = args.clip_epsilon if args.clip_epsilon_high is None else args.clip_epsilon_high
     settings = Settings(
         info=info, dtype_name=dtype_name, frozen_dtype=frozen_dtype, hidden_size=hidden_size, total_steps=total_steps,
@@ -427,9 +434,9 @@ def _build(args: argparse.Namespace, info: DistInfo) -> Setup:
         train_attn=train_attn, sample_temperature=1.0 if args.greedy else args.temperature,
         sample_interval=args.debug_interval if args.debug_mode else args.sample_interval,
         ref_device=devices["ref"], critic_device=devices["critic"], reward_device=devices["reward"],
-        kl_placement=kl_placement, clip_epsilon_high=clip_high, reuse_values=reuses_values(args),
+        kl_placement=kl_placement, kl_estimator=kl_estimator, clip_epsilon_high=clip_high, reuse_values=reuses_values(args),
         eval_data_path=eval_data_path(args),
-        flags={**vars(args), "dtype": dtype_name, "hidden_size": hidden_size, "kl_placement": kl_placement,
+        flags={**vars(args), "dtype": dtype_name, "hidden_size": hidden_size, "kl_placement": kl_placement, "kl_estimator": kl_estimator,
                "clip_epsilon_high": clip_high, "eval_data_path": eval_data_path(args)},
     )
-    return Setup(settings, models, optim, kl_ctl, ds, custom_fns, n_bad)
+    return Setup(settings, models, optim, kl_ctl, ds, custom_fns, n_bad, eval_records)
