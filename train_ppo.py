@@ -428,6 +428,7 @@ def ppo_update(args: argparse.Namespace, ro: Rollout, m: Models, opt: Optim, ste
                         break
             if stopped_early or nonfinite:
                 break
+    ro.values_with_grad = None  # its graph is spent: a second update of this rollout runs its own forward
     for sched in opt.scheds.values():
         sched.step()
     as_t = lambda x: torch.as_tensor(x, dtype=torch.float64, device=s.device)  # noqa: E731

@@ -9,9 +9,12 @@ import torch
 from trainer.ppo import (
     AdaptiveKLController,
     FixedKLController,
+    aggregate_loss,
     compute_gae,
     compute_token_rewards,
+    discounted_returns,
     explained_variance,
+    group_advantages,
     kl_penalty,
     masked_mean,
     masked_whiten,
@@ -283,3 +286,68 @@ def test_kl_controllers_state_dict_roundtrip_weights_only():
     other.load_state_dict(fixed.state_dict())
     assert other.value == 0.05
     assert all(isinstance(v, float) for v in fixed.state_dict().values())
+
+
+# ----------------------------------------------------------------------------- critic-free estimators
+def test_group_advantages_by_hand():
+    # Two prompts x 3 responses. Group 1: rewards 1, 2, 3 (mean 2, unbiased std 1); group 2: 0, 0, 3
+    # (mean 1, unbiased std sqrt(3)).
+    r = torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0, 3.0])
+    s3 = math.sqrt(3.0)
+    grpo = group_advantages(r, 3, "grpo", eps=0.0)
+    assert torch.allclose(grpo, torch.tensor([-1.0, 0.0, 1.0, -1 / s3, -1 / s3, 2 / s3]))
+    dr = group_advantages(r, 3, "dr_grpo")
+    assert torch.allclose(dr, torch.tensor([-1.0, 0.0, 1.0, -1.0, -1.0, 2.0]))
+    assert torch.equal(group_advantages(r, 3, "reinforce_pp_baseline"), dr)
+    # RLOO: r_i minus the mean of the other two: 1 - 2.5, 2 - 2, 3 - 1.5; 0 - 1.5, 0 - 1.5, 3 - 0.
+    rloo = group_advantages(r, 3, "rloo")
+    assert torch.allclose(rloo, torch.tensor([-1.5, 0.0, 1.5, -1.5, -1.5, 3.0]))
+    assert torch.equal(group_advantages(r, 3, "reinforce_pp"), r)
+
+
+def test_group_advantages_of_an_all_equal_group_are_zero_and_finite():
+    r = torch.tensor([0.5, 0.5, 0.5, 0.5])
+    for est in ("grpo", "dr_grpo", "rloo"):
+        assert torch.equal(group_advantages(r, 4, est), torch.zeros(4)), est
+
+
+def test_group_advantages_refuse_groups_of_one():
+    with pytest.raises(ValueError, match="groups of >= 2"):
+        group_advantages(torch.tensor([1.0, 2.0]), 1, "grpo")
+    with pytest.raises(ValueError, match="groups of >= 2"):
+        group_advantages(torch.tensor([1.0, 2.0, 3.0]), 2, "rloo")
+
+
+def test_discounted_returns_by_hand_skip_pads():
+    # Row 0: rewards 1, 2, 3 over three real tokens, gamma 0.5: G = 1 + 0.5*2 + 0.25*3 = 2.75, 2 + 1.5 = 3.5, 3.
+    # Row 1: a pad in the middle (t=1) is skipped: G_0 = 1 + 0.5*4 = 3, G_2 = 4.
+    rewards = torch.tensor([[1.0, 2.0, 3.0], [1.0, 99.0, 4.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 1]])
+    g = discounted_returns(rewards, mask, 0.5)
+    assert torch.allclose(g, torch.tensor([[2.75, 3.5, 3.0], [3.0, 0.0, 4.0]]))
+
+
+def test_aggregate_loss_modes_by_hand():
+    # Row 0: two tokens (1, 3); row 1: four tokens (2, 2, 2, 6).
+    x = torch.tensor([[1.0, 3.0, 0.0, 0.0], [2.0, 2.0, 2.0, 6.0]])
+    m = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    assert aggregate_loss(x, m, "token_mean").item() == pytest.approx(16 / 6)
+    assert aggregate_loss(x, m, "seq_mean_token_mean").item() == pytest.approx((2 + 3) / 2)
+    assert aggregate_loss(x, m, "seq_mean_token_sum").item() == pytest.approx((4 + 12) / 2)
+    assert aggregate_loss(x, m, "seq_mean_token_sum_norm", max_len=8).item() == pytest.approx((4 + 12) / 2 / 8)
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        aggregate_loss(x, m, "sum")
+
+
+def test_clip_higher_clips_the_upper_side_only_at_eps_high():
+    # ratio 1.25 with a positive advantage: the symmetric clip (0.2) caps it at 1.2, clip-higher 0.28 does not.
+    old = torch.zeros(1, 2)
+    lp = torch.log(torch.tensor([[1.25, 0.75]]))
+    adv = torch.tensor([[1.0, -1.0]])
+    m = torch.ones(1, 2)
+    sym, st = policy_loss(lp, old, adv, m, 0.2)
+    high, sth = policy_loss(lp, old, adv, m, 0.2, clip_eps_high=0.28)
+    # token 0: -A*clip = -1.2 (sym) vs -1.25 (high); token 1 (A<0, ratio 0.75): max(0.75, 0.8) = 0.8 in both.
+    assert sym.item() == pytest.approx((-1.2 + 0.8) / 2)
+    assert high.item() == pytest.approx((-1.25 + 0.8) / 2)
+    assert st["clipfrac"].item() == pytest.approx(1.0) and sth["clipfrac"].item() == pytest.approx(0.5)

@@ -18,6 +18,7 @@ from trainer.rewards import (
     extract_answer,
     format_reward,
     load_reward_fn,
+    overlong_penalty,
     pad_ids,
     tag_reward,
 )
@@ -504,3 +505,11 @@ def test_compute_rewards_times_each_custom_fn():
                                      custom_fns={"slow": slow, "fast": lambda p, r, ref: 0.0})
     torch.testing.assert_close(total, total2)
     assert comps.keys() == comps2.keys()
+
+
+def test_overlong_penalty_is_dapos_linear_ramp():
+    # max 64 tokens, buffer 16: 0 up to 48 tokens, then -(L - 48) / 16, -1 at 64.
+    got = overlong_penalty(torch.tensor([10, 48, 52, 56, 64]), max_len=64, buffer_len=16)
+    assert got.tolist() == [0.0, 0.0, -0.25, -0.5, -1.0]
+    with pytest.raises(ValueError, match="overlong buffer"):
+        overlong_penalty(torch.tensor([1]), max_len=8, buffer_len=0)

@@ -20,7 +20,7 @@ from model.generation import filter_logits, sample_from_logits
 from model.loader import build_minimind
 from tests.helpers import scramble
 from trainer.rollout import attention_implementation, critic_forward, forward_in_row_chunks, generate_rollout, logprobs_from_logits
-from trainer.rollout import policy_forward, position_ids_from_mask
+from trainer.rollout import cat_rollouts, group_has_signal, policy_forward, position_ids_from_mask
 
 ROOT = Path(__file__).resolve().parents[1]
 PAD, EOS, V = 0, 2, 256
@@ -478,3 +478,39 @@ def test_eager_training_attention_equals_sdpa_and_is_restored(lm, critic):
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     lm.zero_grad(set_to_none=True)
+
+
+# ------------------------------------------------------------------ --filter_groups: groups with signal, merged batches
+
+
+def test_group_has_signal_keeps_groups_with_different_rewards_and_nan():
+    r = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 1.0, float("nan"), 2.0, 2.0])
+    assert group_has_signal(r, 3).tolist() == [False, True, True]
+
+
+def test_merged_rollouts_keep_every_rows_logprobs_and_rewards(lm):
+    """Rows of two rollouts with different prompt and response lengths, stacked by cat_rollouts, score
+    exactly as they did in their own batch (padding is masked), with their rewards and sampling log-probs."""
+    torch.manual_seed(3)
+    parts = []
+    for prompts, R in (([[17, 45, 99], [5, 6, 7, 8, 9]], 6), ([[200, 13, 13, 4, 180, 3, 3], [8, 9]], 3)):
+        seq, mask, _ = _batch(prompts, torch.empty(len(prompts), 0, dtype=torch.long))
+        ro = generate_rollout(lm, seq, mask, max_new_tokens=R, eos_token_id=EOS, pad_token_id=PAD, temperature=1.0,
+                              top_k=0, top_p=1.0, suppress_eos=True, num_generations=2, return_logprobs=True)
+        ro.rewards = torch.arange(4.0) + 10 * len(parts)
+        parts.append(ro)
+    picks = [(parts[0], torch.tensor([2, 3])), (parts[1], torch.tensor([0, 1, 3]))]
+    merged = cat_rollouts(picks, PAD)
+    assert merged.sequences.shape == (5, 7 + 6) and merged.prompt_len == 7 and merged.response_len == 6
+    assert merged.rewards.tolist() == [2.0, 3.0, 10.0, 11.0, 13.0]
+    got = policy_forward(lm, merged.sequences, merged.attention_mask, merged.response_len, 1.0)[0]
+    row = 0
+    for ro, idx in picks:
+        own = policy_forward(lm, ro.sequences[idx], ro.attention_mask[idx], ro.response_len, 1.0)[0]
+        R = ro.response_len
+        for k in range(len(idx)):
+            m = ro.response_mask[idx[k]].bool()
+            torch.testing.assert_close(got[row, :R][m], own[k][m], atol=1e-5, rtol=1e-5)
+            assert torch.equal(merged.old_logprobs[row, :R], ro.old_logprobs[idx[k]])
+            assert merged.response_mask[row, R:].eq(0).all()
+            row += 1

@@ -677,3 +677,218 @@ def test_reward_fn_calling_exit_zero_fails_the_run(world, tmp_path):
                   cwd=tmp_path, check=False)
     assert r.returncode != 0
     assert "--reward_fn quits raised SystemExit: 0 on row 0" in r.stderr
+
+
+# ------------------------------------------------------------------ critic-free estimators and the DAPO knobs
+CRITIC_FREE = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+
+
+@pytest.mark.parametrize("est", CRITIC_FREE)
+def test_critic_free_estimator_builds_no_critic_and_updates_the_actor(est):
+    world, ro, stats, actor0, _ = _critic_free_step(est)
+    assert world.models.critic is None and world.models.critic_train is None
+    assert list(world.optim.optims) == ["actor"] and list(world.optim.scheds) == ["actor"]
+    assert _max_change(actor0, world.actor) > 0.5 * LR
+    assert ro.values is None and not any(k.startswith(("loss/value", "value/", "grad_norm/critic")) for k in stats)
+
+
+def _critic_free_step(est: str, *flags: str):
+    world = _world("--advantage_estimator", est, "--num_generations", "4", "--batch_size", "2", "--mini_batch_size", "4", *flags)
+    ro, _ = run_experience(world)
+    actor0 = param_snapshot(world.actor)
+    stats = run_update(world, ro)
+    return world, ro, stats, actor0, None
+
+
+@pytest.mark.parametrize("est", ["grpo", "dr_grpo", "rloo"])
+def test_group_estimators_give_every_token_its_responses_baselined_score(est):
+    """KL in the loss (grpo/dr_grpo's default) or no KL: each response's advantage is its score minus
+    the group's baseline, equal on every one of its tokens (trainer/ppo.py group_advantages, tested by hand)."""
+    from trainer.ppo import group_advantages
+
+    world, ro, _, _, _ = _critic_free_step(est, "--kl_coef", "0")
+    want = group_advantages(ro.rewards, 4, est)
+    m = ro.response_mask.bool()
+    for i in range(ro.rewards.shape[0]):
+        assert torch.allclose(ro.advantages[i][m[i]], want[i].expand(int(m[i].sum())), atol=1e-6), i
+    assert ro.rewards.view(-1, 4).std(1).gt(0).any(), "every group equal: the check would prove nothing"
+
+
+def test_reinforce_pp_returns_are_whitened_over_the_batch():
+    world, ro, _, _, _ = _critic_free_step("reinforce_pp")
+    m = ro.response_mask.bool()
+    assert ro.advantages[m].mean().item() == pytest.approx(0.0, abs=1e-5)
+    assert ro.advantages[m].std().item() == pytest.approx(1.0, rel=1e-4)
+
+
+def test_kl_auto_rules_follow_each_papers_choice():
+    for est, place, kl in (("gae", "reward", "k1"), ("grpo", "loss", "k3"), ("dr_grpo", "loss", "k3"),
+                           ("rloo", "reward", "k1"), ("reinforce_pp", "reward", "k1")):
+        s = _world("--advantage_estimator", est, "--num_generations", "2", "--mini_batch_size", "4").settings
+        assert (s.kl_placement, s.kl_estimator) == (place, kl), est
+        assert (s.flags["kl_placement"], s.flags["kl_estimator"]) == (place, kl)  # what resume files record
+
+
+def _ragged(ro, lengths=(3, 5, 8, 2)):
+    """Cut the responses to different lengths (masked after), as EOS would: per-sequence and per-token
+    aggregation then differ (a random policy never samples EOS in 8 tokens)."""
+    P = ro.prompt_len
+    for i, n in enumerate(lengths):
+        ro.response_mask[i, n:] = 0
+        ro.attention_mask[i, P + n:] = 0
+    return ro
+
+
+def _ragged_step(*flags: str):
+    world = _world(*flags)
+    ro = _ragged(run_experience(world)[0])
+    actor0 = param_snapshot(world.actor)
+    return world, ro, run_update(world, ro), actor0
+
+
+@pytest.mark.parametrize("mode", ["seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"])
+def test_per_sequence_loss_modes_take_the_same_step_in_micro_batches(mode):
+    """Row-normalised losses are scaled by each micro-batch's share of rows, so --accumulation_steps 2
+    gives the step of one micro-batch (as token_mean's token shares do), and the mode changes the step."""
+    flags = ("--loss_agg_mode", mode, "--mini_batch_size", "4")
+    w1, _, s1, actor0 = _ragged_step(*flags, "--accumulation_steps", "1")
+    w2, _, s2, _ = _ragged_step(*flags, "--accumulation_steps", "2")
+    assert s2["grad_norm/actor"] == pytest.approx(s1["grad_norm/actor"], rel=1e-5)
+    for (name, p), q in zip(w1.actor.named_parameters(), w2.actor.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=LR * 1e-2, msg=name)
+    _, _, s3, _ = _ragged_step("--mini_batch_size", "4")
+    assert s3["grad_norm/actor"] != pytest.approx(s1["grad_norm/actor"], rel=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"])
+def test_policy_loss_aggregation_by_hand(mode):
+    """token_mean (PPO, DAPO): over all tokens; seq_mean_token_mean (GRPO): each response's token mean, then
+    the mean over responses; seq_mean_token_sum: token sums' mean; _norm (Dr. GRPO): that / --max_gen_len."""
+    world = _world("--loss_agg_mode", mode, "--mini_batch_size", "4")
+    ro = _ragged(run_experience(world)[0])
+    m = ro.response_mask.bool()
+    logprobs, _ = policy_logprobs(world, ro)
+    ratio = torch.exp(torch.where(m, logprobs - ro.old_logprobs, 0.0))
+    tok = torch.maximum(-ro.advantages * ratio, -ro.advantages * ratio.clamp(0.8, 1.2))
+    rows = [tok[i][m[i]] for i in range(len(m))]
+    hand = {"token_mean": torch.cat(rows).mean(), "seq_mean_token_mean": torch.stack([r.mean() for r in rows]).mean(),
+            "seq_mean_token_sum": torch.stack([r.sum() for r in rows]).mean(),
+            "seq_mean_token_sum_norm": torch.stack([r.sum() for r in rows]).mean() / 8}[mode]
+    assert run_update(world, ro)["loss/policy"] == pytest.approx(hand.item(), rel=1e-5, abs=1e-7)
+
+
+def test_one_minibatch_reuses_the_scoring_values_and_equals_two_passes():
+    """One epoch of one minibatch (MiniMind's shape): the critic's scoring forward is kept with its graph and
+    the update does not run a second one; values, losses and the updated weights equal the two-pass path."""
+    import dataclasses
+
+    flags = ("--mini_batch_size", "4", "--ppo_update_iters", "1")
+    one = _world(*flags)
+    assert one.settings.reuse_values
+    _random_value_head(one)
+    ro1, _ = run_experience(one)
+    assert ro1.values_with_grad is not None and ro1.values_with_grad.requires_grad
+    s1 = run_update(one, ro1)
+    two = _world(*flags)
+    two.settings = two.built.settings = dataclasses.replace(two.settings, reuse_values=False)
+    _random_value_head(two)
+    ro2, _ = run_experience(two)
+    assert ro2.values_with_grad is None
+    s2 = run_update(two, ro2)
+    torch.testing.assert_close(ro1.values, ro2.values, rtol=0, atol=1e-6)
+    assert s1["loss/value"] == pytest.approx(s2["loss/value"], rel=1e-5)
+    assert s1["grad_norm/critic"] == pytest.approx(s2["grad_norm/critic"], rel=1e-5)
+    _assert_close_params(one.critic, two.critic)
+    _assert_close_params(one.actor, two.actor)
+    assert not _world("--mini_batch_size", "2").settings.reuse_values  # two minibatches: two passes
+    assert not _world(*flags, "--ppo_update_iters", "2").settings.reuse_values
+
+
+def _random_value_head(world) -> None:
+    with torch.no_grad():  # the zero init would make every value 0 and the comparison trivial
+        world.critic.value_head.weight.normal_(generator=torch.Generator().manual_seed(5))
+
+
+def _assert_close_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=LR * 1e-2, msg=name)
+
+
+@pytest.mark.parametrize("over, message", [
+    (dict(advantage_estimator="grpo"), "error: --advantage_estimator grpo compares the --num_generations responses to each prompt"),
+    (dict(advantage_estimator="rloo", num_generations=1), "--num_generations >= 2"),
+    (dict(filter_groups=1), "error: --filter_groups 1 drops groups"),
+    (dict(advantage_estimator="reinforce_pp", critic_warmup_steps=2),
+     "error: --critic_warmup_steps trains the critic, but --advantage_estimator reinforce_pp has none"),
+    (dict(overlong_buffer_len=8), "error: --overlong_buffer_len 8 must be in [0, --max_gen_len 8)"),
+    (dict(clip_epsilon_high="nan"), "error: --clip_epsilon_high nan must be a finite number > 0"),
+    (dict(eval_data_path="nope.jsonl"), "error: --eval_data_path nope.jsonl: file not found"),
+])
+def test_bad_estimator_combinations_are_one_line(world, tmp_path, over, message):
+    assert message in (_validate(world, tmp_path, **over) or "")
+
+
+def test_reinforce_pp_alone_needs_no_groups(world, tmp_path):
+    assert _validate(world, tmp_path, advantage_estimator="reinforce_pp") is None
+
+
+def test_critic_flags_with_a_critic_free_estimator_warn_once(capsys):
+    from train_ppo import parse_args
+
+    parse_args(["--advantage_estimator", "grpo", "--vf_coef", "0.3", "--lam", "0.9"])
+    err = capsys.readouterr().err
+    assert err.strip() == "warning: --advantage_estimator grpo builds no critic: --vf_coef, --lam are ignored"
+    parse_args(["--advantage_estimator", "grpo"])
+    parse_args(["--vf_coef", "0.3"])
+    assert capsys.readouterr().err == ""
+
+
+@pytest.fixture(scope="module")
+def grpo_run(world, tmp_path_factory):
+    """3 steps of grpo with every DAPO knob on: dynamic sampling, clip-higher, overlong penalty, token sums,
+    and evaluation every 2 steps on a held-out file."""
+    tmp = tmp_path_factory.mktemp("grpo")
+    held_out = tmp / "held_out.jsonl"
+    held_out.write_text("".join((ROOT / "dataset" / "demo_eval.jsonl").read_text(encoding="utf-8").splitlines(True)[:6]))
+    flags = tiny_flags(world, tmp, advantage_estimator="grpo", num_generations=2, batch_size=2, mini_batch_size=2,
+                       filter_groups=1, clip_epsilon_high=0.28, overlong_buffer_len=4, loss_agg_mode="seq_mean_token_sum",
+                       eval_data_path=str(held_out), eval_interval=2, eval_samples=4, temperature=1.2, save_weight="grpo")
+    r = run_train(flags, cwd=tmp)
+    return {"tmp": tmp, "r": r}
+
+
+def test_critic_free_run_saves_no_critic_and_logs_no_critic_metrics(grpo_run):
+    tmp = grpo_run["tmp"]
+    rows = read_metrics(tmp / "run")
+    steps = [r for r in rows if "reward/total" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert not any(k.startswith(("loss/value", "value/", "lr/critic", "grad_norm/critic")) for r in steps for k in r)
+    state = torch.load(sorted((tmp / "ckpt").glob("grpo_*_resume_step*.pth"))[-1], weights_only=True)
+    assert state["critic"] is None and list(state["optim"]) == ["actor"]
+    assert state["args"]["advantage_estimator"] == "grpo" and state["args"]["clip_epsilon_high"] == 0.28
+
+
+def test_overlong_penalty_is_its_own_reward_component(grpo_run):
+    steps = [r for r in read_metrics(grpo_run["tmp"] / "run") if "reward/total" in r]
+    assert all(-1.0 <= r["reward/overlong"] <= 0.0 for r in steps)
+
+
+def test_filter_groups_logs_its_work_and_the_position_counts_every_batch_drawn(grpo_run):
+    tmp = grpo_run["tmp"]
+    steps = [r for r in read_metrics(tmp / "run") if "reward/total" in r]
+    extra = [r["filter/extra_rollouts"] for r in steps]
+    assert all(0 <= e <= 4 for e in extra) and all("filter/groups_dropped" in r for r in steps)
+    state = torch.load(sorted((tmp / "ckpt").glob("grpo_*_resume_step*.pth"))[-1], weights_only=True)
+    assert state["consumed"] == 2 * (3 + sum(extra))  # 2 prompts per batch drawn, extra ones included
+
+
+def test_evaluation_runs_before_the_first_step_every_interval_and_at_the_end(grpo_run):
+    rows = read_metrics(grpo_run["tmp"] / "run")
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 2, 3]
+    for r in evals:
+        assert 0 <= r["eval/format_rate"] <= 1 and r["eval/response_length"] >= 1 and "eval/reward/rm" in r
+    from trainer.run.plots import collect_series, figure_specs
+
+    specs = {stem: [k for k, _ in panels] for stem, _, panels in figure_specs(collect_series(rows).keys())}
+    assert "eval/accuracy" in specs["eval"] and not any(k.startswith("eval/") for k in specs["reward"])
