@@ -405,3 +405,86 @@ def test_reward_function_failing_on_one_rank_stops_every_rank_with_its_line(worl
     assert time.monotonic() - t0 < 200  # no rank sat out a collective timeout
     import json
     assert json.loads((tmp_path / "run" / "run.json").read_text())["status"].startswith("stopped: ")
+
+
+# ------------------------------------------------------------------ each advantage estimator: 2 ranks x B/2 = 1 x B
+# Steps 1-3 (sampling, rewards) are rank-local and a group never spans ranks; ranks meet in steps 4-5
+# (global whitening, the global token/row counts of the losses, DDP's gradient mean). So: one rollout of
+# 4 prompts x 2 responses, its advantages and one update computed in one process, and again with rows
+# 0-3 on rank 0 and rows 4-7 on rank 1 (2 gloo processes, DDP), from the same weights.
+ESTIMATOR_CASES = [("gae",), ("grpo",), ("dr_grpo", "--loss_agg_mode", "seq_mean_token_mean"), ("rloo",),
+                   ("reinforce_pp",), ("reinforce_pp_baseline", "--loss_agg_mode", "seq_mean_token_sum_norm")]
+
+
+def _estimator_flags(case: tuple, prompts: int) -> list[str]:
+    rows = prompts * 2
+    return ["--advantage_estimator", case[0], *case[1:], "--num_generations", "2", "--batch_size", str(prompts),
+            "--mini_batch_size", str(rows), "--reward_fn", f"{FIXTURES / 'toy_rewards.py'}:low_id_share",
+            "--temperature", "1.0", "--learning_rate", "1e-3", "--device", "cpu"]
+
+
+def _estimator_update(args, built, fields: dict) -> tuple[torch.Tensor, dict]:
+    import train_ppo as T
+    from trainer.rollout import Rollout
+
+    ro = Rollout(**fields)
+    T.compute_advantages(args, ro, built.kl_ctl.value, built.settings)
+    T.ppo_update(args, ro, built.models, built.optim, 0, built.settings, built.kl_ctl.value)
+    return ro.advantages, {k: v.detach().clone() for k, v in built.models.actor.state_dict().items()}
+
+
+def _estimator_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import train_ppo as T
+    from tests.helpers import UPDATE_BASE_FLAGS
+    from trainer.run.setup import setup
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    info = D.init_distributed("cpu", timeout_s=120)
+    try:
+        for case in ESTIMATOR_CASES:
+            fields = torch.load(Path(out_dir) / f"{case[0]}_rollout.pt", weights_only=False)
+            rows = slice(4 * rank, 4 * rank + 4)  # this rank's two prompts, both responses of each
+            half = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in fields.items()}
+            args = T.parse_args([*UPDATE_BASE_FLAGS, *_estimator_flags(case, 2)])
+            built = setup(args, info)
+            torch.save(_estimator_update(args, built, half), Path(out_dir) / f"{case[0]}_rank{rank}.pt")
+    finally:
+        D.cleanup(info)
+
+
+@pytest.mark.slow  # one pair of gloo processes for all six estimators (~30 s on 2 shared cores)
+def test_each_estimator_two_ranks_equal_one_process(tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.helpers import build_update_world, run_experience
+
+    want = {}
+    for case in ESTIMATOR_CASES:
+        flags = _estimator_flags(case, 4)
+        ro, _ = run_experience(build_update_world(flags))
+        fields = {k: v for k, v in ro.__dict__.items() if k not in ("advantages", "returns", "values_with_grad")}
+        fields["values"] = None if fields["values"] is None else fields["values"].detach()
+        torch.save(fields, tmp_path / f"{case[0]}_rollout.pt")
+        w = build_update_world(flags)  # the same starting weights as the ranks build
+        start = {k: v.clone() for k, v in w.models.actor.state_dict().items()}
+        want[case[0]] = (*_estimator_update(w.args, w.built, fields), ro.rewards, start)
+    ctx = mp.spawn(_estimator_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False)
+    deadline = time.monotonic() + 300
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.terminate()
+            pytest.fail("2-process estimator updates hung")
+    for case in ESTIMATOR_CASES:
+        adv, actor, rewards, start = want[case[0]]
+        assert rewards.view(-1, 2).std(1).gt(0).any(), f"{case[0]}: no group with signal, the check would prove nothing"
+        a0, w0 = torch.load(tmp_path / f"{case[0]}_rank0.pt", weights_only=True)
+        a1, w1 = torch.load(tmp_path / f"{case[0]}_rank1.pt", weights_only=True)
+        torch.testing.assert_close(torch.cat([a0, a1]), adv, rtol=0, atol=1e-5, msg=case[0])
+        assert max((actor[k] - start[k]).abs().max().item() for k in actor) > 1e-4, f"{case[0]}: the update moved nothing"
+        for k, v in actor.items():
+            assert torch.equal(w0[k], w1[k]), (case[0], k)  # DDP keeps the ranks equal
+            diff = (w0[k] - v).abs()
+            assert diff.max().item() < MAX_ABS and diff.mean().item() < MEAN_ABS, (case[0], k)
