@@ -7,13 +7,15 @@
 
 The loop reads like the algorithm: for each batch of prompts
   1. rollout    sample responses from the actor (temperature / top-k / top-p, stop at EOS)
-  2. score      old log-probs (the policy that sampled), reference log-probs, critic values
   3. reward     hybrid reward: format regex + tags + reward model + accuracy + EOS + custom
-  4. advantages per-token KL penalty, reward on the EOS token, GAE, whitening
+                (--filter_groups: drop groups with equal rewards, sample more prompts; DAPO)
+  2. score      old log-probs (the policy that sampled), reference log-probs, critic values
+  4. advantages per-token KL penalty, reward on the EOS token, GAE and whitening, or a critic-free
+                group baseline (--advantage_estimator grpo | dr_grpo | rloo | reinforce_pp[_baseline])
   5. update     epochs x minibatches of clipped policy loss + clipped value loss (+ KL, entropy)
-  6. log, checkpoint
-Models: actor (trained), critic (actor's trunk + value head, trained), reference (frozen copy
-of the start), reward model (frozen, external), and optionally a frozen "old actor" copy.
+  6. log, evaluate on held-out prompts, checkpoint
+Models: actor (trained), critic (actor's trunk + value head, trained; gae only), reference (frozen
+copy of the start), reward model (frozen, external), and optionally a frozen "old actor" copy.
 Where things live: the math in trainer/ppo.py, sampling and scoring forwards in trainer/rollout.py,
 reward components in trainer/rewards.py, one minibatch's forward/backward and optimizer step in
 trainer/update.py; how a run is built, resumed, saved, logged and spread over

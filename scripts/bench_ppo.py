@@ -310,7 +310,7 @@ def run_config(cfg: dict) -> dict:
               "reward_model": nparams(rm_scorer.model) if rm_scorer is not None and hasattr(rm_scorer, "model") else 0}
     adam_bytes = sum(t.numel() * t.element_size() for o in optims.values() for s in o.state.values()
                      for t in s.values() if isinstance(t, torch.Tensor))
-    grad_bytes = sum(p.numel() * 4 for m in (actor, critic) for p in m.parameters() if p.requires_grad)
+    grad_bytes = sum(p.numel() * 4 for m in (actor, critic) if m is not None for p in m.parameters() if p.requires_grad)
     param_mb = {"actor": pbytes(actor) / MB, "critic": pbytes(critic) / MB, "ref": pbytes(ref) / MB,
                 "old_actor": pbytes(old_actor) / MB,
                 "reward_model": pbytes(rm_scorer.model) / MB if rm_scorer is not None and hasattr(rm_scorer, "model") else 0.0}
@@ -325,11 +325,11 @@ def run_config(cfg: dict) -> dict:
     memory["within_budget"] = bool(peak <= memory["budget_4_copies_2_adamw"])
 
     med = {k: statistics.median(r[k] for r in per_step) for k in TIME_KEYS} if per_step else {}
-    B, P, R = args.batch_size, cfg["prompt_len"], cfg["gen_len"]
+    B, P, R = args.batch_size * args.num_generations, cfg["prompt_len"], cfg["gen_len"]  # rows
     seq = P + R
     mcfg = actor.config
     actor_fwd = forward_flops(mcfg, B, seq, R + 1)
-    critic_fwd = forward_flops(mcfg, B, seq, 0)
+    critic_fwd = forward_flops(mcfg, B, seq, 0) if critic is not None else 0.0  # critic-free estimators build none
     gen = forward_flops(mcfg, B, P, 1) + sum(forward_flops(mcfg, B, 1, 1) + B * mcfg.num_hidden_layers * 4 * mcfg.hidden_size * (P + t)
                                            for t in range(1, R))
     flops = {
