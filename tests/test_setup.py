@@ -223,3 +223,12 @@ def test_ddp_wraps_without_broadcasting_buffers(monkeypatch, actor_dev, critic_d
     _RecordingDDP.calls = []
     setup_mod.wrap_for_training(args, models, DistInfo())
     assert _RecordingDDP.calls == [] and models.actor_train is models.actor
+
+
+def test_evaluation_is_on_for_the_demo_and_off_for_other_data(tmp_path):
+    demo = "dataset/demo_train.jsonl"
+    assert S.eval_data_path(T.parse_args(["--data_path", demo])) == "dataset/demo_eval.jsonl"
+    assert S.eval_data_path(T.parse_args(["--data_path", demo, "--eval_data_path", "none"])) is None
+    mine = tmp_path / "rlaif.jsonl"
+    assert S.eval_data_path(T.parse_args(["--data_path", str(mine)])) is None  # a user's data: no demo questions
+    assert S.eval_data_path(T.parse_args(["--data_path", str(mine), "--eval_data_path", "held.jsonl"])) == "held.jsonl"
