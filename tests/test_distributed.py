@@ -144,11 +144,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _gloo_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _join_gloo_group(rank: int, world: int, port: int) -> D.DistInfo:
+    """What torchrun's environment gives a worker, for processes started by torch.multiprocessing."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    info = D.init_distributed("cpu", timeout_s=120)
+    return D.init_distributed("cpu", timeout_s=120)
+
+
+def _spawn_two(worker, out_dir: Path, timeout: float, what: str) -> None:
+    import torch.multiprocessing as mp
+
+    ctx = mp.spawn(worker, args=(2, _free_port(), str(out_dir)), nprocs=2, join=False)
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.terminate()
+            pytest.fail(f"{what} hung")
+
+
+def _gloo_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    info = _join_gloo_group(rank, world, port)
     try:
         x, mask, values = _whiten_data()
         rows = slice(rank, None, world)  # this rank's share of the global batch
@@ -190,15 +207,7 @@ def _whiten_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 @pytest.mark.slow  # ~5 s idle, more on a loaded machine: two fresh interpreters import torch
 def test_collectives_over_two_gloo_processes(tmp_path):
-    import torch.multiprocessing as mp
-
-    ctx = mp.spawn(_gloo_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False)
-    deadline = time.monotonic() + 120
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            pytest.fail("2-process gloo collectives hung")
+    _spawn_two(_gloo_worker, tmp_path, 120, "2-process gloo collectives")
     x, mask, values = _whiten_data()
     full = masked_whiten(x, mask)
     for rank in (0, 1):
@@ -438,10 +447,7 @@ def _estimator_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from tests.helpers import UPDATE_BASE_FLAGS
     from trainer.run.setup import setup
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    info = D.init_distributed("cpu", timeout_s=120)
+    info = _join_gloo_group(rank, world, port)
     try:
         for case in ESTIMATOR_CASES:
             fields = torch.load(Path(out_dir) / f"{case[0]}_rollout.pt", weights_only=False)
@@ -456,8 +462,6 @@ def _estimator_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow  # one pair of gloo processes for all six estimators (~30 s on 2 shared cores)
 def test_each_estimator_two_ranks_equal_one_process(tmp_path):
-    import torch.multiprocessing as mp
-
     from tests.helpers import build_update_world, run_experience
 
     want = {}
@@ -470,13 +474,7 @@ def test_each_estimator_two_ranks_equal_one_process(tmp_path):
         w = build_update_world(flags)  # the same starting weights as the ranks build
         start = {k: v.clone() for k, v in w.models.actor.state_dict().items()}
         want[case[0]] = (*_estimator_update(w.args, w.built, fields), ro.rewards, start)
-    ctx = mp.spawn(_estimator_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False)
-    deadline = time.monotonic() + 300
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            pytest.fail("2-process estimator updates hung")
+    _spawn_two(_estimator_worker, tmp_path, 300, "2-process estimator updates")
     for case in ESTIMATOR_CASES:
         adv, actor, rewards, start = want[case[0]]
         assert rewards.view(-1, 2).std(1).gt(0).any(), f"{case[0]}: no group with signal, the check would prove nothing"
