@@ -276,7 +276,8 @@ def export_base_hf(model: nn.Module, tok: Any, out_dir: str | os.PathLike) -> Pa
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(tok, name, None) is not None:
             setattr(hf, name, getattr(tok, name))
-    stock = AutoModelForCausalLM.from_config(hf)
+    with torch.random.fork_rng(devices=[]):  # from_config's random init must not move the run's RNG (exact resume)
+        stock = AutoModelForCausalLM.from_config(hf)
     stock.load_state_dict({k: v.float() for k, v in merged_state_dict(model, adapters=False).items()}, strict=True)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     stock.save_pretrained(str(tmp))
