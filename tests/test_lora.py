@@ -225,6 +225,22 @@ def test_resume_with_other_lora_flags_names_the_flag(world, tmp_path):
     assert isinstance(code, str) and "--lora_r is 0 but" in code, code
 
 
+def test_resume_of_a_file_without_lora_flags_into_a_lora_run_is_one_line(world, tmp_path):
+    """A full-model resume file written before the LoRA flags were recorded: no flag to compare, so the
+    actor's tensors themselves are checked."""
+    from model.lora import LORA_FLAGS
+    from model.weights import atomic_torch_save
+
+    code, out = run_main(tiny_flags(world, tmp_path, max_steps=1))
+    assert code is None, out[-2000:]
+    path = tmp_path / "ckpt" / _name(1)
+    state = dict(torch.load(path, weights_only=True))
+    state["args"] = {k: v for k, v in state["args"].items() if k not in LORA_FLAGS}
+    atomic_torch_save(state, path)
+    code, _ = run_main(tiny_flags(world, tmp_path, max_steps=2, from_resume=1, lora_r=4))
+    assert isinstance(code, str) and "\n" not in code and "not this run's LoRA adapters" in code, code
+
+
 @pytest.mark.slow
 def test_sigkill_then_resume_with_lora_is_bit_identical(world, tmp_path):
     """Run A: 5 steps. Run B: SIGKILLed at an arbitrary moment after step 1 is saved, resumed to the

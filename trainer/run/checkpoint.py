@@ -287,7 +287,10 @@ def training_state(*, actor, critic, optims: dict, scheds: dict, kl_ctl, old_act
 
 def load_training_state(state: dict, *, actor, critic, optims: dict, scheds: dict, kl_ctl, old_actor, scaler) -> None:
     """Inverse of `training_state`."""
-    load_actor_state_dict(actor, state["actor"])  # with LoRA: its adapters only
+    try:
+        load_actor_state_dict(actor, state["actor"])  # with LoRA: its adapters only
+    except ValueError as e:  # e.g. a file written before the LoRA flags were recorded
+        raise ResumeError(str(e)) from None
     critic.load_state_dict(state["critic"])
     for k in optims:
         optims[k].load_state_dict(state["optim"][k])
