@@ -18,8 +18,8 @@ changes elsewhere, all built here:
 
 from __future__ import annotations
 
-import contextlib
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -282,9 +282,6 @@ def export_base_hf(model: nn.Module, tok: Any, out_dir: str | os.PathLike) -> Pa
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     stock.save_pretrained(str(tmp))
     tok.save_pretrained(str(tmp))
-    with contextlib.suppress(FileNotFoundError):
-        import shutil
-
-        shutil.rmtree(out_dir)
+    shutil.rmtree(out_dir, ignore_errors=True)  # a partial directory from a killed save (no config.json)
     os.replace(tmp, out_dir)
     return out_dir
