@@ -70,6 +70,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--trust_remote_code", type=int, default=0, choices=[0, 1], help="allow remote code (get_score() reward models)")
     a("--update_old_actor_freq", type=int, default=0,
       help="0: old log-probs recorded by the actor at rollout (no copy); N: MiniMind's frozen copy refreshed every N steps")
+    a("--lora_r", type=int, default=0,
+      help="LoRA rank of the actor's adapters (peft); 0 = full fine-tuning. With LoRA the reference is the actor with "
+           "its adapters off (no copy) and the old actor (--update_old_actor_freq N) a copy of the adapters only")
+    a("--lora_alpha", type=float, default=16.0, help="LoRA scale numerator: adapters add (alpha / r) B A x")
+    a("--lora_dropout", type=float, default=0.0,
+      help="dropout on the adapters' input while the actor is in train mode (TRL's PPO turns dropout off; the first ratio is then not 1)")
+    a("--lora_target_modules", default="all-linear",
+      help="'all-linear' (every linear layer of the trunk, never the LM head) or a comma list of layer names, e.g. q_proj,v_proj")
+    a("--save_merged", type=int, default=-1, choices=[-1, 0, 1],
+      help="with LoRA, also write the merged weights where a full run writes its policy (the .pth / <save_weight>_hf); "
+           "-1 = on for native MiniMind weights, off for --actor_path. The adapter directory is always written")
     a("--rollout_logprobs", type=int, default=1, choices=[0, 1],
       help="with no old-actor copy, old_logprobs come from the sampling pass itself instead of a second forward "
            "(fp32: equal to ~1e-6; bf16: ~2e-3 nats apart, no clipping on it; the second forward costs ~9%% of a step: "

@@ -16,6 +16,11 @@ mask; grouped K/V heads as `decode_attention` lays them out per device). Concate
 round differently in the last bit: fp32 logits agree to ~1e-6, bf16 to one bf16 step
 (tests/test_generation.py::test_fast_decode_*).
 
+LoRA (peft) layers: each adapter is folded into its layer's weight once per `sample()` call
+(W + B A scale, model/lora.py `effective_weight`), so a LoRA policy decodes at the speed of a plain
+one; x (W + B A s) rounds differently from peft's x W + s (x A) B in the last bits (fp32 log-probs
+agree to ~1e-6: tests/test_lora.py).
+
 Anything else (MoE, biases, sliding windows, other model types, hub kernels) returns None from
 `fast_decoder` and `sample()` keeps transformers' forward.
 """
@@ -27,6 +32,8 @@ import sys
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .lora import effective_weight
 
 _SUPPORTED = ("Qwen3Model", "LlamaModel")
 
@@ -80,13 +87,14 @@ class FastDecoder:
         # Under autocast F.linear would cast these on every call; cast once here (same rounding).
         cast = (lambda w: w.detach().to(compute_dtype)) if compute_dtype is not None else (lambda w: w.detach())
         self.weights = []
+        w = effective_weight  # nn.Linear's weight, or a LoRA layer's with its adapter folded in (model/lora.py)
         for layer in trunk.layers:
             a, mlp = layer.self_attn, layer.mlp
             self.weights.append({
-                "qkv": cast(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
-                "o": cast(a.o_proj.weight),
-                "gate_up": cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-                "down": cast(mlp.down_proj.weight),
+                "qkv": cast(torch.cat([w(a.q_proj), w(a.k_proj), w(a.v_proj)])),
+                "o": cast(w(a.o_proj)),
+                "gate_up": cast(torch.cat([w(mlp.gate_proj), w(mlp.up_proj)])),
+                "down": cast(w(mlp.down_proj)),
             })
         self.head = cast(lm.lm_head.weight)
 
@@ -132,8 +140,8 @@ def fast_decoder(lm: nn.Module, device_type: str) -> FastDecoder | None:
         a, mlp = layer.self_attn, layer.mlp
         linears = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, getattr(mlp, "gate_proj", None),
                    getattr(mlp, "up_proj", None), getattr(mlp, "down_proj", None)]
-        if not all(isinstance(m, nn.Linear) and m.bias is None for m in linears):
-            return None  # MoE blocks, attention/MLP biases
+        if any(m is None or effective_weight(m) is None for m in linears):
+            return None  # MoE blocks, attention/MLP biases, LoRA layers in train mode or of other kinds
         if getattr(a, "sliding_window", None):
             return None  # a sliding-window layer (Qwen3 sets it per layer from layer_types)
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None

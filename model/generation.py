@@ -23,6 +23,7 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .fast_decode import fast_decoder
+from .lora import base_of
 
 
 @dataclass
@@ -200,7 +201,7 @@ def sample(
     interval = sync_interval if sync_interval is not None else host_sync_interval(input_ids.device.type)
     if interval < 1:
         raise ValueError(f"sync_interval must be >= 1, got {interval}")
-    model = getattr(model, "module", model)  # the unwrapped module (DDP wraps only the training forward)
+    model = base_of(model)  # the causal LM itself: DDP wraps only the training forward; a peft model's base runs its adapters
     eos_ids = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
     eos_t = torch.tensor(eos_ids, device=input_ids.device)
     keep = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}  # only the last position's logits

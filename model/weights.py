@@ -174,8 +174,10 @@ def atomic_torch_save(obj, path: str | os.PathLike) -> None:
         raise
 
 
-def save_native_weights(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch.float16) -> None:
-    """Save in MiniMind's format (per-expert keys, fp16 by default) so its scripts load our output."""
-    model = getattr(model, "module", model)  # unwrap DDP
-    state = {k: v.detach().to("cpu", dtype=dtype).clone() for k, v in to_native(model.state_dict()).items()}
+def save_native_weights(model: nn.Module | dict[str, torch.Tensor], path: str | os.PathLike,
+                        dtype: torch.dtype = torch.float16) -> None:
+    """Save in MiniMind's format (per-expert keys, fp16 by default) so its scripts load our output.
+    `model` may also be a state dict in transformers' key names (a LoRA actor's merged weights)."""
+    sd = model if isinstance(model, dict) else getattr(model, "module", model).state_dict()  # unwrap DDP
+    state = {k: v.detach().to("cpu", dtype=dtype).clone() for k, v in to_native(sd).items()}
     atomic_torch_save(state, path)

@@ -259,7 +259,7 @@ def run_config(cfg: dict) -> dict:
             "--num_threads", str(cfg["num_threads"]), "--parallel_update", str(cfg.get("parallel_update", -1)),
             "--suppress_eos", "1", "--seed", str(cfg["seed"]),
             "--warmup_steps", "0", "--max_steps", str(cfg["warmup"] + cfg["steps"] + 1),
-            "--rm_weight", "0.5" if cfg["reward_model"] else "0",
+            "--rm_weight", "0.5" if cfg["reward_model"] else "0", "--lora_r", str(cfg.get("lora_r", 0)),
             "--reward_model_path", cfg["reward_model"] or "none", *cfg.get("extra_args", [])]
     args = T.parse_args(argv)
 
@@ -375,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--use_compile", default="0", help="comma list of 0/1: torch.compile the training forward (actor_train, critic_train)")
     a("--num_threads", default="0", help="comma list of torch thread counts (0 = torch default)")
     a("--parallel_update", default="-1", help="comma list of -1/0/1: actor and critic update side by side on one core each (-1 = train_ppo's auto)")
+    a("--lora_r", default="0", help="comma list of LoRA ranks of the actor (0 = full fine-tuning; --extra sets --lora_alpha etc.)")
     a("--batch_size", type=int, default=8)
     a("--prompt_len", type=int, default=64)
     a("--gen_len", type=int, default=64)
@@ -408,14 +409,14 @@ def expand_configs(o: argparse.Namespace) -> list[dict]:
         raise SystemExit("error: --steps must be >= 1 and --warmup >= 0")
     # Every comma list expands the matrix (the last list varies fastest).
     matrix = itertools.product(sizes, ints(o.num_threads), ints(o.use_compile), ints(o.frozen_low_precision),
-                               dtypes, old_modes, ints(o.parallel_update))
+                               dtypes, old_modes, ints(o.parallel_update), ints(o.lora_r))
     return [{
         "name": f"{h}x{l}", "hidden": h, "layers": l, "dtype": d, "update_old_actor_freq": old,
         "frozen_low_precision": flp, "use_compile": comp, "num_threads": threads, "parallel_update": par,
         "batch_size": o.batch_size, "prompt_len": o.prompt_len, "gen_len": o.gen_len,
         "prompts": o.prompts, "steps": steps, "warmup": o.warmup, "count_flops": o.count_flops,
-        "seed": o.seed, "reward_model": None, "extra_args": o.extra.split() if o.extra else [],
-    } for (h, l), threads, comp, flp, d, old, par in matrix]
+        "seed": o.seed, "reward_model": None, "extra_args": o.extra.split() if o.extra else [], "lora_r": lora,
+    } for (h, l), threads, comp, flp, d, old, par, lora in matrix]
 
 
 def run_child(cfg: dict, timeout: int) -> dict:
@@ -436,7 +437,7 @@ def run_child(cfg: dict, timeout: int) -> dict:
 def fmt_row(r: dict) -> str:
     c = r["config"]
     label = (f"{c['name']:>6} {c['dtype'][:4]:>4} old={c['update_old_actor_freq']} flp={c['frozen_low_precision']} "
-             f"cmp={c['use_compile']} thr={c['num_threads'] or 'def'} par={c.get('parallel_update', -1)}")
+             f"cmp={c['use_compile']} thr={c['num_threads'] or 'def'} par={c.get('parallel_update', -1)} lora={c.get('lora_r', 0)}")
     if not r.get("ok"):
         return f"{label} | FAILED: {r.get('error')}"
     t, m = r["time_s"], r["memory_mb"]

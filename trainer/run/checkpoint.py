@@ -27,6 +27,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from model.lora import LORA_FLAGS, actor_state_dict, load_actor_state_dict
 from model.weights import atomic_torch_save
 from trainer.run.distributed import DistInfo, all_gather_objects, failing_together, on_main, stop_all
 from trainer.run.provenance import changed_inputs
@@ -39,8 +40,7 @@ INCOMPATIBLE_FLAGS = (
     "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "use_moe", "arch", "from_weight", "actor_path", "tokenizer_path",
     "data_path", "seed", "batch_size", "mini_batch_size", "num_generations", "ppo_update_iters",
     "update_old_actor_freq", "adaptive_kl", "kl_estimator", "kl_placement", "max_seq_len", "max_gen_len", "advantage_estimator",
-    "filter_groups",
-    "thinking_ratio", "system_prompt_ratio",
+    "filter_groups", "thinking_ratio", "system_prompt_ratio", *LORA_FLAGS,
 )
 # Flags that differ on every resume by design: not worth reporting as a change.
 IGNORED_FLAGS = ("from_resume",)
@@ -276,7 +276,7 @@ def find_resume(checkpoint_dir: str | Path, save_weight: str, prefix: str, flags
 def training_state(*, actor, critic, optims: dict, scheds: dict, kl_ctl, old_actor, scaler) -> dict:
     """Everything trainable or stateful, in full precision (the caller adds step, RNG, flags...)."""
     return {
-        "actor": actor.state_dict(), "critic": critic.state_dict() if critic is not None else None,  # None: critic-free
+        "actor": actor_state_dict(actor), "critic": critic.state_dict() if critic is not None else None,  # None: critic-free
         "optim": {k: o.state_dict() for k, o in optims.items()},
         "sched": {k: s.state_dict() for k, s in scheds.items()},
         "kl_ctl": kl_ctl.state_dict(),
@@ -287,7 +287,10 @@ def training_state(*, actor, critic, optims: dict, scheds: dict, kl_ctl, old_act
 
 def load_training_state(state: dict, *, actor, critic, optims: dict, scheds: dict, kl_ctl, old_actor, scaler) -> None:
     """Inverse of `training_state`."""
-    actor.load_state_dict(state["actor"])
+    try:
+        load_actor_state_dict(actor, state["actor"])  # with LoRA: its adapters only
+    except ValueError as e:  # e.g. a file written before the LoRA flags were recorded
+        raise ResumeError(str(e)) from None
     if critic is not None:
         critic.load_state_dict(state["critic"])
     for k in optims:

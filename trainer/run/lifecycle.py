@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from dataset.rlaif import collate_left_pad
+from model.lora import export_base_hf, is_lora, merged_state_dict, save_adapter
 from model.weights import native_weight_path, save_native_weights
 from trainer.run import checkpoint as ckpt
 from trainer.run import distributed as D
@@ -228,7 +229,9 @@ class Run:
                      run=self.provenance or {}, run_id=self.run_id)
         try:
             ckpt.check_free_space(args.checkpoint_dir, self.prefix, state)
-            if args.actor_path:
+            if is_lora(m.actor):
+                save_lora_outputs(args, m.actor, m.tok, self.out_path)
+            elif args.actor_path:
                 m.actor.save_pretrained(self.out_path)
                 m.tok.save_pretrained(self.out_path)
             else:
@@ -284,6 +287,31 @@ class Run:
             self._close(f"stopped: {what}", state="aborted", plots=False, error=what)
         else:
             self._close(f"failed: {what}", state="crashed", plots=False, error=what)
+
+
+def adapter_dir(out_path: Path) -> Path:
+    """Where a LoRA run writes its adapters: beside the policy, `<policy name>_lora` (out/ppo_actor_128_lora,
+    out/ppo_actor_lora for an --actor_path run)."""
+    stem = out_path.stem if out_path.suffix == ".pth" else out_path.name.removesuffix("_hf")
+    return out_path.with_name(f"{stem}_lora")
+
+
+def save_lora_outputs(args: argparse.Namespace, actor: torch.nn.Module, tok, out_path: Path) -> None:
+    """A LoRA run's policy: the adapter directory (AutoPeftModelForCausalLM loads it: its base is the
+    --actor_path directory, or for native weights the start weights exported once into <adapters>/base)
+    and, with --save_merged (default for native weights), the merged weights where a full run writes them."""
+    adapters = adapter_dir(out_path)
+    base = Path(args.actor_path) if args.actor_path else export_base_hf(actor, tok, adapters / "base")
+    save_adapter(actor, tok, adapters, base)
+    if not (args.save_merged if args.save_merged >= 0 else not args.actor_path):
+        return
+    merged = merged_state_dict(actor)
+    if args.actor_path:
+        base_lm = getattr(actor, "module", actor).get_base_model()
+        base_lm.save_pretrained(out_path, state_dict=merged)
+        tok.save_pretrained(out_path)
+    else:
+        save_native_weights(merged, out_path)
 
 
 def _io_error(e: OSError, where: str | Path, doing: str) -> str:

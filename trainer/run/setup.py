@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dataset.rlaif import DataError, RLAIFDataset, read_rlaif_jsonl
 from model.critic import CriticModel
 from model.loader import eos_token_ids, load_policy, load_reward_model
+from model.lora import AdapterSnapshot, AdaptersOff, add_lora
 from model.weights import WeightsError, native_weight_path
 from trainer.ppo import GROUP_ESTIMATORS, AdaptiveKLController, FixedKLController
 from trainer.rewards import RewardModelScorer, load_reward_fn
@@ -229,6 +230,8 @@ def build_models(args: argparse.Namespace, device: torch.device, frozen_dtype: t
         rm_scorer = RewardModelScorer(rm_model, rm_tok)
     actor.config.use_cache = True
     devices = devices or {"ref": device, "critic": device, "reward": device}
+    if args.lora_r > 0:
+        return _build_lora_models(args, actor, tok, rm_scorer, devices)
     ref = frozen_copy(actor, frozen_dtype).to(devices["ref"])
     critic = CriticModel.from_policy(actor).to(devices["critic"]) if uses_critic(args) else None
     # The old actor scores with the actor's own numerics (its weights' dtype), or the ratio would not be 1
@@ -239,11 +242,24 @@ def build_models(args: argparse.Namespace, device: torch.device, frozen_dtype: t
                   eos_ids=eos_token_ids(actor, tok))
 
 
+def _build_lora_models(args: argparse.Namespace, actor: nn.Module, tok: object, rm_scorer: RewardModelScorer | None,
+                       devices: dict[str, torch.device]) -> Models:
+    """--lora_r > 0: the critic copies the plain trunk, then the actor gets peft adapters; the reference
+    is the actor with its adapters off and the old actor a copy of the adapters (model/lora.py)."""
+    critic = CriticModel.from_policy(actor).to(devices["critic"]) if uses_critic(args) else None
+    actor = add_lora(actor, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
+    old_actor = AdapterSnapshot(actor) if args.update_old_actor_freq > 0 else None
+    return Models(actor=actor, critic=critic, ref=AdaptersOff(actor), old_actor=old_actor, rm_scorer=rm_scorer, tok=tok,
+                  eos_ids=eos_token_ids(actor, tok))
+
+
 def build_optim(args: argparse.Namespace, models: Models, total_steps: int, dtype: torch.dtype, device: torch.device) -> Optim:
     """AdamW for actor and critic (if any), each with warm-up + cosine LR over total_steps."""
     optims = {
         # Fused AdamW: one kernel for all parameters (~4x faster step on CPU, same math to ~1e-8).
-        "actor": torch.optim.AdamW(models.actor.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay, fused=True),
+        # Trained parameters only: with LoRA, the adapters (every parameter otherwise, in the same order).
+        "actor": torch.optim.AdamW([p for p in models.actor.parameters() if p.requires_grad], lr=args.learning_rate,
+                                   weight_decay=args.weight_decay, fused=True),
     }
     if models.critic is not None:
         optims["critic"] = torch.optim.AdamW(models.critic.parameters(), lr=args.critic_learning_rate,
@@ -325,6 +341,12 @@ def validate_flags(args: argparse.Namespace) -> None:
         (args.eval_interval >= 1 and args.eval_samples >= 1, "--eval_interval and --eval_samples must be >= 1"),
         (args.eval_data_path in ("auto", "none") or Path(args.eval_data_path).is_file(),
          f"--eval_data_path {args.eval_data_path}: file not found (or 'none' to train without evaluation)"),
+        (args.lora_r >= 0, f"--lora_r {args.lora_r} must be >= 0 (0 = no LoRA, full fine-tuning)"),
+        (math.isfinite(args.lora_alpha) and args.lora_alpha > 0, f"--lora_alpha {args.lora_alpha} must be a finite number > 0"),
+        (0 <= args.lora_dropout < 1, f"--lora_dropout {args.lora_dropout} must be in [0, 1)"),
+        (args.lora_r == 0 or not args.ref_device,
+         f"--ref_device {args.ref_device}: with --lora_r > 0 the reference is the actor with its adapters off, on the "
+         f"actor's device; drop --ref_device"),
         # torch.device() would take "tpu"/"mps" and fail later with a traceback.
         (re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device) is not None,
          f"--device {args.device}: expected one of auto, cpu, cuda, cuda:N"),
@@ -433,7 +455,8 @@ def _build(args: argparse.Namespace, info: DistInfo) -> Setup:
         parallel_update=use_parallel_update(args.parallel_update, info.device, info.enabled, cpu_bf16),
         train_attn=train_attn, sample_temperature=1.0 if args.greedy else args.temperature,
         sample_interval=args.debug_interval if args.debug_mode else args.sample_interval,
-        ref_device=devices["ref"], critic_device=devices["critic"], reward_device=devices["reward"],
+        ref_device=info.device if args.lora_r > 0 else devices["ref"],  # LoRA: the reference is the actor itself
+        critic_device=devices["critic"], reward_device=devices["reward"],
         kl_placement=kl_placement, kl_estimator=kl_estimator, clip_epsilon_high=clip_high, reuse_values=reuses_values(args),
         eval_data_path=eval_data_path(args),
         flags={**vars(args), "dtype": dtype_name, "hidden_size": hidden_size, "kl_placement": kl_placement, "kl_estimator": kl_estimator,
