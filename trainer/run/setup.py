@@ -118,8 +118,9 @@ class Setup:
 
 # --dtype auto / --frozen_low_precision -1 on a CPU: bf16 from this many matmul weights in the transformer
 # layers (embeddings and LM head not counted) on a CPU with native bf16. Crossover measured with
-# scripts/bench_ppo.py (README "Speed and memory"): BF16_CROSSOVER_PLACEHOLDER
-BF16_CPU_MIN_LAYER_PARAMS = 10_000_000
+# scripts/bench_ppo.py --interleave 1 (README "Speed and memory"): 256x8 (6.7M) bf16 1.56x faster,
+# 256x4 (3.3M) even, 128x4 (0.9M, the demo) faster on an AVX512-BF16 EPYC but slower on an AMX Xeon.
+BF16_CPU_MIN_LAYER_PARAMS = 5_000_000
 
 
 def cpu_native_bf16(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> bool:
