@@ -394,7 +394,9 @@ class ConfigRun:
             "tokens_per_s_step": B * R / med["step"] if med else float("nan"),
             "flops": flops, "update_tflops_per_s": upd_rate, "update_peak_share": None,  # filled by the parent
             "generate_weight_mb_per_token": weight_mb, "generate_bandwidth_limit_s": None, "generate_bandwidth_share": None,
-            "phase_share": ({k: med[k] / med["step"] for k in ("generate", "score", "update", "sync_old")} if med else {}),
+            # Shares of the summed step time (medians of the phases would not add up to the step's).
+            "phase_share": ({k: sum(r[k] for r in per_step) / sum(r["step"] for r in per_step)
+                             for k in ("generate", "score", "update", "sync_old")} if per_step else {}),
             "minimind_ratio": None,
             "memory_mb": memory,
         }
@@ -538,7 +540,7 @@ def summary_line(r: dict, o: argparse.Namespace) -> str:
     """One config's phase split, bandwidth and matmul shares, and the MiniMind ratio when given."""
     c, t, ps = r["config"], r["time_s"], r["phase_share"]
     line = (f"{c['name']} {c['dtype']} old={c['update_old_actor_freq']} cmp={c['use_compile']} "
-            f"threads={c['num_threads'] or 'def'}: {t['step']:.2f} s/step = generate {ps['generate']:.0%} + "
+            f"threads={c['num_threads'] or 'def'}: {t['step']:.2f} s/step; of the summed steps generate {ps['generate']:.0%} + "
             f"score {ps['score']:.0%} + update {ps['update']:.0%}"
             + (f" + sync {ps['sync_old']:.0%}" if ps["sync_old"] >= 0.005 else "")
             + f"; generate {t['generate']:.2f} s = {r['generate_bandwidth_share']:.1%} bandwidth-bound "
