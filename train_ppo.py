@@ -164,13 +164,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.add_argument_group("system").add_argument
     a("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     a("--dtype", default="auto", choices=["auto", *DTYPES],
-      help="autocast dtype (CPU and CUDA; log-probs stay fp32). auto = bfloat16 on CUDA, float32 on CPU, where "
-           "bf16 only pays from ~30M parameters (scripts/bench_ppo.py)")
+      help="autocast dtype (CPU and CUDA; log-probs stay fp32). auto = bfloat16 on CUDA; on a CPU bfloat16 only "
+           "for models from 5M layer weights (e.g. 256x8, 512x8, 768x16) on a CPU with native bf16 (AMX or AVX512-BF16), "
+           "else float32 (README \"Speed and memory\")")
     a("--ref_device", default="", help="device of the frozen reference (e.g. cuda:1 beside the actor on cuda:0); default: the actor's")
     a("--critic_device", default="", help="device of the critic (trained there; tensors move where they meet); default: the actor's")
     a("--reward_device", default="", help="device of the reward model; default: the actor's")
     a("--frozen_low_precision", type=int, default=-1, choices=[-1, 0, 1],
-      help="hold reference/RM/old actor in --dtype; -1 = on CUDA only (bf16 elementwise work is slow on CPU)")
+      help="hold reference/RM/old actor in --dtype; -1 = where --dtype auto picks bf16 (CUDA; large models on a "
+           "CPU with native bf16)")
     a("--use_compile", type=int, default=0, choices=[0, 1])
     a("--train_attn_implementation", default="auto", choices=["auto", "eager", "sdpa"],
       help="attention kernel of the update's forward/backward (sampling and scoring keep the model's own); "

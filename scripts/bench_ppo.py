@@ -4,8 +4,12 @@
     python scripts/bench_ppo.py --quick                  # 128x4, bf16, 2 steps: a smoke run (~30 s)
     python scripts/bench_ppo.py --sizes 512x8 --dtypes bfloat16 --num_threads 1,2 --use_compile 0,1 \
         --frozen_low_precision 0,1 --json bench.json     # levers: every comma list expands the matrix
+    python scripts/bench_ppo.py --sizes 256x8,512x8 --interleave 1   # fp32 and bf16 of a size in one process,
+                                                         # steps alternated (A/B on a shared machine)
+    python scripts/bench_ppo.py --sizes 512x8 --dtypes bfloat16 --minimind_s_per_step 8.8
+                                                         # our speed-up against MiniMind measured beside it
 
-What is measured. Every configuration runs in a fresh subprocess (so peak RSS is per config), builds
+What is measured. Every configuration (with --interleave 1: every group of one size) runs in a fresh subprocess (so peak RSS is per config), builds
 the run with `trainer.run.setup.setup`, as `train_ppo.main()` does, from a namespace made by
 `train_ppo.parse_args` (random init: `--from_weight none`), then runs `--warmup` untimed steps and
 `--steps` timed steps of `make_experience` + `ppo_update`, refreshing the old actor like main()'s
@@ -43,6 +47,17 @@ counts matmuls only (it has no formula for CPU's flash-attention kernel), so it 
 Achieved FLOP/s = update FLOPs / update time, as a share of this machine's torch.mm peak measured
 in the same run (1024 and 2048 squares, before and after the configs, the better of the two) at the
 same thread count and for the matching dtype (fp32 configs against the fp32 peak, bf16 against bf16).
+
+Generation against the memory-bandwidth limit: a decode step multiplies every row by every weight
+matrix of the layers and the LM head, so each generated token streams those weights once
+(`generate_weight_mb_per_token`: layer matmul weights + head, in the compute dtype: 2 bytes under
+bf16, as model/fast_decode.py casts them once per rollout, 4 in fp32). The limit is that x gen_len /
+the machine's copy bandwidth (a large tensor copy, read + write bytes, measured in the same run
+before and after the configs, the better of the two); `generate_bandwidth_share` = limit / measured
+generate time (KV-cache and activation traffic are left out, so it is an upper bound on what
+streaming explains). The summary prints it next to the update's share of the matmul peak, the
+phase split in percent, and, given MiniMind's s/step measured in the same run for the same work
+(`--minimind_s_per_step`), our speed-up against it for every config of that size (`--minimind_size`).
 
 Memory: peak RSS (ru_maxrss of the child) is split into the process baseline after imports, the
 parameter bytes of each model, gradients (actor + critic, fp32), AdamW state (2 fp32 tensors per
@@ -91,8 +106,10 @@ TIME_KEYS = ("step", "generate", "score", "score_old", "score_ref", "score_criti
              "update", "update_actor_fwd", "update_critic_fwd", "update_optimizer", "update_backward", "sync_old")
 RESULT_KEYS = ("config", "ok", "error", "params", "time_s", "time_s_all", "cpu_s", "first_step_s", "build_s",
                "tokens_per_s_generate", "tokens_per_s_step", "flops", "update_tflops_per_s", "update_peak_share",
-               "memory_mb")
-TOP_KEYS = ("machine", "date", "matmul_peak_gflops", "settings", "results", "minimind_reference_s", "minimind_here_s")
+               "generate_weight_mb_per_token", "generate_bandwidth_limit_s", "generate_bandwidth_share",
+               "phase_share", "minimind_ratio", "memory_mb")
+TOP_KEYS = ("machine", "date", "matmul_peak_gflops", "memory_bandwidth_gbs", "settings", "results",
+            "minimind_reference_s", "minimind_here_s")
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -142,6 +159,20 @@ def matmul_peak(dtype: torch.dtype, sizes: tuple[int, ...] = (1024, 2048), reps:
         out[str(n)] = 2 * n**3 / statistics.median(times) / 1e9
     out["peak"] = max(out.values())
     return out
+
+
+def memory_bandwidth(mb: int = 512, reps: int = 5) -> float:
+    """GB/s of a large fp32 tensor copy (bytes read + bytes written), median of `reps`: the rate a
+    decode step can at best stream its weights at. `mb` well above the last-level cache."""
+    src = torch.ones(mb * MB // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t)
+    return 2 * src.numel() * 4 / statistics.median(times) / 1e9
 
 
 def forward_flops(cfg: Any, rows: int, seq: int, head_positions: int) -> float:
@@ -239,117 +270,158 @@ def make_tiny_rm(path: Path, vocab: int, pad_id: int) -> None:
     load_tokenizer().save_pretrained(path)
 
 
-def run_config(cfg: dict) -> dict:
-    """One configuration, in this (fresh) process. Returns the result dict (RESULT_KEYS)."""
+class ConfigRun:
+    """One configuration's run: built by the trainer's own set-up, stepped by `step`, summarised by
+    `result`. A fresh process holds one (run_config), or several stepped in turn (--interleave)."""
 
-    import train_ppo as T
-    from model.loader import load_tokenizer
-    from trainer.run.distributed import DistInfo
-    from trainer.run.setup import setup
+    def __init__(self, cfg: dict) -> None:
+        import train_ppo as T
+        from model.loader import load_tokenizer
+        from trainer.run.distributed import DistInfo
+        from trainer.run.setup import setup
 
-    load_tokenizer()
-    rss_base = rss_now_mb()  # torch + transformers + project imported, tokenizer loaded, no model yet
+        load_tokenizer()
+        self.rss_base = rss_now_mb()  # torch + transformers + project imported, tokenizer loaded, no model yet
+        hidden, layers = cfg["hidden"], cfg["layers"]
+        argv = ["--hidden_size", str(hidden), "--num_hidden_layers", str(layers), "--from_weight", "none",
+                "--batch_size", str(cfg["batch_size"]), "--mini_batch_size", str(cfg["batch_size"]),
+                "--ppo_update_iters", "1", "--max_gen_len", str(cfg["gen_len"]), "--max_seq_len", str(cfg["prompt_len"]),
+                "--dtype", cfg["dtype"], "--update_old_actor_freq", str(cfg["update_old_actor_freq"]),
+                "--frozen_low_precision", str(cfg["frozen_low_precision"]), "--use_compile", str(cfg["use_compile"]),
+                "--num_threads", str(cfg["num_threads"]), "--parallel_update", str(cfg.get("parallel_update", -1)),
+                "--suppress_eos", "1", "--seed", str(cfg["seed"]),
+                "--warmup_steps", "0", "--max_steps", str(cfg["warmup"] + cfg["steps"] + 1),
+                "--rm_weight", "0.5" if cfg["reward_model"] else "0", "--lora_r", str(cfg.get("lora_r", 0)),
+                "--reward_model_path", cfg["reward_model"] or "none", *cfg.get("extra_args", [])]
+        self.T, self.cfg = T, cfg
+        self.args = args = T.parse_args(argv)
+        # ---- the run, built by the trainer's own set-up (models, optimizers, precision, compile)
+        t_build = time.perf_counter()
+        self.built = setup(args, DistInfo())
+        self.build_s = time.perf_counter() - t_build
+        self.rss_models = rss_now_mb()
+        self.batch = make_batch(self.built.models.tok, args.batch_size, cfg["prompt_len"], cfg["prompts"], args.seed)
+        self.per_step: list[dict[str, float]] = []
+        self.per_step_cpu: list[dict[str, float]] = []
+        self.first_step_s = float("nan")
+        self.flops_counted: dict[str, float] = {}
+        self.error: str | None = None
 
-    hidden, layers = cfg["hidden"], cfg["layers"]
-    argv = ["--hidden_size", str(hidden), "--num_hidden_layers", str(layers), "--from_weight", "none",
-            "--batch_size", str(cfg["batch_size"]), "--mini_batch_size", str(cfg["batch_size"]),
-            "--ppo_update_iters", "1", "--max_gen_len", str(cfg["gen_len"]), "--max_seq_len", str(cfg["prompt_len"]),
-            "--dtype", cfg["dtype"], "--update_old_actor_freq", str(cfg["update_old_actor_freq"]),
-            "--frozen_low_precision", str(cfg["frozen_low_precision"]), "--use_compile", str(cfg["use_compile"]),
-            "--num_threads", str(cfg["num_threads"]), "--parallel_update", str(cfg.get("parallel_update", -1)),
-            "--suppress_eos", "1", "--seed", str(cfg["seed"]),
-            "--warmup_steps", "0", "--max_steps", str(cfg["warmup"] + cfg["steps"] + 1),
-            "--rm_weight", "0.5" if cfg["reward_model"] else "0", "--lora_r", str(cfg.get("lora_r", 0)),
-            "--reward_model_path", cfg["reward_model"] or "none", *cfg.get("extra_args", [])]
-    args = T.parse_args(argv)
-
-    # ---- the run, built by the trainer's own set-up (models, optimizers, precision, compile)
-    t_build = time.perf_counter()
-    built = setup(args, DistInfo())
-    s, m, opt, kl_ctl = built.settings, built.models, built.optim, built.kl_ctl
-    actor, critic, ref, old_actor, rm_scorer, optims = m.actor, m.critic, m.ref, m.old_actor, m.rm_scorer, opt.optims
-    total = cfg["warmup"] + cfg["steps"]
-    build_s = time.perf_counter() - t_build
-    rss_models = rss_now_mb()
-    batch = make_batch(m.tok, args.batch_size, cfg["prompt_len"], cfg["prompts"], args.seed)
-
-    per_step: list[dict[str, float]] = []
-    per_step_cpu: list[dict[str, float]] = []
-    first_step_s = float("nan")
-    flops_counted: dict[str, float] = {}
-    error = None
-    try:
-        for step in range(total):  # train_ppo.main's loop body, with a timer that also counts CPU time and FLOPs
+    def step(self, step: int) -> None:
+        """train_ppo.main's loop body, with a timer that also counts CPU time and FLOPs."""
+        if self.error is not None:
+            return
+        T, cfg, args, b = self.T, self.cfg, self.args, self.built
+        s, m, opt, kl_ctl = b.settings, b.models, b.optim, b.kl_ctl
+        try:
             counting = step == 0 < cfg["warmup"] and cfg["count_flops"] and not args.use_compile
             timer = BenchTimer(count_flops=counting)
             with timer("step"):
                 with timer("sync_old"):
-                    if old_actor is not None and step % args.update_old_actor_freq == 0:
-                        old_actor.load_state_dict(actor.state_dict())
-                exp = T.make_experience(args, batch, m, s, kl_ctl.value, {}, timer)
+                    if m.old_actor is not None and step % args.update_old_actor_freq == 0:
+                        m.old_actor.load_state_dict(m.actor.state_dict())
+                exp = T.make_experience(args, self.batch, m, s, kl_ctl.value, {}, timer)
                 with timer("update"):
                     T.ppo_update(args, exp.rollout, m, opt, step, s, kl_ctl.value, timer)
             ro = exp.rollout
             if counting:
-                flops_counted = dict(timer.flops)
+                self.flops_counted = dict(timer.flops)
             if ro.sequences.shape[1] != cfg["prompt_len"] + cfg["gen_len"]:
                 raise RuntimeError(f"response length {ro.response_len} != --gen_len {cfg['gen_len']} (EOS not suppressed?)")
             recs = split_step(timer.wall), split_step(timer.cpu)
             if step == 0:
-                first_step_s = recs[0]["step"]
+                self.first_step_s = recs[0]["step"]
             if step >= cfg["warmup"]:
-                per_step.append(recs[0])
-                per_step_cpu.append(recs[1])
-    except Exception as e:  # noqa: BLE001 - reported in the table, the other configs still run
-        error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                self.per_step.append(recs[0])
+                self.per_step_cpu.append(recs[1])
+        except Exception as e:  # noqa: BLE001 - reported in the table, the other configs still run
+            self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
-    # ---- figures
-    nparams = lambda m: sum(p.numel() for p in m.parameters()) if m is not None else 0
-    pbytes = lambda m: sum(p.numel() * p.element_size() for p in m.parameters()) if m is not None else 0
-    params = {"actor": nparams(actor), "critic": nparams(critic), "ref": nparams(ref), "old_actor": nparams(old_actor),
-              "reward_model": nparams(rm_scorer.model) if rm_scorer is not None and hasattr(rm_scorer, "model") else 0}
-    adam_bytes = sum(t.numel() * t.element_size() for o in optims.values() for s in o.state.values()
-                     for t in s.values() if isinstance(t, torch.Tensor))
-    grad_bytes = sum(p.numel() * 4 for m in (actor, critic) if m is not None for p in m.parameters() if p.requires_grad)
-    param_mb = {"actor": pbytes(actor) / MB, "critic": pbytes(critic) / MB, "ref": pbytes(ref) / MB,
-                "old_actor": pbytes(old_actor) / MB,
-                "reward_model": pbytes(rm_scorer.model) / MB if rm_scorer is not None and hasattr(rm_scorer, "model") else 0.0}
-    peak = peak_rss_mb()
-    fp32_copy_mb = params["actor"] * 4 / MB
-    accounted = rss_base + sum(param_mb.values()) + grad_bytes / MB + adam_bytes / MB
-    memory = {
-        "peak_rss": peak, "baseline_imports": rss_base, "after_models": rss_models, "params": param_mb,
-        "grads": grad_bytes / MB, "adamw": adam_bytes / MB, "activations_other": peak - accounted,
-        "fp32_model_copy": fp32_copy_mb, "budget_4_copies_2_adamw": rss_base + 8 * fp32_copy_mb,
-    }
-    memory["within_budget"] = bool(peak <= memory["budget_4_copies_2_adamw"])
+    def result(self) -> dict:
+        """The result dict (RESULT_KEYS)."""
+        cfg, args, built, error = self.cfg, self.args, self.built, self.error
+        per_step, per_step_cpu, flops_counted = self.per_step, self.per_step_cpu, self.flops_counted
+        first_step_s, build_s, rss_base, rss_models = self.first_step_s, self.build_s, self.rss_base, self.rss_models
+        m = built.models
+        actor, critic, ref, old_actor, rm_scorer, optims = m.actor, m.critic, m.ref, m.old_actor, m.rm_scorer, built.optim.optims
+        # ---- figures
+        nparams = lambda m: sum(p.numel() for p in m.parameters()) if m is not None else 0
+        pbytes = lambda m: sum(p.numel() * p.element_size() for p in m.parameters()) if m is not None else 0
+        params = {"actor": nparams(actor), "critic": nparams(critic), "ref": nparams(ref), "old_actor": nparams(old_actor),
+                  "reward_model": nparams(rm_scorer.model) if rm_scorer is not None and hasattr(rm_scorer, "model") else 0}
+        adam_bytes = sum(t.numel() * t.element_size() for o in optims.values() for s in o.state.values()
+                         for t in s.values() if isinstance(t, torch.Tensor))
+        grad_bytes = sum(p.numel() * 4 for m in (actor, critic) if m is not None for p in m.parameters() if p.requires_grad)
+        param_mb = {"actor": pbytes(actor) / MB, "critic": pbytes(critic) / MB, "ref": pbytes(ref) / MB,
+                    "old_actor": pbytes(old_actor) / MB,
+                    "reward_model": pbytes(rm_scorer.model) / MB if rm_scorer is not None and hasattr(rm_scorer, "model") else 0.0}
+        peak = peak_rss_mb()
+        fp32_copy_mb = params["actor"] * 4 / MB
+        accounted = rss_base + sum(param_mb.values()) + grad_bytes / MB + adam_bytes / MB
+        memory = {
+            "peak_rss": peak, "baseline_imports": rss_base, "after_models": rss_models, "params": param_mb,
+            "grads": grad_bytes / MB, "adamw": adam_bytes / MB, "activations_other": peak - accounted,
+            "fp32_model_copy": fp32_copy_mb, "budget_4_copies_2_adamw": rss_base + 8 * fp32_copy_mb,
+        }
+        memory["within_budget"] = bool(peak <= memory["budget_4_copies_2_adamw"])
 
-    med = {k: statistics.median(r[k] for r in per_step) for k in TIME_KEYS} if per_step else {}
-    B, P, R = args.batch_size * args.num_generations, cfg["prompt_len"], cfg["gen_len"]  # rows
-    seq = P + R
-    mcfg = actor.config
-    actor_fwd = forward_flops(mcfg, B, seq, R + 1)
-    critic_fwd = forward_flops(mcfg, B, seq, 0) if critic is not None else 0.0  # critic-free estimators build none
-    gen = forward_flops(mcfg, B, P, 1) + sum(forward_flops(mcfg, B, 1, 1) + B * mcfg.num_hidden_layers * 4 * mcfg.hidden_size * (P + t)
-                                           for t in range(1, R))
-    flops = {
-        "update_analytic": 3 * (actor_fwd + critic_fwd) * args.ppo_update_iters,
-        "score_analytic": 2 * actor_fwd + critic_fwd,  # old log-probs + reference + critic
-        "generate_analytic": gen,
-        "counted": flops_counted,  # FlopCounterMode on the warm-up step (matmuls + SDPA); {} when compiled
-    }
-    flops["step_analytic"] = flops["update_analytic"] + flops["score_analytic"] + gen
-    upd_rate = flops["update_analytic"] / med["update"] / 1e12 if med else float("nan")
-    return {
-        "config": cfg, "ok": error is None and bool(per_step), "error": error, "params": params,
-        "time_s": med, "time_s_all": {k: [r[k] for r in per_step] for k in TIME_KEYS},
-        "cpu_s": ({k: statistics.median(r[k] for r in per_step_cpu) for k in TIME_KEYS} if per_step_cpu else {}),
-        "first_step_s": first_step_s, "build_s": build_s,
-        "tokens_per_s_generate": B * R / med["generate"] if med else float("nan"),
-        "tokens_per_s_step": B * R / med["step"] if med else float("nan"),
-        "flops": flops, "update_tflops_per_s": upd_rate, "update_peak_share": None,  # filled by the parent
-        "memory_mb": memory,
-    }
+        med = {k: statistics.median(r[k] for r in per_step) for k in TIME_KEYS} if per_step else {}
+        B, P, R = args.batch_size * args.num_generations, cfg["prompt_len"], cfg["gen_len"]  # rows
+        seq = P + R
+        mcfg = actor.config
+        actor_fwd = forward_flops(mcfg, B, seq, R + 1)
+        critic_fwd = forward_flops(mcfg, B, seq, 0) if critic is not None else 0.0  # critic-free estimators build none
+        gen = forward_flops(mcfg, B, P, 1) + sum(forward_flops(mcfg, B, 1, 1) + B * mcfg.num_hidden_layers * 4 * mcfg.hidden_size * (P + t)
+                                               for t in range(1, R))
+        flops = {
+            "update_analytic": 3 * (actor_fwd + critic_fwd) * args.ppo_update_iters,
+            "score_analytic": 2 * actor_fwd + critic_fwd,  # old log-probs + reference + critic
+            "generate_analytic": gen,
+            "counted": flops_counted,  # FlopCounterMode on the warm-up step (matmuls + SDPA); {} when compiled
+        }
+        flops["step_analytic"] = flops["update_analytic"] + flops["score_analytic"] + gen
+        upd_rate = flops["update_analytic"] / med["update"] / 1e12 if med else float("nan")
+        from trainer.run.setup import layer_matmul_params
+
+        # Weights one decode step streams: every layer matmul and the LM head, in the compute dtype.
+        weight_mb = (layer_matmul_params(mcfg) + mcfg.vocab_size * mcfg.hidden_size) * built.settings.dtype.itemsize / MB
+        return {
+            "config": cfg, "ok": error is None and bool(per_step), "error": error, "params": params,
+            "time_s": med, "time_s_all": {k: [r[k] for r in per_step] for k in TIME_KEYS},
+            "cpu_s": ({k: statistics.median(r[k] for r in per_step_cpu) for k in TIME_KEYS} if per_step_cpu else {}),
+            "first_step_s": first_step_s, "build_s": build_s,
+            "tokens_per_s_generate": B * R / med["generate"] if med else float("nan"),
+            "tokens_per_s_step": B * R / med["step"] if med else float("nan"),
+            "flops": flops, "update_tflops_per_s": upd_rate, "update_peak_share": None,  # filled by the parent
+            "generate_weight_mb_per_token": weight_mb, "generate_bandwidth_limit_s": None, "generate_bandwidth_share": None,
+            # Shares of the summed step time (medians of the phases would not add up to the step's).
+            "phase_share": ({k: sum(r[k] for r in per_step) / sum(r["step"] for r in per_step)
+                             for k in ("generate", "score", "update", "sync_old")} if per_step else {}),
+            "minimind_ratio": None,
+            "memory_mb": memory,
+        }
+
+
+
+
+def run_config(cfg: dict) -> dict:
+    """One configuration, in this (fresh) process. Returns the result dict (RESULT_KEYS)."""
+    run = ConfigRun(cfg)
+    for step in range(cfg["warmup"] + cfg["steps"]):
+        run.step(step)
+    return run.result()
+
+
+def run_interleaved(cfgs: list[dict]) -> list[dict]:
+    """Several configurations in this one process, their steps taken in turn (A B A B ...): an A/B
+    comparison that sees the same machine on a shared host. Peak RSS is then the process's, all
+    configurations together."""
+    runs = [ConfigRun(c) for c in cfgs]
+    for step in range(max(c["warmup"] + c["steps"] for c in cfgs)):
+        for r in runs:
+            if step < r.cfg["warmup"] + r.cfg["steps"]:
+                r.step(step)
+    return [{**r.result(), "interleaved_with": [c["dtype"] for c in cfgs]} for r in runs]
 
 
 # ------------------------------------------------------------------------------------ parent
@@ -387,10 +459,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seed", type=int, default=42)
     a("--timeout", type=int, default=900, help="seconds per config")
     a("--quick", action="store_true", help="smoke run: one small config, 2 steps")
+    a("--interleave", type=int, default=0, choices=[0, 1],
+      help="1 = all configs of one size (and thread count) in one process, their steps taken in turn: A/B "
+           "comparisons on a shared machine see the same load (peak RSS is then the group's)")
     a("--json", default=None, help="write all results to this file")
-    a("--minimind_s", type=float, default=None,
-      help="MiniMind's train_ppo.py median s/step for the same work measured on this machine (README: how); "
-           "the summary prints our speed-up against it")
+    a("--minimind_s_per_step", "--minimind_s", dest="minimind_s", type=float, default=None,
+      help="MiniMind's train_ppo.py median s/step for the same work, measured on this machine in the same run "
+           "(interleaved with this bench; README: how); the summary prints our speed-up against it")
+    a("--minimind_size", default="512x8", help="the HIDDENxLAYERS MiniMind's figure was measured at")
     a("--extra", default="", help="extra train_ppo flags for every config, e.g. \"--temperature 1.0\"")
     a("--_child", default=None, help=argparse.SUPPRESS)
     return p
@@ -419,19 +495,31 @@ def expand_configs(o: argparse.Namespace) -> list[dict]:
     } for (h, l), threads, comp, flp, d, old, par, lora in matrix]
 
 
-def run_child(cfg: dict, timeout: int) -> dict:
+def run_child(cfgs: list[dict], timeout: int) -> list[dict]:
+    """The configurations in one fresh process (one, or several interleaved): their results."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "result.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", json.dumps({**cfg, "out": str(out)})]
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", json.dumps({"cfgs": cfgs, "out": str(out)})]
         try:
-            r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+            r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout * len(cfgs))
         except subprocess.TimeoutExpired:
-            return {"config": cfg, "ok": False, "error": f"timeout after {timeout} s"}
+            return [{"config": c, "ok": False, "error": f"timeout after {timeout * len(cfgs)} s"} for c in cfgs]
         if r.returncode != 0 or not out.exists():
             tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-            return {"config": cfg, "ok": False, "error": f"exit {r.returncode}: {tail}"}
+            return [{"config": c, "ok": False, "error": f"exit {r.returncode}: {tail}"} for c in cfgs]
         return json.loads(out.read_text())
+
+
+def child_groups(cfgs: list[dict], interleave: bool) -> list[list[dict]]:
+    """One config per process, or with --interleave every config of one size and thread count in one
+    process (their steps alternate), in the matrix's order."""
+    if not interleave:
+        return [[c] for c in cfgs]
+    groups: dict[tuple, list[dict]] = {}
+    for c in cfgs:
+        groups.setdefault((c["name"], c["num_threads"]), []).append(c)
+    return list(groups.values())
 
 
 def fmt_row(r: dict) -> str:
@@ -449,6 +537,25 @@ def fmt_row(r: dict) -> str:
             f"{r['cpu_s']['step'] / t['step']:4.2f}")
 
 
+def summary_line(r: dict, o: argparse.Namespace) -> str:
+    """One config's phase split, bandwidth and matmul shares, and the MiniMind ratio when given."""
+    c, t, ps = r["config"], r["time_s"], r["phase_share"]
+    line = (f"{c['name']} {c['dtype']} old={c['update_old_actor_freq']} cmp={c['use_compile']} "
+            f"threads={c['num_threads'] or 'def'}: {t['step']:.2f} s/step; of the summed steps generate {ps['generate']:.0%} + "
+            f"score {ps['score']:.0%} + update {ps['update']:.0%}"
+            + (f" + sync {ps['sync_old']:.0%}" if ps["sync_old"] >= 0.005 else "")
+            + f"; generate {t['generate']:.2f} s = {r['generate_bandwidth_share']:.1%} bandwidth-bound "
+            f"({r['generate_weight_mb_per_token']:.0f} MB/token x {c['gen_len']} tokens at "
+            f"{r['generate_weight_mb_per_token'] * c['gen_len'] / 1024 / r['generate_bandwidth_limit_s']:.1f} GB/s "
+            f"= {r['generate_bandwidth_limit_s']:.2f} s); update {t['update']:.2f} s at "
+            f"{r['update_peak_share']:.0%} of the {c['dtype']} matmul peak")
+    if r.get("minimind_ratio"):
+        line += f"; {r['minimind_ratio']:.2f}x MiniMind's {o.minimind_s} s/step (same run, --minimind_s_per_step)"
+    elif c["name"] == "512x8":
+        line += f"; {MINIMIND_REFERENCE_S / t['step']:.2f}x MiniMind's {MINIMIND_REFERENCE_S} s/step on another machine"
+    return line
+
+
 HEADER = ("config                                   |   step    gen  score (old/ref/critic/reward)      update  sync  "
           "| gen t/s | upd GF/s %peak | peakMB budgetMB | cpu/wall")
 
@@ -457,30 +564,38 @@ def main(argv: list[str] | None = None) -> None:
     o = build_parser().parse_args(argv)
     if o._child:
         _die_with_parent()
-        cfg = json.loads(o._child)
-        res = run_config(cfg)
-        Path(cfg["out"]).write_text(json.dumps(res))
+        job = json.loads(o._child)
+        cfgs = job["cfgs"]
+        res = [run_config(cfgs[0])] if len(cfgs) == 1 else run_interleaved(cfgs)
+        Path(job["out"]).write_text(json.dumps(res))
         return
     cfgs = expand_configs(o)
     default_threads = torch.get_num_threads()
     thread_counts = sorted({c["num_threads"] for c in cfgs})
     peak_dtypes = sorted({"float32", "bfloat16"} | {c["dtype"] for c in cfgs})
     peak_kw = {"sizes": (1024,), "reps": 3} if o.quick else {}
+    bw_kw = {"mb": 128, "reps": 3} if o.quick else {}
 
     def measure_peaks() -> dict[str, dict[str, dict[str, float]]]:
-        """{threads: {dtype: {size: GFLOP/s, "peak": best}}} at every thread count the configs use."""
+        """{threads: {dtype: {size: GFLOP/s, "peak": best}, "bandwidth_gbs": copy GB/s}} at every
+        thread count the configs use."""
         out = {}
         for t in thread_counts:
             torch.set_num_threads(t if t > 0 else default_threads)
             out[str(t)] = {d: matmul_peak(getattr(torch, d), **peak_kw) for d in peak_dtypes}
+            out[str(t)]["bandwidth_gbs"] = memory_bandwidth(**bw_kw)
         torch.set_num_threads(default_threads)
         return out
 
+    def show_peaks(peaks: dict, when: str) -> None:
+        for t, pk in peaks.items():
+            print(f"matmul peak{when} ({t if t != '0' else default_threads} threads): "
+                  + ", ".join(f"{d} {pk[d]['peak']:.0f}" for d in peak_dtypes)
+                  + f" GFLOP/s; memory copy {pk['bandwidth_gbs']:.1f} GB/s", flush=True)
+
     t_all = time.perf_counter()
     peaks_before = measure_peaks()
-    for t, pk in peaks_before.items():
-        print(f"matmul peak ({t if t != '0' else default_threads} threads): "
-              + ", ".join(f"{d} {v['peak']:.0f}" for d, v in pk.items()) + " GFLOP/s", flush=True)
+    show_peaks(peaks_before, "")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         rm_path = None
@@ -491,34 +606,38 @@ def main(argv: list[str] | None = None) -> None:
             rm_path = str(Path(tmp) / "tiny_rm")
             make_tiny_rm(Path(rm_path), len(tok), tok.pad_token_id)
         print(HEADER, flush=True)
-        for cfg in cfgs:
-            cfg["reward_model"] = rm_path
-            r = run_child(cfg, o.timeout)
-            results.append(r)
-            print(fmt_row(r) if r.get("ok") else fmt_row({**r, "ok": False}), flush=True)
+        for group in child_groups(cfgs, o.interleave):
+            for cfg in group:
+                cfg["reward_model"] = rm_path
+            for r in run_child(group, o.timeout):
+                results.append(r)
+                print(fmt_row(r) if r.get("ok") else fmt_row({**r, "ok": False}), flush=True)
     peaks_after = measure_peaks()
     # The better of before/after: on a shared machine the lower one is the noise, not the hardware.
     peaks = {t: {d: max(peaks_before[t][d]["peak"], peaks_after[t][d]["peak"]) for d in peak_dtypes} for t in peaks_before}
+    bandwidth = {t: max(peaks_before[t]["bandwidth_gbs"], peaks_after[t]["bandwidth_gbs"]) for t in peaks_before}
     for r in results:
         if r.get("ok"):
             c = r["config"]
             r["update_peak_share"] = r["update_tflops_per_s"] * 1000 / peaks[str(c["num_threads"])][c["dtype"]]
             r["matmul_peak_gflops"] = peaks[str(c["num_threads"])][c["dtype"]]
+            limit = r["generate_weight_mb_per_token"] * MB * c["gen_len"] / (bandwidth[str(c["num_threads"])] * 1e9)
+            r["generate_bandwidth_limit_s"] = limit
+            r["generate_bandwidth_share"] = limit / r["time_s"]["generate"]
+            if o.minimind_s and c["name"] == o.minimind_size:
+                r["minimind_ratio"] = o.minimind_s / r["time_s"]["step"]
             c["reward_model"] = o.reward_model
-    for t, pk in peaks_after.items():
-        print(f"matmul peak after ({t if t != '0' else default_threads} threads): "
-              + ", ".join(f"{d} {v['peak']:.0f}" for d, v in pk.items()) + " GFLOP/s (shares use the better of before/after)")
+    show_peaks(peaks_after, " after")
+    print("(shares use the better of before/after)")
     print("\nshares of the update phase against the dtype-matched peak:")
     print(HEADER)
     for r in results:
         print(fmt_row(r))
+    print("\nwhere the time goes (phase split of a step; generation against the weight-streaming limit, "
+          "the update against the matmul peak):")
     for r in results:
-        if r.get("ok") and r["config"]["name"] == "512x8":
-            step = r["time_s"]["step"]
-            print(f"{r['config']['name']} {r['config']['dtype']} old={r['config']['update_old_actor_freq']} "
-                  f"threads={r['config']['num_threads']}: {step:.2f} s/step"
-                  + (f" = {o.minimind_s / step:.2f}x MiniMind's {o.minimind_s} s/step here (--minimind_s)" if o.minimind_s else "")
-                  + f"; {MINIMIND_REFERENCE_S / step:.2f}x its {MINIMIND_REFERENCE_S} s/step on another machine")
+        if r.get("ok"):
+            print(summary_line(r, o))
     print(f"total bench time {time.perf_counter() - t_all:.0f} s")
     report = {
         "machine": {"cpu": cpu_name(), "logical_cpus": os.cpu_count(), "torch": torch.__version__,
@@ -527,6 +646,7 @@ def main(argv: list[str] | None = None) -> None:
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
         "matmul_peak_gflops": {**peaks[str(thread_counts[0])], "by_threads": peaks,
                                "before": peaks_before, "after": peaks_after},
+        "memory_bandwidth_gbs": {"copy": bandwidth[str(thread_counts[0])], "by_threads": bandwidth},
         "settings": {k: v for k, v in vars(o).items() if k != "_child"},
         "results": results,
         "minimind_reference_s": MINIMIND_REFERENCE_S,

@@ -3,6 +3,8 @@ num_generations layout; plus a smoke run of scripts/bench_ppo.py."""
 
 from __future__ import annotations
 
+import argparse
+
 import contextlib
 import json
 import math
@@ -437,7 +439,7 @@ def test_bench_quick_smoke_writes_documented_json(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_ppo.py"), "--quick", "--sizes", "64x2", "--steps", "1",
            "--batch_size", "2", "--prompt_len", "8", "--gen_len", "4", "--num_threads", "1", "--json", str(out),
-           "--parallel_update", "1", "--minimind_s", "8.8"]
+           "--parallel_update", "1", "--minimind_s_per_step", "8.8", "--minimind_size", "64x2"]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(out.read_text())
@@ -455,6 +457,35 @@ def test_bench_quick_smoke_writes_documented_json(tmp_path):
     assert res["config"]["dtype"] == "bfloat16" and res["config"]["update_old_actor_freq"] == 0
     assert res["config"]["parallel_update"] == 1 and rep["minimind_here_s"] == 8.8
     assert "gen t/s" in r.stdout and "64x2" in r.stdout  # the table was printed
+    # Generation against the weight-streaming limit: 64x2 bf16 streams its layer matmuls + LM head (2 bytes each) per token.
+    from trainer.run.setup import layer_matmul_params, policy_layer_params
+
+    n = policy_layer_params(argparse.Namespace(actor_path=None, hidden_size=64, num_hidden_layers=2, use_moe=0,
+                                               arch="auto", num_attention_heads=0, num_key_value_heads=0))
+    assert n == layer_matmul_params(argparse.Namespace(hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                                                       num_key_value_heads=4, head_dim=8, intermediate_size=256))
+    assert res["generate_weight_mb_per_token"] == pytest.approx((n + 6400 * 64) * 2 / 2**20)
+    bw = rep["memory_bandwidth_gbs"]["copy"]
+    assert bw > 0 and res["generate_bandwidth_limit_s"] == pytest.approx(res["generate_weight_mb_per_token"] * 2**20 * 4 / (bw * 1e9))
+    assert res["generate_bandwidth_share"] == pytest.approx(res["generate_bandwidth_limit_s"] / t["generate"])
+    assert sum(res["phase_share"].values()) == pytest.approx(1.0)
+    assert res["minimind_ratio"] == pytest.approx(8.8 / t["step"])  # the same-run MiniMind figure, at its size
+    assert "bandwidth-bound" in r.stdout and "of the bfloat16 matmul peak" in r.stdout
+    assert f"{8.8 / t['step']:.2f}x MiniMind's 8.8 s/step (same run" in r.stdout
+
+
+def test_bench_groups_configs_of_one_size_for_interleaving():
+    """--interleave 1: every dtype of one size (and thread count) in one process, so an A/B pair sees the same load."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_ppo
+
+    o = bench_ppo.build_parser().parse_args(["--sizes", "64x2,128x4", "--dtypes", "float32,bfloat16",
+                                             "--update_old_actor_freq", "0", "--num_threads", "1,2"])
+    cfgs = bench_ppo.expand_configs(o)
+    assert [[c["dtype"] for c in g] for g in bench_ppo.child_groups(cfgs, False)] == [[c["dtype"]] for c in cfgs]
+    groups = bench_ppo.child_groups(cfgs, True)
+    assert [(g[0]["name"], g[0]["num_threads"], [c["dtype"] for c in g]) for g in groups] == [
+        (n, t, ["float32", "bfloat16"]) for n in ("64x2", "128x4") for t in (1, 2)]
 
 
 def test_eager_training_attention_equals_sdpa_and_is_restored(lm, critic):

@@ -31,6 +31,55 @@ def test_precision_rules_have_one_home():
     assert S.resolve_precision(_args("--frozen_low_precision", "0"), cuda) == ("bfloat16", torch.float32)
 
 
+def test_cpu_native_bf16_reads_the_cpu_flags(tmp_path, monkeypatch):
+    info = tmp_path / "cpuinfo"
+    for flags, native in (("fpu avx2 avx512f avx512_bf16", True), ("fpu amx_bf16 amx_tile", True),
+                          ("fpu avx2 avx512f avx512_vnni", False)):
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+        assert S.cpu_native_bf16(info) is native, flags
+    # No flags to read (not Linux): torch's own capability checks decide.
+    for avx512_bf16, amx in ((True, False), (False, True), (False, False)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        assert S.cpu_native_bf16(tmp_path / "missing") is (avx512_bf16 or amx)
+
+
+def test_auto_precision_picks_bf16_on_a_cpu_only_for_large_models_with_native_bf16(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    demo, big = S.policy_layer_params(T.parse_args([])), S.policy_layer_params(_args("--hidden_size", "768", "--num_hidden_layers", "16"))
+    assert demo < S.BF16_CPU_MIN_LAYER_PARAMS <= big
+    for native in (True, False):
+        monkeypatch.setattr(S, "cpu_native_bf16", lambda native=native: native)
+        # The demo's 128x4 model keeps fp32 everywhere: its output stays byte-identical.
+        assert S.resolve_precision(_args(), cpu, demo) == ("float32", torch.float32)
+        want = ("bfloat16", torch.bfloat16) if native else ("float32", torch.float32)
+        assert S.resolve_precision(_args(), cpu, big) == want  # --frozen_low_precision -1 follows the same rule
+        # An explicit --dtype wins; the frozen models follow the rule unless the flag says otherwise.
+        assert S.resolve_precision(_args("--dtype", "float32"), cpu, big) == ("float32", torch.float32)
+        assert S.resolve_precision(_args("--dtype", "bfloat16"), cpu, big) == ("bfloat16", want[1])
+        assert S.resolve_precision(_args("--frozen_low_precision", "0"), cpu, big) == (want[0], torch.float32)
+        assert S.resolve_precision(_args(), cpu, None) == ("float32", torch.float32)  # size unknown
+        assert S.resolve_precision(_args(), cuda, demo) == ("bfloat16", torch.bfloat16)  # CUDA: always
+
+
+def test_auto_precision_sizes_the_model_from_its_config(tmp_path, monkeypatch):
+    """The rule reads the actor's size before loading it: an --actor_path's config.json, or the shape flags."""
+    from tests.tiny_hf import save_tiny_causal_lm
+
+    m, _ = save_tiny_causal_lm(tmp_path / "hf", hidden=32, layers=2)
+    n = sum(p.numel() for name, p in m.named_parameters() if ".layers." in name and p.dim() == 2)
+    assert S.policy_layer_params(_args("--actor_path", str(tmp_path / "hf"))) == n
+    assert S.policy_layer_params(_args("--actor_path", str(tmp_path / "nowhere"))) is None
+    # 512x8 MiniMind: 8 x (q,o 512x512; k,v 256x512; gate/up/down 1664x512)
+    assert S.policy_layer_params(_args("--hidden_size", "512", "--num_hidden_layers", "8")) == 8 * 512 * (2 * 512 + 2 * 256 + 3 * 1664)
+    monkeypatch.setattr(S, "cpu_native_bf16", lambda: True)
+    monkeypatch.setattr(S, "BF16_CPU_MIN_LAYER_PARAMS", n)  # the tiny model counts as large
+    world = build_update_world(["--actor_path", str(tmp_path / "hf"), "--dtype", "auto"])
+    s = world.settings
+    assert s.dtype_name == "bfloat16" and s.flags["dtype"] == "bfloat16" and s.frozen_dtype == torch.bfloat16
+    assert {p.dtype for p in world.models.ref.parameters()} == {torch.bfloat16}
+
+
 def test_settings_are_derived_once_and_args_stay_as_parsed():
     world = build_update_world(["--greedy", "1", "--debug_mode", "--debug_interval", "7"])
     s = world.settings

@@ -127,13 +127,83 @@ class Setup:
     eval_records: list  # held-out prompts evaluated during training (empty: no evaluation)
 
 
-def resolve_precision(args: argparse.Namespace, device: torch.device) -> tuple[str, torch.dtype]:
+# --dtype auto / --frozen_low_precision -1 on a CPU: bf16 from this many matmul weights in the transformer
+# layers (embeddings and LM head not counted) on a CPU with native bf16. Crossover measured with
+# scripts/bench_ppo.py --interleave 1 (README "Speed and memory"): 256x8 (6.7M) bf16 1.56x faster,
+# 256x4 (3.3M) even, 128x4 (0.9M, the demo) faster on an AVX512-BF16 EPYC but slower on an AMX Xeon.
+BF16_CPU_MIN_LAYER_PARAMS = 5_000_000
+
+
+def cpu_native_bf16(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> bool:
+    """True when the CPU multiplies bf16 natively (AMX-BF16 or AVX512-BF16). Without either, oneDNN
+    emulates bf16 by converting to fp32, which is slower than fp32 itself. Read from the kernel's CPU
+    flags; where there are none (not Linux), torch's own capability checks."""
+    try:
+        flags = {f for line in Path(cpuinfo).read_text().splitlines() if line.startswith("flags")
+                 for f in line.split(":", 1)[-1].split()}
+    except OSError:
+        flags = set()
+    if flags:
+        return bool(flags & {"amx_bf16", "avx512_bf16"})
+    checks = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
+    return any(bool(c()) for c in checks if c is not None)
+
+
+def layer_matmul_params(cfg: object) -> int:
+    """Matmul weights of the transformer layers (q/k/v/o and the MLP; active experts only for MoE):
+    what sets a step's bf16 gain. Embeddings and the LM head are left out (the head runs only at
+    response positions and the embedding is a lookup)."""
+    cfg = getattr(cfg, "text_config", None) or cfg
+    H, L = cfg.hidden_size, cfg.num_hidden_layers
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    hd = getattr(cfg, "head_dim", None) or H // heads
+    inter = getattr(cfg, "moe_intermediate_size", None) if getattr(cfg, "num_experts", 0) else None
+    inter = (inter or cfg.intermediate_size) * (getattr(cfg, "num_experts_per_tok", 1) if inter else 1)
+    return L * (2 * H * heads * hd + 2 * H * kv * hd + 3 * H * inter)
+
+
+def policy_layer_params(args: argparse.Namespace) -> int | None:
+    """layer_matmul_params of the actor the flags describe, from its config alone (nothing loaded):
+    --actor_path's config.json, or a MiniMind config from the shape flags. None when it cannot be
+    read (loading reports that properly later)."""
+    try:
+        if args.actor_path:
+            from transformers import AutoConfig
+
+            cfg = AutoConfig.from_pretrained(args.actor_path, trust_remote_code=bool(args.trust_remote_code))
+        else:
+            from model.config import MiniMindConfig
+
+            heads = {k: getattr(args, k) for k in ("num_attention_heads", "num_key_value_heads") if getattr(args, k, 0)}
+            cfg = MiniMindConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
+                                 use_moe=bool(args.use_moe), arch="qwen3" if args.arch == "auto" else args.arch,
+                                 **heads).to_hf_config()
+        return layer_matmul_params(cfg)
+    except Exception:  # noqa: BLE001 - any unreadable config: the size is unknown, auto stays fp32 on CPU
+        return None
+
+
+def bf16_pays(device: torch.device, layer_params: int | None) -> bool:
+    """The auto rule: bf16 on CUDA; on a CPU only with native bf16 and a model large enough that its
+    matmuls gain more than the casts and elementwise work lose."""
+    if device.type == "cuda":
+        return True
+    return (device.type == "cpu" and layer_params is not None and layer_params >= BF16_CPU_MIN_LAYER_PARAMS
+            and cpu_native_bf16())
+
+
+def resolve_precision(args: argparse.Namespace, device: torch.device,
+                      layer_params: int | None = None) -> tuple[str, torch.dtype]:
     """(--dtype resolved, dtype of the frozen models). The one home of both rules.
 
-    auto = bf16 on CUDA, fp32 on CPU (bf16 only pays there from ~30M parameters, scripts/bench_ppo.py).
-    Frozen models go low-precision on CUDA only by default: bf16 elementwise work is slow on CPU."""
-    name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    low = args.frozen_low_precision if args.frozen_low_precision >= 0 else int(device.type == "cuda")
+    auto and --frozen_low_precision -1 follow `bf16_pays`: always on CUDA; on a CPU for models of
+    at least BF16_CPU_MIN_LAYER_PARAMS layer weights (`layer_params`, None = unknown: fp32) on a CPU
+    with native bf16. An explicit --dtype bfloat16 below that keeps the frozen models in fp32 unless
+    --frozen_low_precision 1."""
+    pays = bf16_pays(device, layer_params)
+    name = args.dtype if args.dtype != "auto" else ("bfloat16" if pays else "float32")
+    low = args.frozen_low_precision if args.frozen_low_precision >= 0 else int(pays)
     return name, (DTYPES[name] if low else torch.float32)
 
 
@@ -411,7 +481,7 @@ def _build(args: argparse.Namespace, info: DistInfo) -> Setup:
         raise SystemExit(f"error: {e}")
     set_deterministic(bool(args.deterministic), info.device)
     seed_everything(args.seed)  # the same random-init models (--from_weight none, value head) on every rank
-    dtype_name, frozen_dtype = resolve_precision(args, info.device)
+    dtype_name, frozen_dtype = resolve_precision(args, info.device, policy_layer_params(args))
     devices = model_devices(args, info)
     try:
         models = build_models(args, info.device, frozen_dtype, devices)
