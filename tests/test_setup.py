@@ -281,3 +281,15 @@ def test_evaluation_is_on_for_the_demo_and_off_for_other_data(tmp_path):
     mine = tmp_path / "rlaif.jsonl"
     assert S.eval_data_path(T.parse_args(["--data_path", str(mine)])) is None  # a user's data: no demo questions
     assert S.eval_data_path(T.parse_args(["--data_path", str(mine), "--eval_data_path", "held.jsonl"])) == "held.jsonl"
+
+
+def test_ranks_that_resolve_different_precisions_stop_with_one_line(monkeypatch):
+    stopped = []
+    monkeypatch.setattr(S, "stop_all", lambda error, info: stopped.append(error))
+    info = DistInfo(rank=0, world_size=2)
+    monkeypatch.setattr(S, "all_gather_objects", lambda obj, info: [obj, ("float32", "float32")])
+    S.check_same_precision("bfloat16", torch.bfloat16, info)
+    assert stopped[-1] == ("ranks chose different precisions (rank 0: bfloat16/bfloat16, rank 1: float32/float32; "
+                           "--dtype auto follows each CPU's native bf16): give --dtype and --frozen_low_precision explicitly")
+    S.check_same_precision("float32", torch.float32, info)
+    assert stopped[-1] is None

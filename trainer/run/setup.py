@@ -281,6 +281,17 @@ def uses_critic(args: argparse.Namespace) -> bool:
     return getattr(args, "advantage_estimator", "gae") == "gae"
 
 
+def check_same_precision(dtype_name: str, frozen_dtype: torch.dtype, info: DistInfo) -> None:
+    """`--dtype auto` is decided per rank from its own CPU's flags: CPU nodes that differ in native bf16
+    would train one model in two precisions. Every rank stops, with one line naming the first odd rank."""
+    mine = (dtype_name, str(frozen_dtype).removeprefix("torch."))
+    per_rank = all_gather_objects(mine, info)
+    odd = next((r for r, p in enumerate(per_rank) if p != per_rank[0]), None)
+    stop_all(None if odd is None else
+             f"ranks chose different precisions (rank 0: {'/'.join(per_rank[0])}, rank {odd}: {'/'.join(per_rank[odd])}; "
+             f"--dtype auto follows each CPU's native bf16): give --dtype and --frozen_low_precision explicitly", info)
+
+
 def build_models(args: argparse.Namespace, device: torch.device, frozen_dtype: torch.dtype,
                  devices: dict[str, torch.device] | None = None) -> Models:
     """Actor, reward model, reference, critic (GAE only), old actor, in this order (random inits draw
@@ -466,6 +477,7 @@ def setup(args: argparse.Namespace, info: DistInfo | None = None) -> Setup:
     s = built.settings
     if info.enabled:
         check_devices_per_rank({"ref": s.ref_device, "critic": s.critic_device, "reward": s.reward_device}, info)
+        check_same_precision(s.dtype_name, s.frozen_dtype, info)
     wrap_for_training(args, built.models, info)  # DDP's constructor broadcasts rank 0's weights
     return built
 
