@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as _dt
 import itertools
 import json
@@ -298,6 +299,8 @@ class ConfigRun:
         # ---- the run, built by the trainer's own set-up (models, optimizers, precision, compile)
         t_build = time.perf_counter()
         self.built = setup(args, DistInfo())
+        if not cfg.get("reuse_values", 1):  # the two-pass path the trainer takes with more than one minibatch
+            self.built.settings = dataclasses.replace(self.built.settings, reuse_values=False)
         self.build_s = time.perf_counter() - t_build
         self.rss_models = rss_now_mb()
         self.batch = make_batch(self.built.models.tok, args.batch_size, cfg["prompt_len"], cfg["prompts"], args.seed)
@@ -447,6 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--use_compile", default="0", help="comma list of 0/1: torch.compile the training forward (actor_train, critic_train)")
     a("--num_threads", default="0", help="comma list of torch thread counts (0 = torch default)")
     a("--parallel_update", default="-1", help="comma list of -1/0/1: actor and critic update side by side on one core each (-1 = train_ppo's auto)")
+    a("--reuse_values", default="1",
+      help="comma list of 1/0: with one epoch of one minibatch (the bench's shape) the critic's scoring forward is the "
+           "update's (1, the trainer's rule) or the update runs its own (0)")
     a("--lora_r", default="0", help="comma list of LoRA ranks of the actor (0 = full fine-tuning; --extra sets --lora_alpha etc.)")
     a("--batch_size", type=int, default=8)
     a("--prompt_len", type=int, default=64)
@@ -485,14 +491,15 @@ def expand_configs(o: argparse.Namespace) -> list[dict]:
         raise SystemExit("error: --steps must be >= 1 and --warmup >= 0")
     # Every comma list expands the matrix (the last list varies fastest).
     matrix = itertools.product(sizes, ints(o.num_threads), ints(o.use_compile), ints(o.frozen_low_precision),
-                               dtypes, old_modes, ints(o.parallel_update), ints(o.lora_r))
+                               dtypes, old_modes, ints(o.parallel_update), ints(o.lora_r), ints(o.reuse_values))
     return [{
         "name": f"{h}x{l}", "hidden": h, "layers": l, "dtype": d, "update_old_actor_freq": old,
         "frozen_low_precision": flp, "use_compile": comp, "num_threads": threads, "parallel_update": par,
         "batch_size": o.batch_size, "prompt_len": o.prompt_len, "gen_len": o.gen_len,
         "prompts": o.prompts, "steps": steps, "warmup": o.warmup, "count_flops": o.count_flops,
         "seed": o.seed, "reward_model": None, "extra_args": o.extra.split() if o.extra else [], "lora_r": lora,
-    } for (h, l), threads, comp, flp, d, old, par, lora in matrix]
+        "reuse_values": reuse,
+    } for (h, l), threads, comp, flp, d, old, par, lora, reuse in matrix]
 
 
 def run_child(cfgs: list[dict], timeout: int) -> list[dict]:
@@ -525,7 +532,8 @@ def child_groups(cfgs: list[dict], interleave: bool) -> list[list[dict]]:
 def fmt_row(r: dict) -> str:
     c = r["config"]
     label = (f"{c['name']:>6} {c['dtype'][:4]:>4} old={c['update_old_actor_freq']} flp={c['frozen_low_precision']} "
-             f"cmp={c['use_compile']} thr={c['num_threads'] or 'def'} par={c.get('parallel_update', -1)} lora={c.get('lora_r', 0)}")
+             f"cmp={c['use_compile']} thr={c['num_threads'] or 'def'} par={c.get('parallel_update', -1)} lora={c.get('lora_r', 0)}"
+             f"{'' if c.get('reuse_values', 1) else ' 2pass'}")
     if not r.get("ok"):
         return f"{label} | FAILED: {r.get('error')}"
     t, m = r["time_s"], r["memory_mb"]

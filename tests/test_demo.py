@@ -56,7 +56,11 @@ def test_short_default_ppo_improves_format_and_accuracy_beyond_noise(tmp_path):
         noise = math.sqrt(2 * max(p * (1 - p), 0.01) / n)
         assert after[key] - before[key] > 4 * noise, (key, before, after)
     rows = read_metrics(tmp_path / "run")
-    assert rows[-1]["reward/total"] > rows[0]["reward/total"]
+    steps = [r for r in rows if "reward/total" in r]
+    assert steps[-1]["reward/total"] > steps[0]["reward/total"]
+    # Evaluation during training is on for the demo's data: greedy, held-out, before step 1 and after step 50.
+    evals = [r for r in rows if "eval/format_rate" in r]
+    assert [r["step"] for r in evals] == [0, 50] and evals[-1]["eval/format_rate"] > evals[0]["eval/format_rate"] + 0.3
 
 
 def test_shipped_reward_model_meets_its_held_out_pair_accuracy():
