@@ -278,9 +278,12 @@ def make_experience(args: argparse.Namespace, batch: dict, m: Models, s: Setting
             ref_logprobs, _ = forward_in_row_chunks(policy_forward, m.ref, *on(s.ref_device, ro.sequences, ro.attention_mask),
                                                     R, temp, rows=rows)
             ro.ref_logprobs = ref_logprobs.to(s.device)  # [B, R]
-        if m.critic is not None:
+        if m.critic is not None and not s.reuse_values:
             with timer("score_critic"), s.autocast(s.critic_device):
                 score_values(ro, m, s, rows)
+    if s.reuse_values:  # the update's own (DDP) forward, which may talk to the other ranks: outside the rank-local block
+        with timer("score"), timer("score_critic"), s.autocast(), s.autocast(s.critic_device):
+            score_values(ro, m, s, rows)
     compute_advantages(args, ro, kl_coef, s)  # 4. advantages
     metrics, weights = rollout_metrics(ro, comps, entropy, kl_coef, args.num_generations)
     metrics.update(filter_stats)
