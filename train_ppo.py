@@ -249,10 +249,10 @@ class Sampled:
     responses: list[str]
     comps: dict[str, torch.Tensor]
 
-    def rows(self, groups: torch.Tensor, n: int) -> tuple[Rollout, torch.Tensor, dict]:
-        """The rows of prompt groups `groups` (N rows each), and those prompts' fields of the batch."""
-        idx = (groups[:, None] * n + torch.arange(n)).flatten()
-        return self.rollout, idx, {k: [v[g] for g in groups.tolist()] for k, v in self.batch.items() if isinstance(v, list)}
+    def rows(self, groups: list[int], n: int) -> tuple[torch.Tensor, dict]:
+        """The row indices of prompt groups `groups` (N rows each), and those prompts' fields of the batch."""
+        idx = (torch.tensor(groups)[:, None] * n + torch.arange(n)).flatten()
+        return idx, {k: [v[g] for g in groups] for k, v in self.batch.items() if isinstance(v, list)}
 
 
 @torch.no_grad()
@@ -320,9 +320,9 @@ def keep_groups_with_signal(args: argparse.Namespace, first: Sampled, m: Models,
     n, want = args.num_generations, args.batch_size
     kept, dropped, rounds, cur = [], [], 0, first
     while True:
-        signal = group_has_signal(cur.rollout.rewards, n)
-        kept += [(cur, g) for g in signal.nonzero().flatten()]
-        dropped += [(cur, g) for g in (~signal).nonzero().flatten()]
+        signal = group_has_signal(cur.rollout.rewards, n).tolist()  # one host read per round
+        kept += [(cur, g) for g, s_ in enumerate(signal) if s_]
+        dropped += [(cur, g) for g, s_ in enumerate(signal) if not s_]
         if not D.any_rank(len(kept) < want, s.info) or rounds == args.filter_max_rounds:
             break
         batch = more_prompts() if more_prompts is not None else None
@@ -337,11 +337,11 @@ def keep_groups_with_signal(args: argparse.Namespace, first: Sampled, m: Models,
         return first, stats
     by_source: dict[int, list] = {}
     for src, g in chosen:
-        by_source.setdefault(id(src), [src, []])[1].append(int(g))
+        by_source.setdefault(id(src), [src, []])[1].append(g)
     parts, fields, responses, comps = [], {}, [], {}
     for src, groups in by_source.values():
-        ro, idx, prompt_fields = src.rows(torch.tensor(groups), n)
-        parts.append((ro, idx))
+        idx, prompt_fields = src.rows(groups, n)
+        parts.append((src.rollout, idx))
         for k, v in prompt_fields.items():
             fields.setdefault(k, []).extend(v)
         responses += [src.responses[i] for i in idx.tolist()]

@@ -37,7 +37,7 @@ def minibatch_backward(args: argparse.Namespace, ro: Rollout, mb: torch.Tensor, 
         sync = k == args.accumulation_steps - 1  # DDP all-reduces gradients on the last micro-batch only
         ctx = contextlib.nullcontext() if sync or not s.info.enabled else D.no_sync(m.actor_train, m.critic_train)
         scale = part.response_mask.sum() / n_tokens * s.info.world_size
-        pg_scale = scale if per_token else torch.tensor(len(ub) / n_rows * s.info.world_size, device=s.device)
+        pg_scale = scale if per_token else len(ub) / n_rows * s.info.world_size  # this micro-batch's share of rows
         # Actor and critic share no parameters, so each loss gets its own backward: only one
         # graph's activations are alive at a time (the peak-memory term at 512x8), same gradients;
         # with --parallel_update they run side by side on two cores (two graphs alive).
@@ -60,7 +60,7 @@ def minibatch_backward(args: argparse.Namespace, ro: Rollout, mb: torch.Tensor, 
     return bool(bad), approx_kl
 
 
-def actor_backward(args, actor, part: Rollout, scale: torch.Tensor, kl_coef: float, s: Settings, scaler,
+def actor_backward(args, actor, part: Rollout, scale: torch.Tensor | float, kl_coef: float, s: Settings, scaler,
                     timer: PhaseTimer) -> tuple[dict, bool, torch.Tensor]:
     """Clipped policy loss (+ KL in the loss, entropy bonus) of one micro-batch, backward.
     Returns its stats, whether the loss was non-finite, and its token-summed approx-KL."""

@@ -70,10 +70,6 @@ class Settings:
     def dtype(self) -> torch.dtype:
         return DTYPES[self.dtype_name]
 
-    @property
-    def critic_free(self) -> bool:
-        return self.flags["advantage_estimator"] != "gae"
-
     def autocast(self, device: torch.device | None = None) -> ContextManager:
         """The one autocast context of the run (a no-op in fp32), for the actor's device or `device`."""
         if self.dtype == torch.float32:
@@ -278,7 +274,7 @@ def check_devices_per_rank(devices: dict[str, torch.device], info: DistInfo) -> 
 
 
 def uses_critic(args: argparse.Namespace) -> bool:
-    return getattr(args, "advantage_estimator", "gae") == "gae"
+    return args.advantage_estimator == "gae"
 
 
 def check_same_precision(dtype_name: str, frozen_dtype: torch.dtype, info: DistInfo) -> None:
@@ -540,8 +536,8 @@ def _build(args: argparse.Namespace, info: DistInfo) -> Setup:
         ref_device=info.device if args.lora_r > 0 else devices["ref"],  # LoRA: the reference is the actor itself
         critic_device=devices["critic"], reward_device=devices["reward"],
         kl_placement=kl_placement, kl_estimator=kl_estimator, clip_epsilon_high=clip_high, reuse_values=reuses_values(args),
-        eval_data_path=eval_data_path(args),
+        eval_data_path=eval_path,
         flags={**vars(args), "dtype": dtype_name, "hidden_size": hidden_size, "kl_placement": kl_placement, "kl_estimator": kl_estimator,
-               "clip_epsilon_high": clip_high, "eval_data_path": eval_data_path(args)},
+               "clip_epsilon_high": clip_high, "eval_data_path": eval_path},
     )
     return Setup(settings, models, optim, kl_ctl, ds, custom_fns, n_bad, eval_records)
