@@ -7,7 +7,8 @@ What runs. A random-init MiniMind model of --size (seeded) prefills --batch_size
 --prompt_len random tokens with transformers' forward and a preallocated KV cache, as
 `model.generation.sample` does; then --gen_len - 1 greedy decode steps run three ways, their
 rollouts taken in turn (A B C A B C ...) so all see the same load on a shared machine:
-  fast      model/fast_decode.FastDecoder.step: the trainer's eager decode step (growing cache views)
+  fast      model/fast_decode.FastDecoder.step: the trainer's eager decode step (growing cache views;
+            under bf16 oneDNN-prepacked weights and packed GQA heads)
   static    the same math over static shapes: K/V buffers of the full length, the new token written
             at a tensor index (index_copy_), attention over the whole buffer with the padding mask
             (positions not written yet masked): one graph for every step
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from model.fast_decode import _rms, decode_attention, fast_decoder
+    from model.fast_decode import FastDecoder, _rms, decode_attention, fast_decoder
     from model.generation import preallocated_cache
     from model.loader import build_minimind
 
@@ -81,6 +82,8 @@ def main(argv: list[str] | None = None) -> dict:
     with amp():
         fast = fast_decoder(model, "cpu")
     assert fast is not None
+    # The static/compiled paths take plain weights (inductor's freezing prepacks them itself).
+    plain = FastDecoder(model, dtype if dtype != torch.float32 else None, "cpu", prepack=False)
     trunk = model.model
 
     def prefill():
@@ -91,26 +94,26 @@ def main(argv: list[str] | None = None) -> dict:
 
     def static_step(tokens, position, kv_mask, index, ks, vs):
         """FastDecoder.step over full-length K/V buffers: the same ops, static shapes."""
-        nq, nk, hd = fast.n_heads * fast.head_dim, fast.n_kv * fast.head_dim, fast.head_dim
+        nq, nk, hd = plain.n_heads * plain.head_dim, plain.n_kv * plain.head_dim, plain.head_dim
         h = trunk.embed_tokens(tokens[:, None])
         cos, sin = trunk.rotary_emb(h, position)
         m4 = kv_mask[:, None, None, :]
-        for i, (w, layer) in enumerate(zip(fast.weights, trunk.layers)):
+        for i, (w, layer) in enumerate(zip(plain.weights, trunk.layers)):
             a = layer.self_attn
             qkv = F.linear(_rms(h, layer.input_layernorm), w["qkv"])
-            q = qkv[..., :nq].view(B, 1, fast.n_heads, hd)
-            k = qkv[..., nq : nq + nk].view(B, 1, fast.n_kv, hd)
-            v = qkv[..., nq + nk :].view(B, 1, fast.n_kv, hd).transpose(1, 2)
+            q = qkv[..., :nq].view(B, 1, plain.n_heads, hd)
+            k = qkv[..., nq : nq + nk].view(B, 1, plain.n_kv, hd)
+            v = qkv[..., nq + nk :].view(B, 1, plain.n_kv, hd).transpose(1, 2)
             if hasattr(a, "q_norm"):
                 q, k = _rms(q, a.q_norm), _rms(k, a.k_norm)
-            q, k = fast.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            q, k = plain.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             ks[i].index_copy_(2, index, k.to(ks[i].dtype))
             vs[i].index_copy_(2, index, v.to(vs[i].dtype))
-            o_ = decode_attention(q, ks[i], vs[i], m4, a.scaling, fast.pack_gqa)
+            o_ = decode_attention(q, ks[i], vs[i], m4, a.scaling, plain.pack_gqa)
             h = h + F.linear(o_.transpose(1, 2).reshape(B, 1, nq), w["o"])
             gate, up = F.linear(_rms(h, layer.post_attention_layernorm), w["gate_up"]).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, w["down"])
-        return F.linear(_rms(h, trunk.norm), fast.head)[:, -1]
+        return F.linear(_rms(h, trunk.norm), plain.head)[:, -1]
 
     def run_fast() -> tuple[float, list]:
         with torch.no_grad(), amp():

@@ -508,7 +508,8 @@ def test_decode_attention_packed_heads_equal_enable_gqa(n_kv):
 
     from model.fast_decode import decode_attention, pack_gqa_heads
 
-    assert pack_gqa_heads("cuda") and not pack_gqa_heads("cpu")
+    assert pack_gqa_heads("cuda") and not pack_gqa_heads("cpu") and not pack_gqa_heads("cpu", torch.float32)
+    assert pack_gqa_heads("cpu", torch.bfloat16)  # CPU SDPA with enable_gqa is slow in bf16
     g = torch.Generator().manual_seed(0)
     B, Hq, n, D = 3, 4, 9, 16
     q = torch.randn(B, Hq, 1, D, generator=g)
@@ -539,6 +540,35 @@ def test_fast_decode_cuda_layout_gives_the_cpu_logits(arch):
     got = _decode_logits(m, ids, mask, 8, fast=True, device_type="cuda")
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_fast_decode_prepacked_bf16_weights_give_the_same_logits(arch, monkeypatch):
+    """On a CPU under bf16 the decode matmuls take oneDNN's prepacked weights: the same kernel as
+    F.linear on the bf16 weight, so the logits are bit-identical, and so are the sampled tokens."""
+    import torch.nn.functional as F
+
+    import model.fast_decode as fd
+    from model.fast_decode import FastDecoder, _onednn_linear, fast_decoder, onednn_prepack
+
+    m = scramble(build_minimind(64, 2, arch=arch, vocab_size=256, num_attention_heads=4, num_key_value_heads=2), seed=6).eval()
+    w = torch.randn(48, 64).bfloat16()
+    if onednn_prepack(w, "cpu") is None:
+        pytest.skip("this torch build has no oneDNN bf16 linear")
+    assert onednn_prepack(w, "cuda") is None and onednn_prepack(w.float(), "cpu") is None
+    x = torch.randn(3, 1, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(_onednn_linear(x, onednn_prepack(w, "cpu")), F.linear(x, w))
+        dec = fast_decoder(m, "cpu")
+        assert dec.linear is _onednn_linear and dec.pack_gqa
+    ids, mask = _left_pad(PROMPTS)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _decode_logits(m, ids, mask, 8, fast=True)
+    # The same decoder with plain bf16 weights.
+    monkeypatch.setattr(fd, "fast_decoder", lambda lm, dt: FastDecoder(lm, torch.bfloat16, dt, prepack=False))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _decode_logits(m, ids, mask, 8, fast=True)
+    assert torch.equal(got, want)
 
 
 def test_token_logprobs_entropy_hand_computed():
