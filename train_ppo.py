@@ -185,7 +185,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--parallel_update", type=int, default=-1, choices=[-1, 0, 1],
       help="actor and critic forward/backward side by side, one CPU core each, instead of one after the other "
            "on all cores (512x8 bf16 update ~2.0 -> ~1.7 s on 2 cores, peak RSS +~450 MB: both graphs are alive "
-           "at once); -1 = on for single-process CPU runs under bf16 with >= 2 threads")
+           "at once); -1 = on for single-process CPU runs under bf16 with >= 2 threads, unless one minibatch "
+           "reuses the critic's scoring forward (then the critic's part is a backward alone)")
     a("--seed", type=int, default=42)
     a("--deterministic", type=int, default=0, choices=[0, 1],
       help="torch's deterministic algorithms and a fixed cuBLAS workspace: exact repeats on GPU too, slower "

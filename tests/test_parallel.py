@@ -37,7 +37,7 @@ def test_side_by_side_reraises_a_pieces_error():
         run_side_by_side([lambda: 1, boom], parallel=True)
 
 
-def test_auto_is_on_only_for_single_process_cpu_bf16():
+def test_auto_is_on_only_for_single_process_cpu_bf16_without_reused_values():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     threads = torch.get_num_threads()
     try:
@@ -46,6 +46,9 @@ def test_auto_is_on_only_for_single_process_cpu_bf16():
         assert not use_parallel_update(-1, cpu, distributed=False, cpu_bf16=False)  # the fp32 demo stays sequential
         assert not use_parallel_update(-1, cpu, distributed=True, cpu_bf16=True)
         assert not use_parallel_update(-1, cuda, distributed=False, cpu_bf16=False)
+        # One minibatch reusing the critic's scoring forward: the critic's part is a backward alone.
+        assert not use_parallel_update(-1, cpu, distributed=False, cpu_bf16=True, reuse_values=True)
+        assert use_parallel_update(1, cpu, distributed=False, cpu_bf16=True, reuse_values=True)
         torch.set_num_threads(1)
         assert not use_parallel_update(-1, cpu, distributed=False, cpu_bf16=True)  # nothing to share
         assert use_parallel_update(1, cpu, distributed=False, cpu_bf16=False)

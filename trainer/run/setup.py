@@ -530,7 +530,7 @@ def _build(args: argparse.Namespace, info: DistInfo) -> Setup:
     clip_high = args.clip_epsilon if args.clip_epsilon_high is None else args.clip_epsilon_high
     settings = Settings(
         info=info, dtype_name=dtype_name, frozen_dtype=frozen_dtype, hidden_size=hidden_size, total_steps=total_steps,
-        parallel_update=use_parallel_update(args.parallel_update, info.device, info.enabled, cpu_bf16),
+        parallel_update=use_parallel_update(args.parallel_update, info.device, info.enabled, cpu_bf16, reuses_values(args)),
         train_attn=train_attn, sample_temperature=1.0 if args.greedy else args.temperature,
         sample_interval=args.debug_interval if args.debug_mode else args.sample_interval,
         ref_device=info.device if args.lora_r > 0 else devices["ref"],  # LoRA: the reference is the actor itself
