@@ -132,7 +132,17 @@ def rss_now_mb() -> float:
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    """This process's peak RSS: /proc's VmHWM, which starts afresh at exec. Not ru_maxrss: Linux
+    carries it across fork/vfork + exec, so a child would report the parent's peak (the bench's own
+    512 MB bandwidth test) whenever that is larger than its own."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB; macOS: bytes (rough)
 
 
 def cpu_name() -> str:
