@@ -67,6 +67,9 @@ def onednn_prepack(weight: torch.Tensor, device_type: str) -> torch.Tensor | Non
     if device_type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
         return None
     try:
+        # oneDNN's bf16 ops refuse CPUs without the AVX-512 subsets they need (at call time): check first.
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return None
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
     except (RuntimeError, AttributeError):  # a torch build without oneDNN's bf16 linear
         return None

@@ -583,3 +583,16 @@ def test_token_logprobs_entropy_hand_computed():
     # Temperature: softmax(logits / T); T = 2 turns [0, 2 ln 4] into [0, ln 4]: probs 1/5, 4/5.
     lp, _ = token_logprobs(torch.tensor([[0.0, 2 * math.log(4.0)]]), torch.tensor([1]), temperature=2.0)
     torch.testing.assert_close(lp, torch.tensor([math.log(4 / 5)]))
+
+
+def test_no_prepacking_where_onednn_has_no_bf16(monkeypatch):
+    """A CPU without oneDNN's bf16 support (e.g. AVX2 only, --dtype bfloat16 forced) keeps plain weights."""
+    import torch.nn.functional as F
+
+    from model.fast_decode import fast_decoder, onednn_prepack
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert onednn_prepack(torch.randn(8, 8).bfloat16(), "cpu") is None
+    m = build_minimind(64, 2, vocab_size=64).eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fast_decoder(m, "cpu").linear is F.linear
