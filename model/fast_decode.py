@@ -130,10 +130,10 @@ class FastDecoder:
         self.head = cast(lm.lm_head.weight)
         # On a CPU under bf16, every decode matmul takes oneDNN's prepacked weight (onednn_prepack).
         self.linear = F.linear
-        if prepack and compute_dtype == torch.bfloat16 and onednn_prepack(self.head, device_type) is not None:
+        head = onednn_prepack(self.head, device_type) if prepack and compute_dtype == torch.bfloat16 else None
+        if head is not None:  # the head stands for every weight: same dtype, device and oneDNN support
             self.weights = [{k: onednn_prepack(v, device_type) for k, v in w.items()} for w in self.weights]
-            self.head = onednn_prepack(self.head, device_type)
-            self.linear = _onednn_linear
+            self.head, self.linear = head, _onednn_linear
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, position: torch.Tensor, kv_mask: torch.Tensor, cache) -> torch.Tensor:
