@@ -485,7 +485,7 @@ def main(argv: list[str] | None = None) -> None:
         for batch in run.batches():
             if m.old_actor is not None and run.step % args.update_old_actor_freq == 0:
                 m.old_actor.load_state_dict(m.actor.state_dict())  # MiniMind's scheme: refresh the frozen copy
-            timer = PhaseTimer()
+            timer = PhaseTimer(s.cuda_devices)
             with timer("step"):
                 exp = make_experience(args, batch, m, s, kl_ctl.value, built.custom_fns, timer, run.next_batch)  # steps 1-4
                 with timer("update"):

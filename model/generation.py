@@ -177,6 +177,7 @@ def sample(
     return_logprobs: bool = False,
     fast_decode: bool = True,
     sync_interval: int | None = None,
+    generator: torch.Generator | None = None,
 ) -> Samples:
     """Sample responses for a left-padded batch [B, P]; per-row stop at EOS, pads after it.
 
@@ -195,7 +196,9 @@ def sample(
     the last row stopped; they decode pads into finished rows and are cut off before returning, so the
     outputs equal the every-token schedule's (a sampled batch under the same seed included). Those
     steps still draw from the device RNG, so later draws differ from a k = 1 run's (deterministic all
-    the same). Non-finite logits raise at the next check instead of at once."""
+    the same). Non-finite logits raise at the next check instead of at once.
+
+    generator: the random stream of the draws (on the inputs' device); None = torch's default one."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     interval = sync_interval if sync_interval is not None else host_sync_interval(input_ids.device.type)
@@ -232,7 +235,7 @@ def sample(
             if greedy:
                 nxt = logits.argmax(dim=-1)
             else:
-                nxt = sample_from_logits(filter_logits(logits, temperature, top_k, top_p), finite=finite)
+                nxt = sample_from_logits(filter_logits(logits, temperature, top_k, top_p), generator, finite=finite)
             nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)  # finished rows get pads
             tokens.append(nxt)
             if return_logprobs:

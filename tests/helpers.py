@@ -250,3 +250,26 @@ def deep_equal(a, b, where: str = "") -> list[str]:
             return [f"{where} len"]
         return [d for i, (x, y) in enumerate(zip(a, b)) for d in deep_equal(x, y, f"{where}[{i}]")]
     return [] if a == b else [where]
+
+
+@contextlib.contextmanager
+def fake_cuda(n_gpus: int = 8, node: str = "node0", capability: tuple[int, int] = (9, 0)):
+    """torch.cuda as a CUDA machine would answer it, for the device logic only (no kernel runs): `n_gpus`
+    visible GPUs whose UUIDs name `node` (two processes with different `node`s stand for two hosts),
+    of compute capability `capability`. synchronize calls are recorded in the yielded list."""
+    from types import SimpleNamespace
+
+    synced: list = []
+
+    def props(d=None):
+        i = d.index if isinstance(d, torch.device) else (0 if d is None else int(d))
+        return SimpleNamespace(uuid=f"{node}-gpu{i}", name="Fake GPU", major=capability[0], minor=capability[1])
+
+    with contextlib.ExitStack() as stack:
+        patches = dict(is_available=lambda: True, device_count=lambda: n_gpus, get_device_properties=props,
+                       get_device_capability=lambda d=None: capability, set_device=lambda d: None, current_device=lambda: 0,
+                       is_bf16_supported=lambda including_emulation=True: capability[0] >= 8 or including_emulation,
+                       synchronize=lambda d=None: synced.append(d))
+        for name, fn in patches.items():
+            stack.enter_context(mock.patch.object(torch.cuda, name, fn))
+        yield synced

@@ -226,6 +226,62 @@ def test_collectives_over_two_gloo_processes(tmp_path):
         assert res["keys"] == "ranks logged different metric keys (beyond the common ones: {0: ['only_on_0'], 1: ['only_on_1']}); every rank must log the same keys"
 
 
+# ------------------------------------------------------------------ two "nodes" of CUDA ranks, driven on CPU
+def _node_worker(rank: int, world: int, port: int, out_dir: str, per_node: int) -> None:
+    """A rank of a 2-node job as torchrun starts it (RANK, LOCAL_RANK, GROUP_RANK, LOCAL_WORLD_SIZE), on a
+    node with 4 GPUs stood in by fake_cuda (UUIDs naming the node), the process group on gloo."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    import train_ppo as T
+    from tests.helpers import fake_cuda
+    from trainer.run import setup as S
+
+    node, local = divmod(rank, per_node)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(per_node), GROUP_RANK=str(node))
+    torch.set_num_threads(1)
+    init = dist.init_process_group
+    results = {}
+    with fake_cuda(4, node=f"node{node}"), mock.patch.object(dist, "init_process_group",
+                                                            lambda *a, **k: init(*a, **{**k, "backend": "gloo"})):
+        info = D.init_distributed("auto", timeout_s=60)
+        results["device"] = str(info.device)
+        for case, flags in (("default", []), ("offset", ["--ref_device", "cuda:+2", "--reward_device", "cuda:+2"]),
+                            ("clash", ["--ref_device", "cuda:1"])):  # the last one stops every rank
+            try:
+                devices = S.model_devices(T.parse_args(flags), info)
+                S.check_devices_per_rank(devices, info)
+                results[case] = {k: str(v) for k, v in devices.items()}
+            except SystemExit as e:
+                results[case] = f"exit: {e.code}"
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+
+
+@pytest.mark.slow  # 4 fresh interpreters importing torch
+def test_two_nodes_of_gpus_start_and_a_clash_on_one_node_is_one_line(tmp_path):
+    """2 nodes x 2 ranks: ranks 0 and 2 are both on their node's cuda:0, which is not a clash (it was: a
+    2-node job could not start). A reference fixed on cuda:1 beside rank 1's actor is, on every rank."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.spawn(_node_worker, args=(4, _free_port(), str(tmp_path), 2), nprocs=4, join=False)
+    deadline = time.monotonic() + 240
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.terminate()
+            pytest.fail("2-node start hung")
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(4)]
+    assert [r["device"] for r in res] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    for r in range(4):
+        local = r % 2
+        assert res[r]["default"] == {k: f"cuda:{local}" for k in ("ref", "critic", "reward")}
+        assert res[r]["offset"] == {"ref": f"cuda:{local + 2}", "critic": f"cuda:{local}", "reward": f"cuda:{local + 2}"}
+    assert res[0]["clash"].startswith(f"exit: error: rank 0: ranks 0 and 1 both use cuda:1 on {socket.gethostname()}: give each rank")
+    assert all(r["clash"] == "exit: 1" for r in res[1:])  # the others stop quietly
+
+
 # ------------------------------------------------------------------ torchrun end to end
 @pytest.mark.slow
 def test_torchrun_two_processes_completes_rank0_writes(two_procs, world):

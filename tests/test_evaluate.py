@@ -82,6 +82,26 @@ def test_evaluate_policy_on_random_model_is_in_range_and_deterministic(tok):
     assert torch.equal(torch.rand(1), before)
 
 
+def test_evaluation_never_reseeds_the_gpus_sampling_stream(tok, monkeypatch):
+    """On CUDA, torch.manual_seed also reseeds every GPU's generator: an evaluation that used it would
+    send rank 0's training samples back to step 0's stream after every evaluation. Recorded here with
+    stand-ins for torch.cuda's seeding calls; the sampled replies are the same as before."""
+    policy = tiny_model(tok)
+    kwargs = dict(batch_size=2, max_new_tokens=6, temperature=1.0, seed=3)
+    before = evaluate_policy(policy, tok, records(), return_rows=True, **kwargs)
+    calls = []
+    for name in ("manual_seed", "manual_seed_all", "set_rng_state", "set_rng_state_all"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, name=name, **k: calls.append(name))
+    torch.manual_seed(5)
+    stream = torch.rand(3)
+    torch.manual_seed(5)
+    calls.clear()
+    after = evaluate_policy(policy, tok, records(), return_rows=True, **kwargs)
+    assert calls == []  # no GPU generator touched
+    assert [r["reply"] for r in after["rows"]] == [r["reply"] for r in before["rows"]]
+    assert torch.equal(torch.rand(3), stream)  # the caller's CPU stream neither advanced nor reseeded
+
+
 def test_kl_to_itself_is_zero_and_logprobs_match_full_forward(tok):
     policy = tiny_model(tok)
     m = evaluate_policy(policy, tok, records(3), ref_policy=policy, batch_size=3, max_new_tokens=4, temperature=1.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from types import SimpleNamespace
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 import train_ppo as T
-from tests.helpers import UPDATE_BASE_FLAGS, build_update_world, run_experience
+from tests.helpers import UPDATE_BASE_FLAGS, build_update_world, fake_cuda, run_experience
 from trainer.rollout import attention_implementation, policy_forward
 from trainer.run import setup as S
 from trainer.run import setup as setup_mod
@@ -22,6 +23,7 @@ def _args(*flags: str):
     return T.parse_args([*UPDATE_BASE_FLAGS, *flags])
 
 
+@fake_cuda(1, capability=(8, 0))
 def test_precision_rules_have_one_home():
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert S.resolve_precision(_args(), cpu) == ("float32", torch.float32)
@@ -44,6 +46,7 @@ def test_cpu_native_bf16_reads_the_cpu_flags(tmp_path, monkeypatch):
         assert S.cpu_native_bf16(tmp_path / "missing") is (avx512_bf16 or amx)
 
 
+@fake_cuda(1, capability=(8, 0))
 def test_auto_precision_picks_bf16_on_a_cpu_only_for_large_models_with_native_bf16(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     demo, big = S.policy_layer_params(T.parse_args([])), S.policy_layer_params(_args("--hidden_size", "768", "--num_hidden_layers", "16"))
@@ -168,24 +171,118 @@ def test_model_devices_are_plumbed_and_default_to_the_actors(monkeypatch):
     assert next(placed.models.ref.parameters()).device == placed.settings.ref_device == torch.device("cpu")
     ro_b, _ = run_experience(placed)
     assert torch.equal(ro_a.ref_logprobs, ro_b.ref_logprobs) and torch.equal(ro_a.values, ro_b.values)
-    with pytest.raises(SystemExit, match=r"^error: --critic_device tpu:0: expected cpu, cuda or cuda:N"):
+    with pytest.raises(SystemExit, match=r"^error: --critic_device tpu:0: expected cpu, cuda, cuda:N or cuda:\+K"):
         S.validate_flags(_args("--critic_device", "tpu:0"))
     with pytest.raises(SystemExit, match="CUDA is not available"):
         S.model_devices(_args("--ref_device", "cuda:1"), DistInfo())
 
 
 def test_ranks_must_not_share_a_gpu(monkeypatch):
+    """GPUs are compared by identity: the same name on two hosts is two GPUs, two names for one GPU clash."""
     stopped = []
     monkeypatch.setattr(S, "stop_all", lambda error, info: stopped.append(error))
+    monkeypatch.setattr(S, "gpu_identity", lambda d: f"here-{d.index}")
     cuda = lambda i: torch.device("cuda", i)  # noqa: E731
     info = DistInfo(rank=0, world_size=2, device=cuda(0))
-    # Rank 0: actor cuda:0, reference cuda:1; rank 1: actor cuda:1 -> both use cuda:1.
-    monkeypatch.setattr(S, "all_gather_objects", lambda obj, info: [obj, ["cuda:1"]])
+    # Rank 0: actor cuda:0, reference cuda:1; rank 1 (same host): actor cuda:1 -> both use cuda:1.
+    monkeypatch.setattr(S, "all_gather_objects", lambda obj, info: [obj, ("hostA", [("here-1", "cuda:1")])])
     S.check_devices_per_rank({"ref": cuda(1), "critic": cuda(0), "reward": cuda(0)}, info)
-    assert stopped[-1].startswith("ranks 0 and 1 both use cuda:1: give each rank its own devices")
-    monkeypatch.setattr(S, "all_gather_objects", lambda obj, info: [obj, ["cuda:2", "cuda:3"]])
+    assert stopped[-1].startswith("ranks 0 and 1 both use cuda:1 on hostA: give each rank its own GPUs")
+    assert "cuda:+K" in stopped[-1]
+    monkeypatch.setattr(S, "all_gather_objects", lambda obj, info: [obj, ("hostA", [("here-2", "cuda:2"), ("here-3", "cuda:3")])])
     S.check_devices_per_rank({"ref": cuda(1), "critic": cuda(0), "reward": torch.device("cpu")}, info)
     assert stopped[-1] is None  # every rank its own GPUs (CPU is not a GPU to share)
+    # Another node's cuda:0 is another GPU.
+    monkeypatch.setattr(S, "all_gather_objects", lambda obj, info: [obj, ("hostB", [("there-0", "cuda:0")])])
+    S.check_devices_per_rank({"ref": cuda(0), "critic": cuda(0), "reward": cuda(0)}, info)
+    assert stopped[-1] is None
+
+
+def test_gpu_identity_is_the_uuid_or_the_physical_index(monkeypatch):
+    from trainer.run import distributed as D
+
+    with fake_cuda(4, node="n7"):
+        assert D.gpu_identity(torch.device("cuda", 2)) == "GPU-n7-gpu2"
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(uuid=None))
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")  # this process's cuda:1 is the host's GPU 5
+        assert D.gpu_identity(torch.device("cuda", 1)).endswith(":5")
+
+
+def test_model_device_flags_per_rank(monkeypatch):
+    """--ref_device/--critic_device/--reward_device under torchrun: cuda:+K counts from the rank's own GPU,
+    so ranks on cuda:0-3 put their models on cuda:4-7; what cannot work is one line."""
+    cuda = lambda i: torch.device("cuda", i)  # noqa: E731
+    with fake_cuda(8):
+        for local in range(4):
+            info = DistInfo(rank=4 + local, local_rank=local, world_size=8, device=cuda(local), backend="nccl")
+            got = S.model_devices(_args("--ref_device", "cuda:+4", "--reward_device", "cpu", "--critic_device", "cuda"), info)
+            assert got == {"ref": cuda(local + 4), "critic": cuda(local), "reward": torch.device("cpu")}
+        assert S.model_devices(_args("--ref_device", "cuda:6"), info)["ref"] == cuda(6)  # a fixed GPU
+        assert S.model_devices(_args(), info) == {"ref": cuda(3), "critic": cuda(3), "reward": cuda(3)}
+        with pytest.raises(SystemExit, match=r"^error: --ref_device cuda:\+6: cuda:9 \(rank 7's own GPU is cuda:3\) but only 8 GPUs"):
+            S.model_devices(_args("--ref_device", "cuda:+6"), info)
+        with pytest.raises(SystemExit, match=r"^error: --critic_device cpu: the critic trains under DDP, and NCCL"):
+            S.model_devices(_args("--critic_device", "cpu"), info)
+        # One process, or gloo: a CPU critic is fine.
+        assert S.model_devices(_args("--critic_device", "cpu"), DistInfo(device=cuda(0)))["critic"] == torch.device("cpu")
+        gloo = DistInfo(rank=1, local_rank=1, world_size=2, device=cuda(1), backend="gloo")
+        assert S.model_devices(_args("--critic_device", "cpu"), gloo)["critic"] == torch.device("cpu")
+        with pytest.raises(SystemExit, match=r"^error: --ref_device cuda:\+1: cuda:\+K counts from the rank's own GPU"):
+            S.model_devices(_args("--ref_device", "cuda:+1"), DistInfo())
+    S.validate_flags(_args("--ref_device", "cuda:+4"))
+    with pytest.raises(SystemExit, match=r"^error: --reward_device cuda:-1: expected"):
+        S.validate_flags(_args("--reward_device", "cuda:-1"))
+
+
+def test_frozen_models_on_a_cpu_beside_a_gpu_actor_keep_cpu_precision(monkeypatch):
+    """A --ref_device cpu reference of a bf16 GPU run is held and run as a CPU would (fp32 for a model
+    below the CPU's bf16 threshold), not in the GPU's bf16."""
+    monkeypatch.setattr(S, "cpu_native_bf16", lambda: False)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    with fake_cuda(2, capability=(8, 0)):
+        assert S.resolve_precision(_args(), cuda) == ("bfloat16", torch.bfloat16)
+        assert S.resolve_precision(_args(), cpu) == ("float32", torch.float32)
+        assert S.resolve_precision(_args("--dtype", "float16"), cpu) == ("float32", torch.float32)  # no fp16 on a CPU
+    s = S.Settings(**{**_settings_fields(), "precisions": {"cuda": ("bfloat16", torch.bfloat16), "cpu": ("float32", torch.float32)}})
+    entered = []
+    monkeypatch.setattr(torch, "autocast", lambda device_type, dtype: entered.append((device_type, dtype)) or contextlib.nullcontext())
+    with s.autocast(cpu), s.autocast(cuda), s.autocast():
+        pass
+    assert entered == [("cuda", torch.bfloat16)] * 2  # the CPU's fp32 needs no autocast
+
+
+def _settings_fields() -> dict:
+    cuda = torch.device("cuda", 0)
+    return dict(info=DistInfo(device=cuda), dtype_name="bfloat16", frozen_dtype=torch.bfloat16, hidden_size=8, total_steps=1,
+                parallel_update=False, train_attn=None, sample_temperature=1.0, sample_interval=0, ref_device=torch.device("cpu"),
+                critic_device=cuda, reward_device=cuda, kl_placement="reward", kl_estimator="k1", clip_epsilon_high=0.2,
+                reuse_values=False, eval_data_path=None, flags={})
+
+
+def test_auto_precision_on_gpus_follows_native_bf16():
+    """bf16 from compute capability 8.0 (A100, H100); fp16 with the loss scaler on V100/T4 (7.x), whose
+    bf16 is emulated; fp32 before. The frozen models follow (--frozen_low_precision -1)."""
+    cuda = torch.device("cuda", 0)
+    for cap, want in (((9, 0), "bfloat16"), ((8, 0), "bfloat16"), ((7, 5), "float16"), ((7, 0), "float16"), ((6, 1), "float32")):
+        with fake_cuda(1, capability=cap):
+            assert S.resolve_precision(_args(), cuda) == (want, S.DTYPES[want]), cap
+            assert S.resolve_precision(_args("--dtype", "float32"), cuda) == ("float32", torch.float32)
+    with fake_cuda(1, capability=(7, 0)):
+        world = build_update_world()  # the scaler is what fp16 turns on (built on the CPU here)
+        optim = S.build_optim(world.args, world.models, 5, torch.float16, cuda)
+        assert optim.scaler.is_enabled()
+
+
+def test_phase_timer_waits_for_the_gpus():
+    from trainer.run.timing import PhaseTimer
+
+    cuda = lambda i: torch.device("cuda", i)  # noqa: E731
+    with fake_cuda(8) as synced:
+        timer = PhaseTimer([cuda(0), torch.device("cpu"), cuda(4)])
+        with timer("generate"):
+            assert synced == [cuda(0), cuda(4)]  # queued work of the previous phase is not billed here
+        assert synced == [cuda(0), cuda(4)] * 2  # and this phase's kernels are
+    assert PhaseTimer([torch.device("cpu")])._cuda == []
 
 
 # ------------------------------------------------------------------ CUDA-only switches, driven on CPU

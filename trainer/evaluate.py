@@ -113,8 +113,9 @@ def evaluate_policy(
     fp32 and temperature 1; None without ref_policy), by_task (when `tasks` gives a task name per
     record, e.g. the demo files' "task" key), rows (per-row details, when return_rows).
 
-    Deterministic given `seed`: sampling runs under a forked RNG seeded with it, so the caller's
-    random state (e.g. a training run's) is neither used nor advanced.
+    Deterministic given `seed`: sampling draws from a generator of its own on the policy's device,
+    seeded with it, so the caller's random state (a training run's, on the CPU and on every GPU) is
+    neither used, advanced nor reseeded.
     """
     if not records:
         raise ValueError("evaluate_policy: no records to evaluate (check --data_path / --n)")
@@ -136,40 +137,42 @@ def evaluate_policy(
     rm_scores: list[float] = []
     kls: list[float] = []
     rows: list[dict[str, Any]] = []
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for start in range(0, len(dataset), batch_size):
-            batch = collate_left_pad([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))], pad_id)
-            input_ids = batch["input_ids"].to(device)  # [B, P]
-            attention_mask = batch["attention_mask"].to(device)  # [B, P]
-            samples = sample(
-                policy, input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_token_id=eos_id,
-                pad_token_id=pad_id, temperature=temperature if not greedy else 1.0, top_p=top_p, greedy=greedy,
-            )
-            responses = samples.sequences[:, input_ids.shape[1]:]  # [B, R]
-            mask = samples.response_mask  # [B, R]
-            texts = tokenizer.batch_decode(
-                [row[m.bool()].tolist() for row, m in zip(responses.cpu(), mask.cpu())], skip_special_tokens=True
-            )
-            batch_replies = [prefix + text for prefix, text in zip(batch["assistant_prefix"], texts)]
-            replies += batch_replies
-            references += batch["reference"]
-            lengths += mask.sum(dim=1).tolist()
-            eos_flags += samples.has_eos.tolist()
-            if rm_scorer is not None:
-                convs = [msgs + [{"role": "assistant", "content": r}] for msgs, r in zip(batch["messages"], batch_replies)]
-                rm_scores += rm_scorer.score(convs).tolist()
-            if ref_policy is not None:
-                full_mask = torch.cat([attention_mask, mask.to(attention_mask.dtype)], dim=1)  # [B, P+R]
-                P = input_ids.shape[1]
-                logprobs = response_logprobs(policy, samples.sequences, full_mask, P)  # [B, R]
-                ref_logprobs = response_logprobs(ref_policy, samples.sequences, full_mask, P)  # [B, R]
-                kls += ((logprobs - ref_logprobs) * mask).sum(dim=1).tolist()
-            if return_rows:
-                rows += [
-                    {"prompt": p, "reply": r, "reference": ref}
-                    for p, r, ref in zip(batch["prompt"], batch_replies, batch["reference"])
-                ]
+    # Not torch.manual_seed: it reseeds every GPU's default generator too, and training would sample
+    # from its step-0 stream again after each evaluation.
+    generator = torch.Generator(device).manual_seed(seed)
+    for start in range(0, len(dataset), batch_size):
+        batch = collate_left_pad([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))], pad_id)
+        input_ids = batch["input_ids"].to(device)  # [B, P]
+        attention_mask = batch["attention_mask"].to(device)  # [B, P]
+        samples = sample(
+            policy, input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_token_id=eos_id,
+            pad_token_id=pad_id, temperature=temperature if not greedy else 1.0, top_p=top_p, greedy=greedy,
+            generator=generator,
+        )
+        responses = samples.sequences[:, input_ids.shape[1]:]  # [B, R]
+        mask = samples.response_mask  # [B, R]
+        texts = tokenizer.batch_decode(
+            [row[m.bool()].tolist() for row, m in zip(responses.cpu(), mask.cpu())], skip_special_tokens=True
+        )
+        batch_replies = [prefix + text for prefix, text in zip(batch["assistant_prefix"], texts)]
+        replies += batch_replies
+        references += batch["reference"]
+        lengths += mask.sum(dim=1).tolist()
+        eos_flags += samples.has_eos.tolist()
+        if rm_scorer is not None:
+            convs = [msgs + [{"role": "assistant", "content": r}] for msgs, r in zip(batch["messages"], batch_replies)]
+            rm_scores += rm_scorer.score(convs).tolist()
+        if ref_policy is not None:
+            full_mask = torch.cat([attention_mask, mask.to(attention_mask.dtype)], dim=1)  # [B, P+R]
+            P = input_ids.shape[1]
+            logprobs = response_logprobs(policy, samples.sequences, full_mask, P)  # [B, R]
+            ref_logprobs = response_logprobs(ref_policy, samples.sequences, full_mask, P)  # [B, R]
+            kls += ((logprobs - ref_logprobs) * mask).sum(dim=1).tolist()
+        if return_rows:
+            rows += [
+                {"prompt": p, "reply": r, "reference": ref}
+                for p, r, ref in zip(batch["prompt"], batch_replies, batch["reference"])
+            ]
 
     scored = score_replies(replies, references, tasks)
     metrics: dict[str, Any] = {k: v for k, v in scored.items() if k not in ("format_ok", "correct")}

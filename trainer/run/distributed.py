@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 import zlib
 from collections.abc import Callable, Iterator
@@ -29,10 +30,19 @@ class DistInfo:
     local_rank: int = 0
     world_size: int = 1
     device: torch.device = torch.device("cpu")
+    backend: str = ""  # the process group's backend ("nccl", "gloo"); "" = one process
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def comm_device(self) -> torch.device:
+        """Where the tensors of our own small collectives (decisions, metric means) live: the rank's GPU
+        under NCCL, which takes CUDA tensors only; the CPU under gloo, also when the models are on a GPU."""
+        if self.device.type == "cuda" and self.backend in ("", "nccl"):
+            return self.device
+        return torch.device("cpu")
 
     @property
     def enabled(self) -> bool:
@@ -58,18 +68,33 @@ def resolve_device(flag: str, local_rank: int = 0, world_size: int = 1) -> torch
     return torch.device(flag)
 
 
+def gpu_identity(device: torch.device) -> str:
+    """Which physical GPU `device` is, comparable across processes and hosts: its UUID. Device names are
+    not: on two nodes every rank's first GPU is cuda:0, and under per-process CUDA_VISIBLE_DEVICES (SLURM's
+    --gpus-per-task) cuda:0 of two processes on one host are two GPUs. Without a UUID: host name and
+    the physical index CUDA_VISIBLE_DEVICES maps the device to."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    if uuid:
+        return f"GPU-{uuid}" if not str(uuid).startswith("GPU-") else str(uuid)
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return f"{socket.gethostname()}:{visible[index] if index < len(visible) else index}"
+
+
 def init_distributed(device_flag: str = "auto", timeout_s: int = 1800) -> DistInfo:
     """Initialise from torchrun's environment, or return a single-process DistInfo."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(device_flag, local_rank, world_size)
-    if world_size > 1 and not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+    backend = ""
+    if world_size > 1:
+        if not dist.is_initialized():
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+        backend = str(dist.get_backend())
+    return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
 
 
 def exit_after(main: Callable[[], None]) -> None:
@@ -93,7 +118,7 @@ def exit_after(main: Callable[[], None]) -> None:
 
 def barrier(info: DistInfo) -> None:
     if info.enabled and dist.is_initialized():
-        if info.device.type == "cuda":  # NCCL would otherwise guess each rank's device (and warn)
+        if info.comm_device.type == "cuda":  # NCCL would otherwise guess each rank's device (and warn)
             dist.barrier(device_ids=[info.device.index])
         else:
             dist.barrier()
@@ -167,7 +192,7 @@ def any_rank(flag: bool, info: DistInfo) -> bool:
     non-finite step must be taken together, or one rank would wait forever in a collective."""
     if not info.enabled:
         return bool(flag)
-    t = torch.tensor([1.0 if flag else 0.0], device=info.device)
+    t = torch.tensor([1.0 if flag else 0.0], device=info.comm_device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item() > 0)
 
@@ -184,8 +209,8 @@ def reduce_mean(values: dict[str, float], info: DistInfo, weights: dict[str, flo
     keys = sorted(values)
     _check_same_keys(keys, info)
     weights = weights or {}
-    vals = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=info.device)
-    w = torch.tensor([float(weights.get(k, 1.0)) for k in keys], dtype=torch.float64, device=info.device)
+    vals = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=info.comm_device)
+    w = torch.tensor([float(weights.get(k, 1.0)) for k in keys], dtype=torch.float64, device=info.comm_device)
     w = torch.where(torch.isfinite(vals), w, torch.zeros_like(w))
     stacked = torch.stack([torch.where(w > 0, vals * w, torch.zeros_like(vals)), w])
     dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
@@ -208,7 +233,7 @@ def _check_same_keys(keys: list[str], info: DistInfo) -> None:
     """ValueError on every rank, naming the keys, when ranks would all-reduce different metric keys
     (gloo aborts on the size mismatch; NCCL hangs or reads past the buffer)."""
     crc = zlib.crc32("\n".join(keys).encode())
-    t = torch.tensor([crc, -crc], dtype=torch.int64, device=info.device)
+    t = torch.tensor([crc, -crc], dtype=torch.int64, device=info.comm_device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     highest, neg_lowest = t.tolist()
     if highest == -neg_lowest:  # max == min: every rank has the same keys

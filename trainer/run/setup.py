@@ -14,7 +14,8 @@ import inspect
 import math
 import os
 import re
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ContextManager
 
@@ -30,7 +31,7 @@ from model.weights import WeightsError, native_weight_path
 from trainer.ppo import GROUP_ESTIMATORS, AdaptiveKLController, FixedKLController
 from trainer.rewards import RewardModelScorer, load_reward_fn
 from trainer.run.checkpoint import seed_everything
-from trainer.run.distributed import DistInfo, all_gather_objects, failing_together, init_distributed, resolve_device, stop_all
+from trainer.run.distributed import DistInfo, all_gather_objects, failing_together, gpu_identity, init_distributed, stop_all
 from trainer.run.parallel import check_parallel_update, use_parallel_update
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -61,6 +62,9 @@ class Settings:
     reuse_values: bool  # GAE with one epoch of one minibatch: the critic's scoring forward is the update's
     eval_data_path: str | None  # held-out prompts evaluated during training (None = no evaluation)
     flags: dict  # the flags with derived values filled in: run.json and resume files record these
+    # (--dtype, frozen models' dtype) per device type the run uses: a reference on the CPU beside a CUDA
+    # actor computes as a CPU should, not in the GPU's bf16. The actor's type holds (dtype_name, frozen_dtype).
+    precisions: dict = field(default_factory=dict)
 
     @property
     def device(self) -> torch.device:
@@ -71,10 +75,19 @@ class Settings:
         return DTYPES[self.dtype_name]
 
     def autocast(self, device: torch.device | None = None) -> ContextManager:
-        """The one autocast context of the run (a no-op in fp32), for the actor's device or `device`."""
-        if self.dtype == torch.float32:
+        """The one autocast context of the run (a no-op in fp32), for the actor's device or `device`, in
+        that device type's precision."""
+        device = device or self.device
+        name = self.precisions.get(device.type, (self.dtype_name,))[0]
+        if name == "float32":
             return contextlib.nullcontext()
-        return torch.autocast(device_type=(device or self.device).type, dtype=self.dtype)
+        return torch.autocast(device_type=device.type, dtype=DTYPES[name])
+
+    @property
+    def cuda_devices(self) -> list[torch.device]:
+        """Every GPU this rank computes on (the actor's and any --ref/--critic/--reward_device)."""
+        devices = (self.device, self.ref_device, self.critic_device, self.reward_device)
+        return sorted({d for d in devices if d.type == "cuda"}, key=str)
 
 
 def on(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -180,26 +193,39 @@ def policy_layer_params(args: argparse.Namespace) -> int | None:
         return None
 
 
-def bf16_pays(device: torch.device, layer_params: int | None) -> bool:
-    """The auto rule: bf16 on CUDA; on a CPU only with native bf16 and a model large enough that its
-    matmuls gain more than the casts and elementwise work lose."""
+def cuda_auto_dtype(device: torch.device) -> str:
+    """--dtype auto on a GPU: bf16 where the GPU computes it natively (compute capability 8.0 on: Ampere,
+    Hopper, ...); fp16 with loss scaling on Volta and Turing (V100, T4), whose tensor cores take fp16 but
+    emulate bf16 more slowly than fp32; fp32 on older GPUs."""
+    major, _ = torch.cuda.get_device_capability(device)
+    if major >= 8 and torch.cuda.is_bf16_supported(including_emulation=False):
+        return "bfloat16"
+    return "float16" if major >= 7 else "float32"
+
+
+def auto_dtype(device: torch.device, layer_params: int | None) -> str:
+    """The auto rule. CUDA: `cuda_auto_dtype`. CPU: bf16 only with native bf16 and a model large enough
+    that its matmuls gain more than the casts and elementwise work lose; else fp32."""
     if device.type == "cuda":
-        return True
-    return (device.type == "cpu" and layer_params is not None and layer_params >= BF16_CPU_MIN_LAYER_PARAMS
-            and cpu_native_bf16())
+        return cuda_auto_dtype(device)
+    big = layer_params is not None and layer_params >= BF16_CPU_MIN_LAYER_PARAMS
+    return "bfloat16" if device.type == "cpu" and big and cpu_native_bf16() else "float32"
 
 
 def resolve_precision(args: argparse.Namespace, device: torch.device,
                       layer_params: int | None = None) -> tuple[str, torch.dtype]:
-    """(--dtype resolved, dtype of the frozen models). The one home of both rules.
+    """(--dtype resolved, dtype of the frozen models) on `device`. The one home of both rules.
 
-    auto and --frozen_low_precision -1 follow `bf16_pays`: always on CUDA; on a CPU for models of
-    at least BF16_CPU_MIN_LAYER_PARAMS layer weights (`layer_params`, None = unknown: fp32) on a CPU
-    with native bf16. An explicit --dtype bfloat16 below that keeps the frozen models in fp32 unless
-    --frozen_low_precision 1."""
-    pays = bf16_pays(device, layer_params)
-    name = args.dtype if args.dtype != "auto" else ("bfloat16" if pays else "float32")
-    low = args.frozen_low_precision if args.frozen_low_precision >= 0 else int(pays)
+    auto and --frozen_low_precision -1 follow `auto_dtype`: bf16 on Ampere and later GPUs, fp16 on
+    Volta/Turing; on a CPU bf16 for models of at least BF16_CPU_MIN_LAYER_PARAMS layer weights
+    (`layer_params`, None = unknown: fp32) on a CPU with native bf16. An explicit low-precision --dtype
+    where auto would pick fp32 keeps the frozen models in fp32 unless --frozen_low_precision 1. On a CPU
+    (a --ref_device cpu beside a GPU actor) fp16 becomes fp32: CPUs have no fast fp16 and no loss scaler runs there."""
+    auto = auto_dtype(device, layer_params)
+    name = args.dtype if args.dtype != "auto" else auto
+    if device.type == "cpu" and name == "float16":
+        name = "float32"
+    low = args.frozen_low_precision if args.frozen_low_precision >= 0 else int(auto != "float32")
     return name, (DTYPES[name] if low else torch.float32)
 
 
@@ -254,23 +280,63 @@ def frozen_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return m.requires_grad_(False)
 
 
+DEVICE_FLAG = re.compile(r"cpu|cuda(:\+?\d+)?|")  # --ref_device / --critic_device / --reward_device
+
+
+def model_device(flag: str, name: str, info: DistInfo) -> torch.device:
+    """One of --ref_device / --critic_device / --reward_device resolved for this rank (`name`: ref, critic,
+    reward). Empty = the actor's device; cuda:+K = K GPUs after the rank's own (the per-rank form: under
+    torchrun with 4 ranks per node on cuda:0-3, cuda:+4 gives each its own cuda:4-7); cuda:N = that GPU
+    (one rank per node, or one process); cuda = the rank's own GPU."""
+    where = f"--{name}_device {flag}"
+    if not flag:
+        device = info.device
+    elif flag == "cpu":
+        device = torch.device("cpu")
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit(f"error: {where}: CUDA is not available on this machine; use cpu or leave it empty (the actor's device)")
+        own = info.device.index if info.device.type == "cuda" else None
+        if "+" in flag and own is None:
+            raise SystemExit(f"error: {where}: cuda:+K counts from the rank's own GPU, but the actor is on {info.device}; "
+                             f"give cuda:N")
+        index = (own or 0) + int(flag.split("+")[1]) if "+" in flag else (int(flag.split(":")[1]) if ":" in flag
+                                                                           else (own if own is not None else info.local_rank))
+        n = torch.cuda.device_count()
+        if index >= n:
+            mine = f" (rank {info.rank}'s own GPU is cuda:{own})" if "+" in flag else ""
+            raise SystemExit(f"error: {where}: cuda:{index}{mine} but only {n} GPUs are visible to this process; "
+                             f"lower the offset or torchrun's --nproc_per_node")
+        device = torch.device("cuda", index)
+    if name == "critic" and device.type == "cpu" and info.enabled and info.comm_device.type == "cuda":
+        raise SystemExit(f"error: {where}: the critic trains under DDP, and NCCL all-reduces GPU tensors only; keep the "
+                         f"critic on a GPU (e.g. --critic_device cuda:+1) or leave --critic_device empty")
+    return device
+
+
 def model_devices(args: argparse.Namespace, info: DistInfo) -> dict[str, torch.device]:
-    """Where the reference, critic and reward model live (seed 001's two-GPU layout in one process:
-    the frozen models on a second GPU). Empty flag = the actor's device."""
-    return {name: resolve_device(getattr(args, f"{name}_device"), info.local_rank, 1) if getattr(args, f"{name}_device")
-            else info.device for name in ("ref", "critic", "reward")}
+    """Where the reference, critic and reward model live (seed 001's two-GPU layout: the frozen models on
+    a second GPU; per rank under torchrun with cuda:+K). Empty flag = the actor's device."""
+    return {name: model_device(getattr(args, f"{name}_device"), name, info) for name in ("ref", "critic", "reward")}
 
 
 def check_devices_per_rank(devices: dict[str, torch.device], info: DistInfo) -> None:
     """Under torchrun every rank's GPUs must be its own: two ranks on one GPU would share its memory
-    and serialise on it. Every rank stops, with one line naming the ranks and the device."""
-    per_rank = all_gather_objects(sorted({str(d) for d in (info.device, *devices.values()) if d.type == "cuda"}), info)
-    clash = next(((a, b, sorted(set(per_rank[a]) & set(per_rank[b]))[0]) for a in range(len(per_rank))
-                  for b in range(a + 1, len(per_rank)) if set(per_rank[a]) & set(per_rank[b])), None)
+    and serialise on it (NCCL refuses it outright). GPUs are compared by identity (`gpu_identity`), so
+    ranks 0 and 8 of a two-node job, each on its node's cuda:0, do not clash. Every rank stops, with one
+    line naming the ranks, the device and the host."""
+    mine = sorted({(gpu_identity(d), str(d)) for d in (info.device, *devices.values()) if d.type == "cuda"})
+    per_rank = all_gather_objects((socket.gethostname(), mine), info)
+    owner: dict[str, int] = {}
+    clash = None
+    for rank, (host, gpus) in enumerate(per_rank):
+        for ident, name in gpus:
+            if owner.setdefault(ident, rank) != rank and clash is None:
+                clash = (owner[ident], rank, name, host)
     stop_all(None if clash is None else
-             f"ranks {clash[0]} and {clash[1]} both use {clash[2]}: give each rank its own devices "
-             f"(--ref_device/--critic_device/--reward_device name devices of the rank's node, e.g. ranks on cuda:0-3 "
-             f"with their reference models on cuda:4-7)", info)
+             f"ranks {clash[0]} and {clash[1]} both use {clash[2]} on {clash[3]}: give each rank its own GPUs "
+             f"(--ref_device/--critic_device/--reward_device cuda:+K put a rank's models K GPUs after its own, "
+             f"e.g. 4 ranks per node on cuda:0-3 with --ref_device cuda:+4 on cuda:4-7)", info)
 
 
 def uses_critic(args: argparse.Namespace) -> bool:
@@ -289,10 +355,12 @@ def check_same_precision(dtype_name: str, frozen_dtype: torch.dtype, info: DistI
 
 
 def build_models(args: argparse.Namespace, device: torch.device, frozen_dtype: torch.dtype,
-                 devices: dict[str, torch.device] | None = None) -> Models:
+                 devices: dict[str, torch.device] | None = None, frozen_dtypes: dict[str, torch.dtype] | None = None) -> Models:
     """Actor, reward model, reference, critic (GAE only), old actor, in this order (random inits draw
     from the seeded generator, so the order is part of a run's determinism). `--from_weight none`
-    gives a random-init actor (benchmarks)."""
+    gives a random-init actor (benchmarks). `frozen_dtypes` ("ref", "reward"): the frozen models' dtype
+    on their own device where it differs from `frozen_dtype` (the actor device's)."""
+    frozen_dtypes = frozen_dtypes or {}
     actor, tok = load_policy(
         weights=actor_weights_path(args), hf_path=args.actor_path, hidden_size=args.hidden_size,
         num_hidden_layers=args.num_hidden_layers, use_moe=bool(args.use_moe), arch=args.arch,
@@ -302,14 +370,14 @@ def build_models(args: argparse.Namespace, device: torch.device, frozen_dtype: t
     rm_scorer = None
     if args.rm_weight and args.reward_model_path not in (None, "none"):
         devices = devices or {"ref": device, "critic": device, "reward": device}
-        rm_model, rm_tok = load_reward_model(args.reward_model_path, dtype=frozen_dtype, device=devices["reward"],
+        rm_model, rm_tok = load_reward_model(args.reward_model_path, dtype=frozen_dtypes.get("reward", frozen_dtype), device=devices["reward"],
                                              trust_remote_code=bool(args.trust_remote_code))
         rm_scorer = RewardModelScorer(rm_model, rm_tok)
     actor.config.use_cache = True
     devices = devices or {"ref": device, "critic": device, "reward": device}
     if args.lora_r > 0:
         return _build_lora_models(args, actor, tok, rm_scorer, devices)
-    ref = frozen_copy(actor, frozen_dtype).to(devices["ref"])
+    ref = frozen_copy(actor, frozen_dtypes.get("ref", frozen_dtype)).to(devices["ref"])
     critic = CriticModel.from_policy(actor).to(devices["critic"]) if uses_critic(args) else None
     # The old actor scores with the actor's own numerics (its weights' dtype), or the ratio would not be 1
     # before the first update; the reference may be held in low precision (its KL at step 0 is then the
@@ -427,8 +495,9 @@ def validate_flags(args: argparse.Namespace) -> None:
         # torch.device() would take "tpu"/"mps" and fail later with a traceback.
         (re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device) is not None,
          f"--device {args.device}: expected one of auto, cpu, cuda, cuda:N"),
-        *[(re.fullmatch(r"cpu|cuda(:\d+)?|", getattr(args, f)) is not None,
-           f"--{f} {getattr(args, f)}: expected cpu, cuda or cuda:N (or nothing: the actor's device)")
+        *[(DEVICE_FLAG.fullmatch(getattr(args, f)) is not None,
+           f"--{f} {getattr(args, f)}: expected cpu, cuda, cuda:N or cuda:+K (K GPUs after the rank's own), "
+           f"or nothing (the actor's device)")
           for f in ("ref_device", "critic_device", "reward_device")],
     ]
     # nan compares False with everything, so "x > 0" alone would let it through.
@@ -489,10 +558,14 @@ def _build(args: argparse.Namespace, info: DistInfo) -> Setup:
         raise SystemExit(f"error: {e}")
     set_deterministic(bool(args.deterministic), info.device)
     seed_everything(args.seed)  # the same random-init models (--from_weight none, value head) on every rank
-    dtype_name, frozen_dtype = resolve_precision(args, info.device, policy_layer_params(args))
+    layer_params = policy_layer_params(args)
+    dtype_name, frozen_dtype = resolve_precision(args, info.device, layer_params)
     devices = model_devices(args, info)
+    precisions = {d.type: resolve_precision(args, d, layer_params) for d in devices.values() if d.type != info.device.type}
+    precisions[info.device.type] = (dtype_name, frozen_dtype)
     try:
-        models = build_models(args, info.device, frozen_dtype, devices)
+        models = build_models(args, info.device, frozen_dtype, devices,
+                              frozen_dtypes={k: precisions[d.type][1] for k, d in devices.items()})
         if info.rank > 0:  # then each rank samples differently (rank 0 keeps the single-process stream)
             seed_everything(args.seed + info.rank)
         custom_fns = {spec.split(":")[-1]: load_reward_fn(spec) for spec in args.reward_fn}
@@ -536,7 +609,7 @@ def _build(args: argparse.Namespace, info: DistInfo) -> Setup:
         ref_device=info.device if args.lora_r > 0 else devices["ref"],  # LoRA: the reference is the actor itself
         critic_device=devices["critic"], reward_device=devices["reward"],
         kl_placement=kl_placement, kl_estimator=kl_estimator, clip_epsilon_high=clip_high, reuse_values=reuses_values(args),
-        eval_data_path=eval_path,
+        eval_data_path=eval_path, precisions=precisions,
         flags={**vars(args), "dtype": dtype_name, "hidden_size": hidden_size, "kl_placement": kl_placement, "kl_estimator": kl_estimator,
                "clip_epsilon_high": clip_high, "eval_data_path": eval_path},
     )

@@ -6,24 +6,37 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+
+import torch
 
 
 class PhaseTimer:
     """Wall seconds per phase name, summed over the step. `with timer("generate"): ...`.
 
-    Phases may be timed from two threads at once (--parallel_update): each adds under a lock."""
+    Phases may be timed from two threads at once (--parallel_update): each adds under a lock.
 
-    def __init__(self) -> None:
+    `cuda_devices`: the GPUs the step computes on. CUDA kernels run after Python has queued them, so
+    without a synchronisation a phase's time would be its launch time and the next phase would pay for
+    its kernels; each phase therefore starts and ends with every one of these GPUs idle."""
+
+    def __init__(self, cuda_devices: Iterable[torch.device] = ()) -> None:
         self.wall: dict[str, float] = {}
         self._lock = threading.Lock()
+        self._cuda = [d for d in cuda_devices if d.type == "cuda"]
+
+    def _sync(self) -> None:
+        for d in self._cuda:
+            torch.cuda.synchronize(d)
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        self._sync()
         start = time.perf_counter()
         try:
             yield
         finally:
+            self._sync()
             self.add(name, time.perf_counter() - start)
 
     def add(self, name: str, seconds: float) -> None:
