@@ -164,14 +164,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.add_argument_group("system").add_argument
     a("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     a("--dtype", default="auto", choices=["auto", *DTYPES],
-      help="autocast dtype (CPU and CUDA; log-probs stay fp32). auto = bfloat16 on CUDA; on a CPU bfloat16 only "
-           "for models from 5M layer weights (e.g. 256x8, 512x8, 768x16) on a CPU with native bf16 (AMX or AVX512-BF16), "
-           "else float32 (README \"Speed and memory\")")
-    a("--ref_device", default="", help="device of the frozen reference (e.g. cuda:1 beside the actor on cuda:0); default: the actor's")
-    a("--critic_device", default="", help="device of the critic (trained there; tensors move where they meet); default: the actor's")
-    a("--reward_device", default="", help="device of the reward model; default: the actor's")
+      help="autocast dtype (CPU and CUDA; log-probs stay fp32). auto = bfloat16 on GPUs with native bf16 (compute "
+           "capability >= 8.0: A100, H100, RTX 30xx on), float16 with loss scaling on V100/T4, float32 on older GPUs; on a "
+           "CPU bfloat16 only for models from 5M layer weights (e.g. 256x8, 512x8, 768x16) with native bf16 "
+           "(AMX or AVX512-BF16), else float32")
+    a("--ref_device", default="",
+      help="device of the frozen reference: cpu, cuda:N, or cuda:+K = K GPUs after the rank's own (under torchrun with "
+           "4 ranks per node on cuda:0-3, cuda:+4 puts each rank's reference on cuda:4-7); default: the actor's")
+    a("--critic_device", default="",
+      help="device of the critic (trained there; tensors move where they meet), as --ref_device; not cpu under "
+           "torchrun on GPUs (NCCL); default: the actor's")
+    a("--reward_device", default="", help="device of the reward model, as --ref_device; default: the actor's")
     a("--frozen_low_precision", type=int, default=-1, choices=[-1, 0, 1],
-      help="hold reference/RM/old actor in --dtype; -1 = where --dtype auto picks bf16 (CUDA; large models on a "
+      help="hold reference/RM in --dtype; -1 = where --dtype auto picks a low precision (GPUs; large models on a "
            "CPU with native bf16)")
     a("--use_compile", type=int, default=0, choices=[0, 1])
     a("--train_attn_implementation", default="auto", choices=["auto", "eager", "sdpa"],

@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from tests.helpers import (
-    build_update_world, deep_equal, make_tiny_world, param_snapshot, read_metrics, run_experience, run_main, run_update,
+    ROOT, build_update_world, deep_equal, make_tiny_world, param_snapshot, read_metrics, run_experience, run_main, run_update,
     sigkill_after, spawn_train, tiny_flags,
 )
 from tests.test_checkpoint import PREFIX, _name
 from trainer.run import checkpoint as ckpt
 from trainer.run.lock import FolderBusy, FolderLock
+from trainer.run.signals import GRACE_S
 
 
 @pytest.fixture(scope="module")
@@ -204,12 +205,14 @@ def test_signal_saves_exits_0_and_resume_is_bit_identical(world, tmp_path, sig):
 
 @pytest.mark.slow
 def test_second_ctrl_c_stops_at_once_and_loses_nothing(world, tmp_path):
-    slow = tmp_path / "slow_reward.py"  # steps of ~2 s, so both signals land inside one step
-    slow.write_text("import time\n\ndef slow(prompt, reply, reference):\n    time.sleep(0.5)\n    return 0.0\n")
+    slow = tmp_path / "slow_reward.py"  # steps of ~4 s, so every signal lands inside one step
+    slow.write_text("import time\n\ndef slow(prompt, reply, reference):\n    time.sleep(1.0)\n    return 0.0\n")
     p, log = _spawn_and_signal(world, tmp_path, signal.SIGINT, dict(max_steps=50, save_interval=1, reward_fn=[f"{slow}:slow"]),
                                _name(1))
-    time.sleep(0.3)
-    p.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    p.send_signal(signal.SIGINT)  # the same Ctrl-C forwarded by a launcher: absorbed
+    time.sleep(GRACE_S + 0.5)
+    p.send_signal(signal.SIGINT)  # a second Ctrl-C after the grace window stops at once
     rc = p.wait(timeout=120)
     assert rc != 0, log.read_text()[-2000:]
     files = ckpt.list_resume_files(tmp_path / "ckpt", PREFIX)
@@ -223,3 +226,63 @@ def test_sigkill_leaves_no_lock_behind(world, tmp_path):
     sigkill_after(p, tmp_path / "ckpt" / _name(1), delay=0.0)
     code, out = run_main(tiny_flags(world, tmp_path, max_steps=2, from_resume=1))
     assert code is None, out[-2000:]
+
+
+def _start_ranks(flags: list[str], cwd: Path, world: int = 2) -> list[tuple[subprocess.Popen, Path]]:
+    """`world` train_ppo.py processes started as torchrun starts its workers (gloo on CPU); their logs."""
+    import socket
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = []
+    for rank in range(world):
+        log = cwd / f"rank{rank}.log"
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", SWANLAB_MODE="disabled",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+        with open(log, "w") as f:
+            out.append((subprocess.Popen([sys.executable, str(ROOT / "train_ppo.py"), *flags], cwd=cwd, env=env,
+                                         stdout=f, stderr=subprocess.STDOUT), log))
+    return out
+
+
+def _wait_ranks(procs, timeout: float = 240) -> list[int]:
+    try:
+        return [p.wait(timeout=timeout) for p, _ in procs]
+    finally:
+        for p, _ in procs:
+            p.kill()
+
+
+@pytest.mark.slow
+def test_preemption_under_a_scheduler_and_torchrun_saves_and_resumes_exactly(world, tmp_path):
+    """SLURM signals every process of the step and torchrun forwards the same SIGTERM: each worker gets it
+    twice, 50 ms apart. The repeat is absorbed: the step finishes, every rank agrees, rank 0 saves, all
+    exit 0, and the resumed run ends with the weights of a run never interrupted."""
+    common = dict(max_steps=5, save_interval=100, sample_interval=0, reward_fn=[], device="cpu", batch_size=2, mini_batch_size=2)
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    assert _wait_ranks(_start_ranks(tiny_flags(world, a, **common), a)) == [0, 0], (a / "rank0.log").read_text()[-3000:]
+    procs = _start_ranks(tiny_flags(world, b, **dict(common, save_interval=1)), b)
+    t_end = time.monotonic() + 240
+    while not (b / "ckpt" / _name(1)).exists():
+        assert all(p.poll() is None for p, _ in procs), (b / "rank0.log").read_text()[-3000:]
+        assert time.monotonic() < t_end
+        time.sleep(0.01)
+    for _ in range(2):
+        for p, _ in procs:
+            p.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+    codes = _wait_ranks(procs)
+    logs = [log.read_text() for _, log in procs]
+    assert codes == [0, 0], [t[-3000:] for t in logs]
+    assert all("Traceback" not in t and "KeyboardInterrupt" not in t for t in logs), [t[-3000:] for t in logs]
+    assert any(l.startswith("stopped by SIGTERM") for l in logs[0].splitlines())
+    stopped_at = ckpt.read_resume(ckpt.list_resume_files(b / "ckpt", PREFIX)[0])["step"]
+    assert 1 <= stopped_at < 5
+    assert _wait_ranks(_start_ranks(tiny_flags(world, b, **dict(common, save_interval=1), from_resume=1), b)) == [0, 0], \
+        (b / "rank0.log").read_text()[-3000:]
+    sa, sb = ckpt.read_resume(a / "ckpt" / _name(5)), ckpt.read_resume(b / "ckpt" / _name(5))
+    assert not deep_equal({k: sa[k] for k in ("actor", "critic", "optim")}, {k: sb[k] for k in ("actor", "critic", "optim")})
