@@ -508,7 +508,9 @@ def main(argv: list[str] | None = None) -> None:
             if not metrics["nonfinite"]:
                 kl_ctl.update(metrics["kl_ref"], args.batch_size * args.num_generations * s.info.world_size)
             run.end_step(metrics, exp.samples)  # 6. log; checkpoint every --save_interval steps
-        run.finish()
+        if built.eval_records and run.data_ran_out and run.evaluated_at != run.step:
+            run.log_eval(held_out(), run.step)  # where the policy ended
+        run.finish()  # saves the last step if it was not
 
 
 if __name__ == "__main__":

@@ -119,6 +119,43 @@ def test_cuda_flag_without_cuda_is_one_line():
         D.resolve_device("cuda")
 
 
+class _Exited(Exception):
+    pass
+
+
+@pytest.mark.parametrize("ending, code", [("finish", 0), ("stop", 2), ("error line", 1), ("crash", 1), ("ctrl-c", 130)])
+def test_every_distributed_exit_leaves_by_os_exit(monkeypatch, capsys, ending, code):
+    """Under torchrun every way out skips interpreter shutdown (where gloo's group can abort or hang):
+    a normal finish too, not only a SystemExit. One process exits as Python does."""
+    def main():
+        if ending == "stop":
+            raise SystemExit(2)
+        if ending == "error line":
+            raise SystemExit("error: rank 1: the grader is down")
+        if ending == "crash":
+            raise RuntimeError("boom")
+        if ending == "ctrl-c":
+            raise KeyboardInterrupt
+
+    def fake_exit(c):
+        raise _Exited(c)
+
+    monkeypatch.setattr(D.os, "_exit", fake_exit)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(_Exited) as e:
+        D.exit_after(main)
+    assert e.value.args[0] == code
+    err = capsys.readouterr().err
+    assert ("error: rank 1: the grader is down" in err) == (ending == "error line")
+    assert ("RuntimeError: boom" in err) == (ending == "crash")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    if ending == "finish":
+        assert D.exit_after(main) is None
+    else:
+        with pytest.raises((SystemExit, RuntimeError, KeyboardInterrupt)):
+            D.exit_after(main)
+
+
 def test_shard_batches_interleaves_one_global_stream():
     shard_batches = D.shard_batches
     n, seed, batch = 23, 42, 3
@@ -389,6 +426,19 @@ def test_collective_decisions_do_not_hang(world, tmp_path):
     assert torch.equal(files[1]["actor"][key], start[key].float())  # the skipped step moved nothing
     assert not torch.equal(files[2]["actor"][key], start[key].float())
     assert [(files[s]["epoch"], files[s]["consumed"]) for s in (1, 2, 3, 4)] == [(0, 4), (0, 8), (1, 4), (1, 8)]
+
+
+@pytest.mark.slow  # ~8 s per 2-process run
+def test_repeated_two_process_runs_finish_cleanly(world, tmp_path):
+    """Interpreter shutdown after a finished gloo run could abort ("terminate called without an active
+    exception") or hang; every run now leaves by os._exit after the final barrier."""
+    for i in range(4):
+        d = tmp_path / f"run{i}"
+        d.mkdir()
+        r = run_train(tiny_flags(world, d, max_steps=1, batch_size=2, mini_batch_size=2, device="cpu", sample_interval=0),
+                      cwd=d, torchrun_procs=2, timeout=120, check=False)
+        assert r.returncode == 0 and "terminate called" not in r.stderr, (i, r.stderr[-2000:])
+        assert (d / "ckpt").is_dir() and read_metrics(d / "run")[-1]["step"] == 1
 
 
 # ------------------------------------------------------------------ ranks that fail or see different disks

@@ -888,6 +888,30 @@ def test_filter_groups_logs_its_work_and_the_position_counts_every_batch_drawn(g
     assert state["consumed"] == 2 * (3 + sum(extra))  # 2 prompts per batch drawn, extra ones included
 
 
+@pytest.mark.slow
+def test_filter_groups_ending_where_the_data_runs_out_saves_evaluates_and_says_so(world, tmp_path):
+    """Every reward 0 (no group has signal), so each step draws 1 + --filter_max_rounds batches of a
+    16-prompt file: the data runs out at step 3 of the planned 8, before --save_interval and
+    --eval_interval. The run still saves its last step, evaluates it and logs its true step count."""
+    lines = Path(world["data"]).read_text(encoding="utf-8").splitlines(True)
+    data, held_out = tmp_path / "short.jsonl", tmp_path / "held_out.jsonl"
+    data.write_text("".join(lines[:16]))
+    held_out.write_text("".join((ROOT / "dataset" / "demo_eval.jsonl").read_text(encoding="utf-8").splitlines(True)[:2]))
+    flags = tiny_flags(world, tmp_path, advantage_estimator="grpo", num_generations=2, batch_size=2, mini_batch_size=2,
+                       filter_groups=1, filter_max_rounds=2, data_path=str(data), max_steps=0, save_interval=100,
+                       eval_data_path=str(held_out), eval_interval=100, eval_samples=2, save_weight="short",
+                       format_weight=0, tag_weight=0, rm_weight=0, accuracy_weight=0, eos_penalty=0)
+    r = run_train(flags, cwd=tmp_path)
+    done = next(l for l in r.stdout.splitlines() + r.stderr.splitlines() if "done: " in l)
+    assert "done: 3 steps (the prompt data ran out before the planned 8" in done, done
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows if "reward/total" in r] == [1, 2, 3]
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 3]  # the start, and where it ended
+    state = torch.load(tmp_path / "ckpt" / "short_64_resume_step00000003.pth", weights_only=True)
+    assert (state["step"], state["epoch"], state["consumed"]) == (3, 1, 0)  # every prompt drawn
+    assert (Path(world["save_dir"]) / "short_64.pth").is_file()
+
+
 def test_evaluation_runs_before_the_first_step_every_interval_and_at_the_end(grpo_run):
     rows = read_metrics(grpo_run["tmp"] / "run")
     evals = [r for r in rows if "eval/accuracy" in r]

@@ -12,6 +12,7 @@ import contextlib
 import os
 import socket
 import sys
+import traceback
 import zlib
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -98,22 +99,31 @@ def init_distributed(device_flag: str = "auto", timeout_s: int = 1800) -> DistIn
 
 
 def exit_after(main: Callable[[], None]) -> None:
-    """The script's entry point. A run under torchrun that stops (an error agreed by every rank, a
-    non-finite stop) leaves with os._exit once its own clean-up has run: at interpreter shutdown torch's
-    gloo process group can deadlock (the DDP reducer's destructor joins a worker thread, holding the GIL
-    that thread needs to free the last collective's tensors; seen here about 1 run in 10)."""
+    """The script's entry point. A run under torchrun leaves with os._exit once its own clean-up has run
+    (the final barrier, the process group destroyed, logs closed), however it ends: finished, stopped (an
+    error agreed by every rank, a non-finite stop, a signal) or crashed. Interpreter shutdown is where
+    torch's gloo group can hang or abort: the DDP reducer's destructor joins a worker thread, holding
+    the GIL that thread needs to free the last collective's tensors ("terminate called without an
+    active exception", or a hang about 1 run in 10 seen here). One process exits normally."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        main()
+        return
+    code: int = 0
     try:
         main()
     except SystemExit as e:
-        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-            raise
-        code = e.code
-        if isinstance(code, str):
-            print(code, file=sys.stderr)
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code or 0)
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:  # a second Ctrl-C: the run has marked itself interrupted on the way out
+        traceback.print_exc()
+        code = 130
+    except BaseException:  # noqa: BLE001 - a crash: its traceback, then the same way out
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def barrier(info: DistInfo) -> None:

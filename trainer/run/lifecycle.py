@@ -63,12 +63,15 @@ class Run:
         self._locks: list[FolderLock] = []
         self.stop = StopRequest()
         self.stopped_by: str | None = None  # the signal that stopped the run (every rank agrees on it)
+        self.saved_at = -1  # the step of the last save (-1: none in this process)
+        self.evaluated_at = -1  # the step of the last held-out evaluation (-1: none in this process)
         try:
             D.on_main(self._claim_folders, info)
             resumed = self._resume() if args.from_resume else None
             self.run_id = D.on_main(lambda: (resumed and resumed.run_id) or uuid.uuid4().hex[:12], info)
             self.pos = (Position(resumed.step, resumed.epoch, resumed.consumed, resumed.nonfinite_run)
                         if resumed else Position())
+            self.started_at = self.pos.step
             with D.failing_together(info):  # rank 0's start-up writes: a failure there must not strand the others
                 self.logger = RunLogger(
                     run_dir=self.run_dir, enabled=info.is_main,
@@ -175,10 +178,18 @@ class Run:
             pos.epoch, pos.consumed = pos.epoch + 1, 0
         return None
 
+    @property
+    def data_ran_out(self) -> bool:
+        """The loop ended before the planned step count: the prompt data ran out first (--filter_groups'
+        extra rounds draw prompts of later steps). Not after a stop signal."""
+        return self.pos.step < self.s.total_steps and not self.stopped_by
+
     def log_eval(self, metrics: dict[str, float], step: int) -> None:
-        """Held-out evaluation figures outside a step's record (the one before the first step)."""
+        """Held-out evaluation figures outside a step's record (the one before the first step, and the
+        last one of a run whose data ran out)."""
         with D.failing_together(self.s.info):
             self.logger.log(metrics, step)
+        self.evaluated_at = step
 
     def end_step(self, metrics: dict[str, float], samples: list[dict]) -> None:
         """After a step's update, with its globally reduced metrics: advance, log, stop after
@@ -188,6 +199,8 @@ class Run:
         pos.nonfinite_run = pos.nonfinite_run + 1 if metrics["nonfinite"] else 0
         metrics["tokens_per_s"] = metrics.pop("tokens_generated") * info.world_size / max(metrics["time/step"], 1e-9)
         pos.step += 1
+        if any(k.startswith("eval/") for k in metrics):
+            self.evaluated_at = pos.step
         with D.failing_together(info):
             try:
                 if pos.step % args.log_interval == 0 or pos.step == self.s.total_steps:
@@ -219,6 +232,7 @@ class Run:
         with D.failing_together(info):
             if info.is_main:
                 self._write(rngs)
+        self.saved_at = self.pos.step
 
     def _write(self, rngs: list[dict]) -> None:
         args, m, o = self.args, self.built.models, self.built.optim
@@ -243,13 +257,21 @@ class Run:
 
     # ---- the way out
     def finish(self) -> None:
+        """The way out of a run that was not stopped by an error: stopped by a signal (saved at its last
+        step), or done, whether at the planned step count or where the data ran out (saved here if the
+        last step was not)."""
         args = self.args
         if self.stopped_by:
             self.logger.info(f"stopped by {self.stopped_by} after step {self.pos.step}, saved in {args.checkpoint_dir}/; "
                              f"continue with the same command and --from_resume 1")
             self._close(f"stopped: {self.stopped_by}")
             return
-        self.logger.info(f"done: {self.pos.step} steps; policy saved to {self.out_path}; metrics in {self.run_dir}/metrics.jsonl")
+        if self.saved_at != self.pos.step and self.pos.step > self.started_at:
+            self.save()
+        early = (f" (the prompt data ran out before the planned {self.s.total_steps}: --filter_groups draws extra "
+                 f"prompts; more --epochs give it more)" if self.data_ran_out else "")
+        self.logger.info(f"done: {self.pos.step} steps{early}; policy saved to {self.out_path}; "
+                         f"metrics in {self.run_dir}/metrics.jsonl")
         self._close("finished")
 
     def _close(self, status: str, state: str = "success", plots: bool = True, error: str | None = None) -> None:
