@@ -105,6 +105,23 @@ def response_mask_from_tokens(responses: torch.Tensor, eos_token_id: int | list[
     return (eos_before == 0).long(), has_eos
 
 
+_FIXED_POINT = 2.0 ** 52  # probabilities as integer multiples of 2^-52: sums of a vocabulary stay far below 2^63
+
+
+def cumulative_probs(probs: torch.Tensor) -> torch.Tensor:
+    """Running sums of probabilities along the last dimension, in fp64.
+
+    Under torch.use_deterministic_algorithms (--deterministic 1) torch has no deterministic cumsum for
+    floating-point CUDA tensors (it raises), so the sums are taken in 52-bit fixed point instead: integer
+    cumsum is exact, hence the same on every run and device. Each entry is then a multiple of 2^-52, so a
+    token below 2^-53 cannot be drawn (or kept by top-p): no visible change to the distribution. Without
+    the flag: float cumsum, as runs have always sampled."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return probs.double().cumsum(dim=-1)
+    fixed = (probs.double() * _FIXED_POINT).round().long().cumsum(dim=-1).double() / _FIXED_POINT
+    return fixed + probs.double().sum(dim=-1, keepdim=True) * 0.0  # a non-finite row stays non-finite (the sampler checks)
+
+
 def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Temperature, then top-k, then top-p (nucleus), as transformers' warpers do: removed entries
     become -inf. top_k keeps ties with the k-th value; top_p keeps the smallest set of most likely
@@ -116,7 +133,7 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        cum = cumulative_probs(sorted_logits.softmax(dim=-1))
         remove = cum <= (1 - top_p)
         remove[..., -1:] = False
         logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
@@ -142,7 +159,7 @@ def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None =
     Non-finite logits raise at once; with `finite` (a 0-dim bool device tensor) the check is ANDed into
     it instead, without a host sync, for the caller to raise on later (indices stay in range meanwhile)."""
     probs = torch.softmax(logits.float(), dim=-1)
-    cdf = probs.double().cumsum(dim=-1)  # fp64: the running sum over the vocabulary loses nothing
+    cdf = cumulative_probs(probs)  # fp64: the running sum over the vocabulary loses nothing
     total = cdf[:, -1:]
     if finite is None:
         if not bool(torch.isfinite(total).all()):

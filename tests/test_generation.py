@@ -219,6 +219,49 @@ def test_sample_is_deterministic_under_seed(lm8):
     assert len(outs) > 1  # and it does sample
 
 
+@pytest.fixture
+def cuda_like_cumsum(monkeypatch):
+    """torch's cumsum as it behaves on CUDA under use_deterministic_algorithms: floating-point input raises
+    (torch documents no deterministic kernel for it); integer input works."""
+    real_fn, real_method = torch.cumsum, torch.Tensor.cumsum
+
+    def check(x):
+        if torch.are_deterministic_algorithms_enabled() and x.is_floating_point():
+            raise RuntimeError("cumsum_cuda_kernel does not have a deterministic implementation")
+
+    monkeypatch.setattr(torch, "cumsum", lambda x, *a, **k: (check(x), real_fn(x, *a, **k))[1])
+    monkeypatch.setattr(torch.Tensor, "cumsum", lambda x, *a, **k: (check(x), real_method(x, *a, **k))[1])
+
+
+def test_deterministic_sampling_needs_no_float_cumsum(lm8, cuda_like_cumsum):
+    """--deterministic 1 on CUDA: sampling (top-p and the inverse-CDF draw) runs without a float cumsum,
+    repeats exactly under a seed, and draws what the default path draws (the fixed-point sums differ from
+    float sums below 2^-52)."""
+    from model.generation import filter_logits, sample_from_logits
+
+    ids, mask = _left_pad([[5, 6, 7], [3, 4, 5, 6, 7, 3]])
+    kw = dict(max_new_tokens=12, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, top_p=0.9)
+    logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(0)) * 3
+    plain = sample_from_logits(filter_logits(logits, 0.9, 0, 0.8), torch.Generator().manual_seed(1))
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(RuntimeError, match="deterministic"):  # the stand-in bites
+            torch.ones(3).cumsum(0)
+        runs = []
+        for _ in range(2):
+            torch.manual_seed(42)
+            runs.append(sample(lm8, ids, mask, **kw))
+        det = sample_from_logits(filter_logits(logits, 0.9, 0, 0.8), torch.Generator().manual_seed(1))
+        with pytest.raises(RuntimeError, match="non-finite"):
+            sample_from_logits(torch.tensor([[0.0, float("nan")]]))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    assert torch.equal(det, plain)
+    torch.manual_seed(42)
+    assert torch.equal(sample(lm8, ids, mask, **kw).sequences, runs[0].sequences)
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy(lm):
     ids, mask = _left_pad(PROMPTS)
     kw = dict(max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD, suppress_eos=True)
