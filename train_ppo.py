@@ -25,6 +25,7 @@ ranks in trainer/run/ (setup.py, lifecycle.py, checkpoint.py, distributed.py, ..
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -36,6 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
+from model.fast_decode import reuse_decoder  # noqa: E402
 from trainer.ppo import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, compute_gae, compute_token_rewards, discounted_returns  # noqa: E402
 from trainer.ppo import explained_variance, group_advantages, kl_penalty, masked_whiten  # noqa: E402
 from trainer.evaluate import evaluate_policy  # noqa: E402
@@ -267,10 +269,11 @@ def make_experience(args: argparse.Namespace, batch: dict, m: Models, s: Setting
     """Rollout, reward, score, advantages for one batch of prompts (with --filter_groups, more prompts
     from `more_prompts` until every group of the batch carries signal)."""
     timer = timer or PhaseTimer()
-    sampled = sample_and_reward(args, batch, m, s, custom_fns, timer)  # steps 1 and 3
     filter_stats = {}
-    if args.filter_groups:
-        sampled, filter_stats = keep_groups_with_signal(args, sampled, m, s, custom_fns, timer, more_prompts)
+    with reuse_decoder(m.actor) if args.filter_groups else contextlib.nullcontext():  # rounds share one weight copy
+        sampled = sample_and_reward(args, batch, m, s, custom_fns, timer)  # steps 1 and 3
+        if args.filter_groups:
+            sampled, filter_stats = keep_groups_with_signal(args, sampled, m, s, custom_fns, timer, more_prompts)
     ro, batch, responses, comps = sampled.rollout, sampled.batch, sampled.responses, sampled.comps
     R, temp, rows = ro.response_len, s.sample_temperature, args.forward_batch_size  # rows per scoring forward (0 = all)
     with D.failing_together(s.info), timer("score"), s.autocast():  # 2. log-probs under the sampling distribution (fp32 softmax)

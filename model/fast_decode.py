@@ -30,13 +30,15 @@ Anything else (MoE, biases, sliding windows, other model types, hub kernels) ret
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .lora import effective_weight
+from .lora import base_of, effective_weight, foldable
 
 _SUPPORTED = ("Qwen3Model", "LlamaModel")
 
@@ -177,11 +179,32 @@ def fast_decoder(lm: nn.Module, device_type: str) -> FastDecoder | None:
         a, mlp = layer.self_attn, layer.mlp
         linears = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, getattr(mlp, "gate_proj", None),
                    getattr(mlp, "up_proj", None), getattr(mlp, "down_proj", None)]
-        if any(m is None or effective_weight(m) is None for m in linears):
+        if any(m is None or not foldable(m) for m in linears):
             return None  # MoE blocks, attention/MLP biases, LoRA layers in train mode or of other kinds
         if getattr(a, "sliding_window", None):
             return None  # a sliding-window layer (Qwen3 sets it per layer from layer_types)
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
     if dtype is None and head.weight.dtype != torch.float32:
         return None  # low-precision weights without autocast: leave it to transformers
-    return FastDecoder(lm, dtype, device_type)
+    slot = getattr(lm, "_minippo_decoder", None)  # set inside reuse_decoder()
+    key = (device_type, dtype, tuple(p._version for p in lm.parameters()))  # in-place updates bump _version
+    if slot is not None and slot.get("key") == key:
+        return slot["decoder"]
+    decoder = FastDecoder(lm, dtype, device_type)
+    if slot is not None:
+        slot.update(key=key, decoder=decoder)
+    return decoder
+
+
+@contextlib.contextmanager
+def reuse_decoder(model: nn.Module) -> Iterator[None]:
+    """Within the block, every sample() of `model` decodes with one FastDecoder (one copy of the weights
+    in the decode dtype) while the weights stay as they are: a step's rollout rounds (--filter_groups)
+    share it. Rebuilt if the weights change in between; dropped at the end, so the copy never lives
+    through the update."""
+    lm = base_of(model)
+    lm._minippo_decoder = {}
+    try:
+        yield
+    finally:
+        del lm._minippo_decoder

@@ -15,6 +15,7 @@ generate(); sampled tokens follow a different random stream than generate()'s.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 
@@ -237,9 +238,15 @@ def sample(
     try:
         cache = preallocated_cache(model, P + max_new_tokens)
         extra = {"past_key_values": cache} if cache is not None else {}
-        out = model(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True, **keep, **extra)
+        device_type = input_ids.device.type
+        fast = fast_decoder(model, device_type) if fast_decode and cache is not None else None
+        # With the fast decoder, the prefill is the only forward to cast the weights: autocast's cache would
+        # keep a second low-precision copy of them alive for the whole generation, unused.
+        prefill_cast = (torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False)
+                        if fast is not None and torch.is_autocast_enabled(device_type) else contextlib.nullcontext())
+        with prefill_cast:
+            out = model(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True, **keep, **extra)
         last = out.logits[:, -1, :]
-        fast = fast_decoder(model, input_ids.device.type) if fast_decode and cache is not None else None
         if fast is not None:  # the whole-generation key mask, sliced per step: [B, P + max_new_tokens]
             kv_mask = torch.cat([mask.bool(), mask.new_ones(B, max_new_tokens, dtype=torch.bool)], dim=1)
         position = position[:, -1:]

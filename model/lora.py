@@ -197,25 +197,35 @@ def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
             if hasattr(m, "base_layer") and hasattr(m, "get_delta_weight") and hasattr(m, "lora_A")}
 
 
-def effective_weight(m: nn.Module) -> torch.Tensor | None:
-    """The weight an unbiased linear layer applies: nn.Linear's own, or for a peft LoRA layer (eval mode,
-    not merged, plain LoRA) base + B A scale of its active adapters; None for anything else."""
+def foldable(m: nn.Module) -> bool:
+    """True when `effective_weight` gives m's weight: an unbiased nn.Linear, or a peft LoRA layer in eval
+    mode, not merged, whose active adapters are plain LoRA (no DoRA, no LoRA bias). Nothing is computed."""
     if isinstance(m, nn.Linear):
-        return m.weight if m.bias is None else None
+        return m.bias is None
     base = getattr(m, "base_layer", None)
     if not (isinstance(base, nn.Linear) and base.bias is None and hasattr(m, "get_delta_weight")):
-        return None
+        return False
     if getattr(m, "merged", False) or getattr(m, "training", False):  # merged twice / dropout on
-        return None
+        return False
     if getattr(m, "disable_adapters", False):
-        return base.weight
-    w = base.weight
+        return True
+    return not any(m.use_dora.get(a, False) or getattr(m, "lora_bias", {}).get(a, False)
+                   for a in m.active_adapters if a in m.lora_A)
+
+
+def effective_weight(m: nn.Module) -> torch.Tensor | None:
+    """The weight an unbiased linear layer applies: nn.Linear's own, or for a peft LoRA layer (eval mode,
+    not merged, plain LoRA) base + B A scale of its active adapters; None for anything else (`foldable`)."""
+    if not foldable(m):
+        return None
+    if isinstance(m, nn.Linear):
+        return m.weight
+    w = m.base_layer.weight
+    if getattr(m, "disable_adapters", False):
+        return w
     for a in m.active_adapters:
-        if a not in m.lora_A:
-            continue
-        if m.use_dora.get(a, False) or getattr(m, "lora_bias", {}).get(a, False):
-            return None
-        w = w + m.get_delta_weight(a).to(w.dtype)
+        if a in m.lora_A:
+            w = w + m.get_delta_weight(a).to(w.dtype)
     return w
 
 

@@ -99,6 +99,36 @@ def test_sampled_logprobs_match_a_full_forward_with_lora(fast):
     assert (off - full)[mask].abs().max() > 1e-2  # the sampled policy was the adapted one, not the base
 
 
+def test_fast_decoder_is_built_once_per_rollout_and_its_probe_folds_nothing(monkeypatch):
+    """One copy of the weights per rollout: --filter_groups' rounds share one FastDecoder while the weights
+    stay the same, a weight update gives a new one, and the check whether a layer can be folded computes no
+    W + BA (only building the decoder does, once per adapter layer)."""
+    from peft.tuners.lora.layer import Linear as LoraLayer
+
+    from model import fast_decode as F
+
+    w = build_update_world([*LORA, "--temperature", "1.0"])
+    _perturb_adapters(w.actor, std=0.2)
+    lm = base_of(w.actor)
+    lm.eval()
+    n_layers = sum(isinstance(m, LoraLayer) for m in lm.modules())
+    folds, builds = [], []
+    real_delta, real_init = LoraLayer.get_delta_weight, F.FastDecoder.__init__
+    monkeypatch.setattr(LoraLayer, "get_delta_weight", lambda self, a: (folds.append(a), real_delta(self, a))[1])
+    monkeypatch.setattr(F.FastDecoder, "__init__", lambda self, *a, **k: (builds.append(1), real_init(self, *a, **k))[1])
+    with F.reuse_decoder(w.actor):
+        first = F.fast_decoder(lm, "cpu")
+        assert F.fast_decoder(lm, "cpu") is first and len(builds) == 1
+        assert len(folds) == n_layers  # the probe folded nothing; the build folded each layer once
+        with torch.no_grad():
+            next(p for p in lm.parameters() if p.requires_grad).add_(1e-3)  # an optimizer step
+        assert F.fast_decoder(lm, "cpu") is not first and len(builds) == 2
+    assert not hasattr(lm, "_minippo_decoder")  # nothing outlives the rollout
+    F.fast_decoder(lm, "cpu")
+    F.fast_decoder(lm, "cpu")
+    assert len(builds) == 4  # outside reuse_decoder each sample() builds its own, as before
+
+
 def test_old_actor_is_an_adapter_snapshot():
     w = build_update_world([*LORA, "--update_old_actor_freq", "2", "--learning_rate", "1e-2"])
     m = w.models
