@@ -84,6 +84,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -211,8 +212,8 @@ class BenchTimer(PhaseTimer):
 
     FLOP_PHASES = ("generate", "score_old", "score_ref", "score_critic", "score_reward", "update")
 
-    def __init__(self, count_flops: bool = False) -> None:
-        super().__init__()
+    def __init__(self, count_flops: bool = False, cuda_devices: Iterable[torch.device] = ()) -> None:
+        super().__init__(cuda_devices)
         self.cpu: dict[str, float] = {}
         self.flops: dict[str, float] = {}
         self.count_flops = count_flops
@@ -224,11 +225,13 @@ class BenchTimer(PhaseTimer):
             from torch.utils.flop_counter import FlopCounterMode
 
             counter = FlopCounterMode(display=False)
+        self._sync()  # on a GPU a phase starts and ends with its kernels done (PhaseTimer's rule)
         start = now()
         try:
             with counter or contextlib.nullcontext():
                 yield
         finally:
+            self._sync()
             end = now()
             self.add(name, end[0] - start[0])
             with self._lock:
@@ -288,7 +291,7 @@ class ConfigRun:
     def __init__(self, cfg: dict) -> None:
         import train_ppo as T
         from model.loader import load_tokenizer
-        from trainer.run.distributed import DistInfo
+        from trainer.run.distributed import DistInfo, resolve_device
         from trainer.run.setup import setup
 
         load_tokenizer()
@@ -303,12 +306,13 @@ class ConfigRun:
                 "--suppress_eos", "1", "--seed", str(cfg["seed"]),
                 "--warmup_steps", "0", "--max_steps", str(cfg["warmup"] + cfg["steps"] + 1),
                 "--rm_weight", "0.5" if cfg["reward_model"] else "0", "--lora_r", str(cfg.get("lora_r", 0)),
-                "--reward_model_path", cfg["reward_model"] or "none", *cfg.get("extra_args", [])]
+                "--reward_model_path", cfg["reward_model"] or "none", "--device", cfg.get("device", "cpu"),
+                *cfg.get("extra_args", [])]
         self.T, self.cfg = T, cfg
         self.args = args = T.parse_args(argv)
         # ---- the run, built by the trainer's own set-up (models, optimizers, precision, compile)
         t_build = time.perf_counter()
-        self.built = setup(args, DistInfo())
+        self.built = setup(args, DistInfo(device=resolve_device(args.device)))
         if not cfg.get("reuse_values", 1):  # the two-pass path the trainer takes with more than one minibatch
             self.built.settings = dataclasses.replace(self.built.settings, reuse_values=False)
         self.build_s = time.perf_counter() - t_build
@@ -328,7 +332,7 @@ class ConfigRun:
         s, m, opt, kl_ctl = b.settings, b.models, b.optim, b.kl_ctl
         try:
             counting = step == 0 < cfg["warmup"] and cfg["count_flops"] and not args.use_compile
-            timer = BenchTimer(count_flops=counting)
+            timer = BenchTimer(count_flops=counting, cuda_devices=s.cuda_devices)
             with timer("step"):
                 with timer("sync_old"):
                     if m.old_actor is not None and step % args.update_old_actor_freq == 0:
@@ -377,6 +381,8 @@ class ConfigRun:
             "fp32_model_copy": fp32_copy_mb, "budget_4_copies_2_adamw": rss_base + 8 * fp32_copy_mb,
         }
         memory["within_budget"] = bool(peak <= memory["budget_4_copies_2_adamw"])
+        dev = built.settings.device  # on a GPU: the most its allocator handed out at once, builds and steps together
+        memory["cuda_peak_allocated"] = torch.cuda.max_memory_allocated(dev) / MB if dev.type == "cuda" else None
 
         med = {k: statistics.median(r[k] for r in per_step) for k in TIME_KEYS} if per_step else {}
         B, P, R = args.batch_size * args.num_generations, cfg["prompt_len"], cfg["gen_len"]  # rows
@@ -483,6 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="MiniMind's train_ppo.py median s/step for the same work, measured on this machine in the same run "
            "(interleaved with this bench; README: how); the summary prints our speed-up against it")
     a("--minimind_size", default="512x8", help="the HIDDENxLAYERS MiniMind's figure was measured at")
+    a("--device", default="cpu",
+      help="cpu, cuda or cuda:N: where every config runs (scripts/gpu_check.py runs it on cuda). On a GPU the summary "
+           "adds peak allocated CUDA memory and leaves out the matmul-peak and bandwidth shares, which are the CPU's")
     a("--extra", default="", help="extra train_ppo flags for every config, e.g. \"--temperature 1.0\"")
     a("--_child", default=None, help=argparse.SUPPRESS)
     return p
@@ -508,7 +517,7 @@ def expand_configs(o: argparse.Namespace) -> list[dict]:
         "batch_size": o.batch_size, "prompt_len": o.prompt_len, "gen_len": o.gen_len,
         "prompts": o.prompts, "steps": steps, "warmup": o.warmup, "count_flops": o.count_flops,
         "seed": o.seed, "reward_model": None, "extra_args": o.extra.split() if o.extra else [], "lora_r": lora,
-        "reuse_values": reuse,
+        "reuse_values": reuse, "device": o.device,
     } for (h, l), threads, comp, flp, d, old, par, lora, reuse in matrix]
 
 
@@ -561,15 +570,18 @@ def summary_line(r: dict, o: argparse.Namespace) -> str:
     line = (f"{c['name']} {c['dtype']} old={c['update_old_actor_freq']} cmp={c['use_compile']} "
             f"threads={c['num_threads'] or 'def'}: {t['step']:.2f} s/step; of the summed steps generate {ps['generate']:.0%} + "
             f"score {ps['score']:.0%} + update {ps['update']:.0%}"
-            + (f" + sync {ps['sync_old']:.0%}" if ps["sync_old"] >= 0.005 else "")
-            + f"; generate {t['generate']:.2f} s = {r['generate_bandwidth_share']:.1%} bandwidth-bound "
-            f"({r['generate_weight_mb_per_token']:.0f} MB/token x {c['gen_len']} tokens at "
-            f"{r['generate_weight_mb_per_token'] * c['gen_len'] / 1024 / r['generate_bandwidth_limit_s']:.1f} GB/s "
-            f"= {r['generate_bandwidth_limit_s']:.2f} s); update {t['update']:.2f} s at "
-            f"{r['update_peak_share']:.0%} of the {c['dtype']} matmul peak")
+            + (f" + sync {ps['sync_old']:.0%}" if ps["sync_old"] >= 0.005 else ""))
+    if r.get("generate_bandwidth_share") is not None:  # CPU configs: against the CPU's measured limits
+        line += (f"; generate {t['generate']:.2f} s = {r['generate_bandwidth_share']:.1%} bandwidth-bound "
+                 f"({r['generate_weight_mb_per_token']:.0f} MB/token x {c['gen_len']} tokens at "
+                 f"{r['generate_weight_mb_per_token'] * c['gen_len'] / 1024 / r['generate_bandwidth_limit_s']:.1f} GB/s "
+                 f"= {r['generate_bandwidth_limit_s']:.2f} s); update {t['update']:.2f} s at "
+                 f"{r['update_peak_share']:.0%} of the {c['dtype']} matmul peak")
+    if r["memory_mb"].get("cuda_peak_allocated") is not None:
+        line += f"; peak allocated {r['memory_mb']['cuda_peak_allocated']:.0f} MB on {c['device']}"
     if r.get("minimind_ratio"):
         line += f"; {r['minimind_ratio']:.2f}x MiniMind's {o.minimind_s} s/step (same run, --minimind_s_per_step)"
-    elif c["name"] == "512x8":
+    elif c["name"] == "512x8" and c.get("device", "cpu") == "cpu":  # a CPU figure
         line += f"; {MINIMIND_REFERENCE_S / t['step']:.2f}x MiniMind's {MINIMIND_REFERENCE_S} s/step on another machine"
     return line
 
@@ -587,6 +599,12 @@ def main(argv: list[str] | None = None) -> None:
         res = [run_config(cfgs[0])] if len(cfgs) == 1 else run_interleaved(cfgs)
         Path(job["out"]).write_text(json.dumps(res))
         return
+    try:
+        from trainer.run.distributed import resolve_device
+
+        resolve_device(o.device)  # a bad or absent device: one line here, not one failed row per config
+    except SystemExit as e:
+        raise SystemExit(f"error: {e.code}") from None
     cfgs = expand_configs(o)
     default_threads = torch.get_num_threads()
     thread_counts = sorted({c["num_threads"] for c in cfgs})
@@ -635,13 +653,15 @@ def main(argv: list[str] | None = None) -> None:
     peaks = {t: {d: max(peaks_before[t][d]["peak"], peaks_after[t][d]["peak"]) for d in peak_dtypes} for t in peaks_before}
     bandwidth = {t: max(peaks_before[t]["bandwidth_gbs"], peaks_after[t]["bandwidth_gbs"]) for t in peaks_before}
     for r in results:
-        if r.get("ok"):
+        if r.get("ok") and r["config"].get("device", "cpu") == "cpu":  # the peaks are the CPU's
             c = r["config"]
             r["update_peak_share"] = r["update_tflops_per_s"] * 1000 / peaks[str(c["num_threads"])][c["dtype"]]
             r["matmul_peak_gflops"] = peaks[str(c["num_threads"])][c["dtype"]]
             limit = r["generate_weight_mb_per_token"] * MB * c["gen_len"] / (bandwidth[str(c["num_threads"])] * 1e9)
             r["generate_bandwidth_limit_s"] = limit
             r["generate_bandwidth_share"] = limit / r["time_s"]["generate"]
+        if r.get("ok"):
+            c = r["config"]
             if o.minimind_s and c["name"] == o.minimind_size:
                 r["minimind_ratio"] = o.minimind_s / r["time_s"]["step"]
             c["reward_model"] = o.reward_model
