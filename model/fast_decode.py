@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .lora import base_of, effective_weight, foldable
+from .lora import adapter_parts, base_of, effective_weight, foldable
 
 _SUPPORTED = ("Qwen3Model", "LlamaModel")
 
@@ -119,16 +119,34 @@ class FastDecoder:
         self.head_dim = trunk.layers[0].self_attn.head_dim
         # Under autocast F.linear would cast these on every call; cast once here (same rounding).
         cast = (lambda w: w.detach().to(compute_dtype)) if compute_dtype is not None else (lambda w: w.detach())
-        self.weights = []
-        w = effective_weight  # nn.Linear's weight, or a LoRA layer's with its adapter folded in (model/lora.py)
+        self.weights, self.adapters = [], []
+        # LoRA layers: in fp32 each adapter is folded into its weight (W + B A s agrees with peft to ~1e-6).
+        # In a low precision the folded weight rounds differently from peft's x W + s (x A) B by more than
+        # one PPO step moves a LoRA policy (scripts/measure_logprob_gap.py), so the adapters stay apart
+        # and are applied as peft does.
+        unfold = compute_dtype is not None and compute_dtype != torch.float32
+
+        def parts(m: nn.Module) -> tuple[torch.Tensor, list]:
+            if not unfold:
+                return effective_weight(m), []
+            w, ads = adapter_parts(m)
+            return w, [(cast(a), cast(b), s) for a, b, s in ads]
+
+        def group(*ps: tuple[torch.Tensor, list]) -> list | None:
+            """Each part's adapters and output width, for one fused weight; None: no adapter anywhere."""
+            return [(ads, w.shape[0]) for w, ads in ps] if any(ads for _, ads in ps) else None
+
         for layer in trunk.layers:
             a, mlp = layer.self_attn, layer.mlp
+            q, k, v, o = parts(a.q_proj), parts(a.k_proj), parts(a.v_proj), parts(a.o_proj)
+            g, u, d = parts(mlp.gate_proj), parts(mlp.up_proj), parts(mlp.down_proj)
             self.weights.append({
-                "qkv": cast(torch.cat([w(a.q_proj), w(a.k_proj), w(a.v_proj)])),
-                "o": cast(w(a.o_proj)),
-                "gate_up": cast(torch.cat([w(mlp.gate_proj), w(mlp.up_proj)])),
-                "down": cast(w(mlp.down_proj)),
+                "qkv": cast(torch.cat([q[0], k[0], v[0]])),
+                "o": cast(o[0]),
+                "gate_up": cast(torch.cat([g[0], u[0]])),
+                "down": cast(d[0]),
             })
+            self.adapters.append({"qkv": group(q, k, v), "o": group(o), "gate_up": group(g, u), "down": group(d)})
         self.head = cast(lm.lm_head.weight)
         # On a CPU under bf16, every decode matmul takes oneDNN's prepacked weight (onednn_prepack).
         self.linear = F.linear
@@ -136,6 +154,21 @@ class FastDecoder:
         if head is not None:  # the head stands for every weight: same dtype, device and oneDNN support
             self.weights = [{k: onednn_prepack(v, device_type) for k, v in w.items()} for w in self.weights]
             self.head, self.linear = head, _onednn_linear
+
+    def _proj(self, x: torch.Tensor, w: dict, ads: dict, name: str) -> torch.Tensor:
+        """x through fused weight `name`, plus its parts' LoRA terms as peft adds them: y + s (x A) B."""
+        y = self.linear(x, w[name])
+        group = ads[name]
+        if group is None:
+            return y
+        deltas = []
+        for part, width in group:
+            delta = None
+            for A, B, s in part:
+                t = F.linear(F.linear(x, A), B) * s
+                delta = t if delta is None else delta + t
+            deltas.append(delta if delta is not None else y.new_zeros(*y.shape[:-1], width))
+        return y + torch.cat(deltas, dim=-1).to(y.dtype)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, position: torch.Tensor, kv_mask: torch.Tensor, cache) -> torch.Tensor:
@@ -147,9 +180,9 @@ class FastDecoder:
         h = self.trunk.embed_tokens(tokens[:, None])  # [B, 1, H], the residual dtype
         cos, sin = self.trunk.rotary_emb(h, position)  # [B, 1, head_dim]
         mask = kv_mask[:, None, None, :]  # [B, 1, 1, n+1]
-        for w, layer in zip(self.weights, self.trunk.layers):
+        for w, ads, layer in zip(self.weights, self.adapters, self.trunk.layers):
             a = layer.self_attn
-            qkv = self.linear(_rms(h, layer.input_layernorm), w["qkv"])  # [B, 1, nq + 2 nk]
+            qkv = self._proj(_rms(h, layer.input_layernorm), w, ads, "qkv")  # [B, 1, nq + 2 nk]
             q = qkv[..., :nq].view(B, 1, self.n_heads, self.head_dim)
             k = qkv[..., nq : nq + nk].view(B, 1, self.n_kv, self.head_dim)
             v = qkv[..., nq + nk :].view(B, 1, self.n_kv, self.head_dim).transpose(1, 2)
@@ -158,9 +191,9 @@ class FastDecoder:
             q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, heads, 1, hd]
             keys, values = cache.layers[a.layer_idx].update(k, v)  # [B, nkv, n+1, hd]
             o = decode_attention(q, keys, values, mask, a.scaling, self.pack_gqa)
-            h = h + self.linear(o.transpose(1, 2).reshape(B, 1, nq), w["o"])
-            gate, up = self.linear(_rms(h, layer.post_attention_layernorm), w["gate_up"]).chunk(2, dim=-1)
-            h = h + self.linear(F.silu(gate) * up, w["down"])
+            h = h + self._proj(o.transpose(1, 2).reshape(B, 1, nq), w, ads, "o")
+            gate, up = self._proj(_rms(h, layer.post_attention_layernorm), w, ads, "gate_up").chunk(2, dim=-1)
+            h = h + self._proj(F.silu(gate) * up, w, ads, "down")
         return self.linear(_rms(h, self.trunk.norm), self.head)[:, -1]
 
 

@@ -229,6 +229,19 @@ def effective_weight(m: nn.Module) -> torch.Tensor | None:
     return w
 
 
+def adapter_parts(m: nn.Module) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, float]]] | None:
+    """A foldable layer as peft computes it: its base weight and, per active adapter, (A, B, scale), so
+    that y = x W^T + scale (x A^T) B^T. nn.Linear: (weight, []). None where `foldable` is False."""
+    if not foldable(m):
+        return None
+    if isinstance(m, nn.Linear):
+        return m.weight, []
+    if getattr(m, "disable_adapters", False):
+        return m.base_layer.weight, []
+    return m.base_layer.weight, [(m.lora_A[a].weight, m.lora_B[a].weight, float(m.scaling[a]))
+                                 for a in m.active_adapters if a in m.lora_A]
+
+
 @torch.no_grad()
 def merged_state_dict(model: nn.Module, adapters: bool = True) -> dict[str, torch.Tensor]:
     """The base causal LM's state dict in its own key names with each adapter folded into its weight

@@ -129,6 +129,27 @@ def test_fast_decoder_is_built_once_per_rollout_and_its_probe_folds_nothing(monk
     assert len(builds) == 4  # outside reuse_decoder each sample() builds its own, as before
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_fast_decode_with_lora_gives_peft_logits(bf16):
+    """The fast decode step of a LoRA policy against peft's own forward. fp32: the adapters folded into
+    the weights agree to ~1e-5. bf16 (the CUDA default): the adapters are applied apart, x W + s (x A) B as
+    peft does, so the logits agree to one bf16 step, as for a policy without LoRA; a folded bf16 weight
+    rounded further (scripts/measure_logprob_gap.py)."""
+    from tests.test_generation import PROMPTS, _decode_logits, _left_pad
+
+    w = build_update_world([*LORA, "--temperature", "1.0"])
+    _perturb_adapters(w.actor, std=0.2)
+    lm = base_of(w.actor).eval()
+    ids, mask = _left_pad([[t % 200 + 3 for t in p] for p in PROMPTS])
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        want = _decode_logits(lm, ids, mask, 8, fast=False)
+        got = _decode_logits(lm, ids, mask, 8, fast=True)
+    if bf16:
+        torch.testing.assert_close(got, want, atol=want.abs().max().item() * 2 ** -7, rtol=0)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_old_actor_is_an_adapter_snapshot():
     w = build_update_world([*LORA, "--update_old_actor_freq", "2", "--learning_rate", "1e-2"])
     m = w.models
