@@ -115,7 +115,7 @@ def test_init_distributed_without_torchrun_is_one_process(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_cuda_flag_without_cuda_is_one_line():
-    with pytest.raises(SystemExit, match="--device cuda: CUDA is not available.*--device cpu"):
+    with pytest.raises(SystemExit, match="^error: --device cuda: CUDA is not available.*--device cpu"):
         D.resolve_device("cuda")
 
 

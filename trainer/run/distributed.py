@@ -57,13 +57,13 @@ def resolve_device(flag: str, local_rank: int = 0, world_size: int = 1) -> torch
         flag = "cuda" if torch.cuda.is_available() else "cpu"
     if flag.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise SystemExit(f"--device {flag}: CUDA is not available on this machine; use --device cpu")
+            raise SystemExit(f"error: --device {flag}: CUDA is not available on this machine; use --device cpu")
         if flag != "cuda" and world_size > 1:
-            raise SystemExit(f"--device {flag}: with {world_size} processes use --device cuda "
+            raise SystemExit(f"error: --device {flag}: with {world_size} processes use --device cuda "
                              f"(each process takes cuda:LOCAL_RANK) or CUDA_VISIBLE_DEVICES")
         if flag == "cuda":
             if local_rank >= torch.cuda.device_count():
-                raise SystemExit(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
+                raise SystemExit(f"error: LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
                                  f"lower torchrun's --nproc_per_node")
             return torch.device("cuda", local_rank)
     return torch.device(flag)
