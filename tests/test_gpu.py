@@ -29,12 +29,9 @@ CLIP_LOG = math.log(1.2)  # |log ratio| at which the default --clip_epsilon 0.2 
 
 
 def _left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    P = max(map(len, prompts))
-    ids = torch.full((len(prompts), P), PAD, dtype=torch.long)
-    mask = torch.zeros((len(prompts), P), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p):] = torch.tensor(p)
-        mask[i, P - len(p):] = 1
+    from tests.test_generation import _left_pad as left_pad_cpu
+
+    ids, mask = left_pad_cpu(prompts, PAD)
     return ids.to(CUDA), mask.to(CUDA)
 
 
