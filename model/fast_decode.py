@@ -220,13 +220,12 @@ def fast_decoder(lm: nn.Module, device_type: str) -> FastDecoder | None:
     if dtype is None and head.weight.dtype != torch.float32:
         return None  # low-precision weights without autocast: leave it to transformers
     slot = getattr(lm, "_minippo_decoder", None)  # set inside reuse_decoder()
+    if slot is None:
+        return FastDecoder(lm, dtype, device_type)
     key = (device_type, dtype, tuple(p._version for p in lm.parameters()))  # in-place updates bump _version
-    if slot is not None and slot.get("key") == key:
-        return slot["decoder"]
-    decoder = FastDecoder(lm, dtype, device_type)
-    if slot is not None:
-        slot.update(key=key, decoder=decoder)
-    return decoder
+    if slot.get("key") != key:
+        slot.update(key=key, decoder=FastDecoder(lm, dtype, device_type))
+    return slot["decoder"]
 
 
 @contextlib.contextmanager

@@ -117,10 +117,11 @@ def cumulative_probs(probs: torch.Tensor) -> torch.Tensor:
     cumsum is exact, hence the same on every run and device. Each entry is then a multiple of 2^-52, so a
     token below 2^-53 cannot be drawn (or kept by top-p): no visible change to the distribution. Without
     the flag: float cumsum, as runs have always sampled."""
+    p = probs.double()
     if not torch.are_deterministic_algorithms_enabled():
-        return probs.double().cumsum(dim=-1)
-    fixed = (probs.double() * _FIXED_POINT).round().long().cumsum(dim=-1).double() / _FIXED_POINT
-    return fixed + probs.double().sum(dim=-1, keepdim=True) * 0.0  # a non-finite row stays non-finite (the sampler checks)
+        return p.cumsum(dim=-1)
+    fixed = (p * _FIXED_POINT).round().long().cumsum(dim=-1).double() / _FIXED_POINT
+    return fixed + p.sum(dim=-1, keepdim=True) * 0.0  # a non-finite row stays non-finite (the sampler checks)
 
 
 def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

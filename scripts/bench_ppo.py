@@ -225,7 +225,7 @@ class BenchTimer(PhaseTimer):
             from torch.utils.flop_counter import FlopCounterMode
 
             counter = FlopCounterMode(display=False)
-        self._sync()  # on a GPU a phase starts and ends with its kernels done (PhaseTimer's rule)
+        self._sync()  # on a GPU every phase, sub-phases too, starts and ends with its kernels done (the split needs it)
         start = now()
         try:
             with counter or contextlib.nullcontext():

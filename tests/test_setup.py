@@ -282,6 +282,9 @@ def test_phase_timer_waits_for_the_gpus():
         with timer("generate"):
             assert synced == [cuda(0), cuda(4)]  # queued work of the previous phase is not billed here
         assert synced == [cuda(0), cuda(4)] * 2  # and this phase's kernels are
+        with timer("update_actor_fwd"):  # a sub-phase on the hot path: no host wait
+            pass
+        assert synced == [cuda(0), cuda(4)] * 2
     assert PhaseTimer([torch.device("cpu")])._cuda == []
 
 

@@ -300,8 +300,12 @@ def model_device(flag: str, name: str, info: DistInfo) -> torch.device:
         if "+" in flag and own is None:
             raise SystemExit(f"error: {where}: cuda:+K counts from the rank's own GPU, but the actor is on {info.device}; "
                              f"give cuda:N")
-        index = (own or 0) + int(flag.split("+")[1]) if "+" in flag else (int(flag.split(":")[1]) if ":" in flag
-                                                                           else (own if own is not None else info.local_rank))
+        if "+" in flag:
+            index = own + int(flag.split("+")[1])
+        elif ":" in flag:
+            index = int(flag.split(":")[1])
+        else:
+            index = own if own is not None else info.local_rank
         n = torch.cuda.device_count()
         if index >= n:
             mine = f" (rank {info.rank}'s own GPU is cuda:{own})" if "+" in flag else ""

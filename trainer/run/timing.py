@@ -11,6 +11,9 @@ from collections.abc import Iterable, Iterator
 import torch
 
 
+SYNCED = frozenset({"step", "generate", "score", "update", "eval"})
+
+
 class PhaseTimer:
     """Wall seconds per phase name, summed over the step. `with timer("generate"): ...`.
 
@@ -18,7 +21,9 @@ class PhaseTimer:
 
     `cuda_devices`: the GPUs the step computes on. CUDA kernels run after Python has queued them, so
     without a synchronisation a phase's time would be its launch time and the next phase would pay for
-    its kernels; each phase therefore starts and ends with every one of these GPUs idle."""
+    its kernels; each of the step's main phases (SYNCED) therefore starts and ends with every one of
+    these GPUs idle. Sub-phases inside them (per micro-batch forwards, reward components) do not sync:
+    a host wait there would idle the GPU on the hot path."""
 
     def __init__(self, cuda_devices: Iterable[torch.device] = ()) -> None:
         self.wall: dict[str, float] = {}
@@ -31,12 +36,15 @@ class PhaseTimer:
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
-        self._sync()
+        sync = name in SYNCED
+        if sync:
+            self._sync()
         start = time.perf_counter()
         try:
             yield
         finally:
-            self._sync()
+            if sync:
+                self._sync()
             self.add(name, time.perf_counter() - start)
 
     def add(self, name: str, seconds: float) -> None:
