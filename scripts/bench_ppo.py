@@ -307,14 +307,14 @@ class ConfigRun:
                 "--warmup_steps", "0", "--max_steps", str(cfg["warmup"] + cfg["steps"] + 1),
                 "--rm_weight", "0.5" if cfg["reward_model"] else "0", "--lora_r", str(cfg.get("lora_r", 0)),
                 "--reward_model_path", cfg["reward_model"] or "none", "--device", cfg.get("device", "cpu"),
-                *cfg.get("extra_args", [])]
+                # 0: the two-pass path the trainer takes with more than one minibatch
+                "--reuse_values", "-1" if cfg.get("reuse_values", 1) else "0", *cfg.get("extra_args", [])]
         self.T, self.cfg = T, cfg
-        self.args = args = T.parse_args(argv)
+        raw = T.parse_args(argv)
         # ---- the run, built by the trainer's own set-up (models, optimizers, precision, compile)
         t_build = time.perf_counter()
-        self.built = setup(args, DistInfo(device=resolve_device(args.device)))
-        if not cfg.get("reuse_values", 1):  # the two-pass path the trainer takes with more than one minibatch
-            self.built.settings = dataclasses.replace(self.built.settings, reuse_values=False)
+        self.built = setup(raw, DistInfo(device=resolve_device(raw.device)))
+        self.args = args = self.built.cfg  # resolved
         self.build_s = time.perf_counter() - t_build
         self.rss_models = rss_now_mb()
         self.batch = make_batch(self.built.models.tok, args.batch_size, cfg["prompt_len"], cfg["prompts"], args.seed)
@@ -329,17 +329,20 @@ class ConfigRun:
         if self.error is not None:
             return
         T, cfg, args, b = self.T, self.cfg, self.args, self.built
-        s, m, opt, kl_ctl = b.settings, b.models, b.optim, b.kl_ctl
+        s, m, opt, kl_ctl = b.runtime, b.models, b.optim, b.kl_ctl
         try:
             counting = step == 0 < cfg["warmup"] and cfg["count_flops"] and not args.use_compile
             timer = BenchTimer(count_flops=counting, cuda_devices=s.cuda_devices)
+            from trainer.run.phases import phases
+
+            phase = phases(timer, s)
             with timer("step"):
                 with timer("sync_old"):
                     if m.old_actor is not None and step % args.update_old_actor_freq == 0:
                         m.old_actor.load_state_dict(m.actor.state_dict())
-                exp = T.make_experience(args, self.batch, m, s, kl_ctl.value, {}, timer)
+                exp = T.make_experience(args, self.batch, m, s, kl_ctl.value, {}, phase)
                 with timer("update"):
-                    T.ppo_update(args, exp.rollout, m, opt, step, s, kl_ctl.value, timer)
+                    T.ppo_update(args, exp.rollout, m, opt, step, s, kl_ctl.value, phase)
             ro = exp.rollout
             if counting:
                 self.flops_counted = dict(timer.flops)
@@ -381,7 +384,7 @@ class ConfigRun:
             "fp32_model_copy": fp32_copy_mb, "budget_4_copies_2_adamw": rss_base + 8 * fp32_copy_mb,
         }
         memory["within_budget"] = bool(peak <= memory["budget_4_copies_2_adamw"])
-        dev = built.settings.device  # on a GPU: the most its allocator handed out at once, builds and steps together
+        dev = built.runtime.device  # on a GPU: the most its allocator handed out at once, builds and steps together
         memory["cuda_peak_allocated"] = torch.cuda.max_memory_allocated(dev) / MB if dev.type == "cuda" else None
 
         med = {k: statistics.median(r[k] for r in per_step) for k in TIME_KEYS} if per_step else {}
@@ -400,10 +403,11 @@ class ConfigRun:
         }
         flops["step_analytic"] = flops["update_analytic"] + flops["score_analytic"] + gen
         upd_rate = flops["update_analytic"] / med["update"] / 1e12 if med else float("nan")
-        from trainer.run.setup import layer_matmul_params
+        from trainer.config import layer_matmul_params
+        from trainer.types import DTYPES
 
         # Weights one decode step streams: every layer matmul and the LM head, in the compute dtype.
-        weight_mb = (layer_matmul_params(mcfg) + mcfg.vocab_size * mcfg.hidden_size) * built.settings.dtype.itemsize / MB
+        weight_mb = (layer_matmul_params(mcfg) + mcfg.vocab_size * mcfg.hidden_size) * DTYPES[built.cfg.dtype].itemsize / MB
         return {
             "config": cfg, "ok": error is None and bool(per_step), "error": error, "params": params,
             "time_s": med, "time_s_all": {k: [r[k] for r in per_step] for k in TIME_KEYS},

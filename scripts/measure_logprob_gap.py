@@ -15,7 +15,7 @@ Then, under the run's autocast:
   2nd fwd  `policy_forward` of the finished sequences, no grad, the model's own attention: a second
            scoring pass (`cost` = its wall time, with entropy as score_old).
   upd fwd  `policy_forward` as `trainer.update.actor_backward` runs it on the first update minibatch (the
-           trainer's permutation): grad on, inside `attention_implementation(settings.train_attn)`, i.e.
+           trainer's permutation): grad on, inside `attention_implementation(settingargs.train_attn)`, i.e.
            eager attention under bf16 on CPU. The "new" log-probs of the first ratio.
   step     one real `train_ppo.ppo_update`, then the update forward again on the same rows.
 Columns (token statistics over real response tokens, response_mask; log-probs in nats):
@@ -74,6 +74,7 @@ from trainer.ppo import masked_mean, policy_loss  # noqa: E402
 from model.lora import base_of  # noqa: E402
 from trainer.rollout import Rollout, attention_implementation, policy_forward  # noqa: E402
 from trainer.run.distributed import DistInfo, resolve_device  # noqa: E402
+from trainer.run.phases import phases  # noqa: E402
 from trainer.run.setup import Setup, setup  # noqa: E402
 from trainer.run.timing import PhaseTimer  # noqa: E402
 
@@ -116,9 +117,9 @@ def perturb_adapters(actor: torch.nn.Module, delta: float, seed: int) -> dict[st
 
 def update_forward(built: Setup, part: Rollout) -> torch.Tensor:
     """The new log-probs exactly as `trainer.update.actor_backward` computes them (grad on, update attention)."""
-    m, s = built.models, built.settings
-    with attention_implementation(s.train_attn, m.actor_train, m.critic_train), torch.enable_grad(), s.autocast():
-        lp, _ = policy_forward(m.actor_train, part.sequences, part.attention_mask, part.response_len, s.sample_temperature)
+    m, s, cfg = built.models, built.runtime, built.cfg
+    with attention_implementation(cfg.train_attn, m.actor_train, m.critic_train), torch.enable_grad(), s.autocast():
+        lp, _ = policy_forward(m.actor_train, part.sequences, part.attention_mask, part.response_len, cfg.sample_temperature)
     return lp.detach()
 
 
@@ -143,9 +144,8 @@ def measure(size: str, dtype: str, seed: int, o: argparse.Namespace, lora_r: int
             "--temperature", str(o.temperature), "--clip_epsilon", str(o.clip_epsilon), "--rollout_logprobs", "1",
             "--num_threads", str(o.num_threads), "--warmup_steps", str(o.warmup_steps), "--swanlab_mode", "disabled",
             "--device", str(o.device), "--fast_decode", str(o.fast_decode), *lora]
-    args = T.parse_args(argv)
-    built = setup(args, DistInfo(device=o.device))
-    m, s = built.models, built.settings
+    built = setup(T.parse_args(argv), DistInfo(device=o.device))
+    m, s, args = built.models, built.runtime, built.cfg
     if lora_r:
         perturb_adapters(m.actor, o.lora_delta, seed)
     ds = built.dataset
@@ -153,7 +153,7 @@ def measure(size: str, dtype: str, seed: int, o: argparse.Namespace, lora_r: int
     batch = collate_left_pad([ds[i] for i in rows], pad_id=m.tok.pad_token_id)
 
     timer = PhaseTimer(s.cuda_devices)  # on a GPU each phase ends with its kernels done
-    exp = T.make_experience(args, batch, m, s, built.kl_ctl.value, built.custom_fns, timer)
+    exp = T.make_experience(args, batch, m, s, built.kl_ctl.value, built.custom_fns, phases(timer, s))
     ro = exp.rollout
     mask = ro.response_mask.bool()
 
@@ -162,14 +162,14 @@ def measure(size: str, dtype: str, seed: int, o: argparse.Namespace, lora_r: int
         if s.device.type == "cuda":
             torch.cuda.synchronize(s.device)
         t0 = time.perf_counter()
-        second, _ = policy_forward(m.actor, ro.sequences, ro.attention_mask, ro.response_len, s.sample_temperature,
+        second, _ = policy_forward(m.actor, ro.sequences, ro.attention_mask, ro.response_len, args.sample_temperature,
                                    with_entropy=True)
         if s.device.type == "cuda":
             torch.cuda.synchronize(s.device)
         cost = time.perf_counter() - t0
-        with attention_implementation(s.train_attn, m.actor):
+        with attention_implementation(args.train_attn, m.actor):
             second_upd_attn, _ = policy_forward(m.actor, ro.sequences, ro.attention_mask, ro.response_len,
-                                                s.sample_temperature)
+                                                args.sample_temperature)
     gap = (ro.old_logprobs - second).abs()[mask]
 
     # The first update minibatch, as ppo_update draws it at step 0 on rank 0.
@@ -182,7 +182,7 @@ def measure(size: str, dtype: str, seed: int, o: argparse.Namespace, lora_r: int
     C = ratio_stats(new, second_upd_attn[mb], part.advantages, pmask, args.clip_epsilon)
 
     with timer("update"):
-        stats = T.ppo_update(args, ro, m, built.optim, 0, s, built.kl_ctl.value, timer)
+        stats = T.ppo_update(args, ro, m, built.optim, 0, s, built.kl_ctl.value, phases(timer, s))
     if len(mb) == ro.sequences.shape[0]:  # one minibatch: the trainer's own logged figures are A's
         tol = 1e-6 if s.device.type == "cpu" else 1e-4  # GPU kernels may pick another reduction order per call
         assert abs(stats["ppo/ratio"] - A["ratio"]) < tol and abs(stats["ppo/clipfrac"] - A["clipfrac"]) < tol, stats

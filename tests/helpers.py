@@ -119,9 +119,13 @@ class UpdateWorld:
     """Everything one in-process PPO step needs (a random 64x2 MiniMind policy by default): the run as
     trainer.run.setup builds it for train_ppo.main, and a batch of demo prompts."""
 
-    def __init__(self, args, built, batch):
-        self.args, self.built, self.batch = args, built, batch
-        self.settings, self.models, self.optim, self.kl_ctl = built.settings, built.models, built.optim, built.kl_ctl
+    def __init__(self, built, batch):
+        self.built, self.batch = built, batch
+        self.cfg, self.runtime, self.models, self.optim, self.kl_ctl = built.cfg, built.runtime, built.models, built.optim, built.kl_ctl
+
+    @property
+    def args(self):  # the resolved config (flat access: world.args.clip_epsilon)
+        return self.cfg
 
     @property
     def actor(self) -> torch.nn.Module:
@@ -147,15 +151,15 @@ def build_update_world(extra_flags: list[str] | None = None, dtype: str = "float
     records, _ = read_rlaif_jsonl(ROOT / "dataset" / "demo_train.jsonl")
     ds = RLAIFDataset(records[:n_prompts], built.models.tok, max_prompt_len=48, seed=0)
     batch = collate_left_pad([ds[i] for i in range(n_prompts)], pad_id=built.models.tok.pad_token_id)
-    return UpdateWorld(args, built, batch)
+    return UpdateWorld(built, batch)
 
 
 def run_experience(world: UpdateWorld):
     """Rollout + scoring + rewards + advantages of world.batch: returns (Rollout, metrics dict)."""
     import train_ppo as T
 
-    exp = T.make_experience(world.args, world.batch, world.models, world.settings, world.kl_ctl.value,
-                            world.built.custom_fns)
+    exp = T.make_experience(world.cfg, world.batch, world.models, world.runtime, world.kl_ctl.value,
+                            world.built.custom_fns, phase_for(world))
     return exp.rollout, exp.metrics
 
 
@@ -163,7 +167,15 @@ def run_update(world: UpdateWorld, ro, step: int = 0) -> dict:
     """One PPO update (all epochs and minibatches) on `ro` at PPO step `step`; returns its stats dict."""
     import train_ppo as T
 
-    return T.ppo_update(world.args, ro, world.models, world.optim, step, world.settings, world.kl_ctl.value)
+    return T.ppo_update(world.cfg, ro, world.models, world.optim, step, world.runtime, world.kl_ctl.value, phase_for(world))
+
+
+def phase_for(world: UpdateWorld, timer=None):
+    """The Phase the step functions run their work in, as train_ppo.main builds it (timing into `timer`)."""
+    from trainer.run.phases import phases
+    from trainer.run.timing import PhaseTimer
+
+    return phases(timer or PhaseTimer(), world.runtime)
 
 
 def lr_schedule(warmup: int, total: int):
@@ -178,8 +190,8 @@ def policy_logprobs(world: UpdateWorld, ro, with_entropy: bool = False):
     temperature the update uses."""
     from trainer.rollout import policy_forward
 
-    temp = world.settings.sample_temperature
-    with world.settings.autocast():
+    temp = world.cfg.sample_temperature
+    with world.runtime.autocast():
         return policy_forward(world.actor, ro.sequences, ro.attention_mask, ro.response_len, temp,
                               with_entropy=with_entropy)
 
@@ -188,7 +200,7 @@ def critic_values(world: UpdateWorld, ro) -> torch.Tensor:
     """The critic's current values [B, R] for ro's responses, WITH grad."""
     from trainer.rollout import critic_forward
 
-    with world.settings.autocast():
+    with world.runtime.autocast():
         return critic_forward(world.critic, ro.sequences, ro.attention_mask, ro.response_len)
 
 

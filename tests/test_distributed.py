@@ -538,14 +538,20 @@ def _estimator_flags(case: tuple, prompts: int) -> list[str]:
             "--temperature", "1.0", "--learning_rate", "1e-3", "--device", "cpu"]
 
 
-def _estimator_update(args, built, fields: dict) -> tuple[torch.Tensor, dict]:
+def _estimator_update(built, fields: dict) -> tuple[torch.Tensor, dict]:
+    import dataclasses
+
     import train_ppo as T
     from trainer.rollout import Rollout
+    from trainer.run.phases import phases
+    from trainer.run.timing import PhaseTimer
 
     ro = Rollout(**fields)
-    T.compute_advantages(args, ro, built.kl_ctl.value, built.settings)
-    T.ppo_update(args, ro, built.models, built.optim, 0, built.settings, built.kl_ctl.value)
-    return ro.advantages, {k: v.detach().clone() for k, v in built.models.actor.state_dict().items()}
+    advantages, returns = T.compute_advantages(built.cfg, ro, built.kl_ctl.value, built.runtime)
+    ro = dataclasses.replace(ro, advantages=advantages, returns=returns)
+    T.ppo_update(built.cfg, ro, built.models, built.optim, 0, built.runtime, built.kl_ctl.value,
+                 phases(PhaseTimer(), built.runtime))
+    return advantages, {k: v.detach().clone() for k, v in built.models.actor.state_dict().items()}
 
 
 def _estimator_worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -561,7 +567,7 @@ def _estimator_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             half = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in fields.items()}
             args = T.parse_args([*UPDATE_BASE_FLAGS, *_estimator_flags(case, 2)])
             built = setup(args, info)
-            torch.save(_estimator_update(args, built, half), Path(out_dir) / f"{case[0]}_rank{rank}.pt")
+            torch.save(_estimator_update(built, half), Path(out_dir) / f"{case[0]}_rank{rank}.pt")
     finally:
         D.cleanup(info)
 
@@ -579,7 +585,7 @@ def test_each_estimator_two_ranks_equal_one_process(tmp_path):
         torch.save(fields, tmp_path / f"{case[0]}_rollout.pt")
         w = build_update_world(flags)  # the same starting weights as the ranks build
         start = {k: v.clone() for k, v in w.models.actor.state_dict().items()}
-        want[case[0]] = (*_estimator_update(w.args, w.built, fields), ro.rewards, start)
+        want[case[0]] = (*_estimator_update(w.built, fields), ro.rewards, start)
     _spawn_two(_estimator_worker, tmp_path, 300, "2-process estimator updates")
     for case in ESTIMATOR_CASES:
         adv, actor, rewards, start = want[case[0]]

@@ -166,16 +166,19 @@ def test_sampled_logprobs_match_policy_forward_on_cuda_bf16():
                          "--swanlab_mode", "disabled", "--data_path", str(ROOT / "dataset" / "demo_train.jsonl"),
                          "--eval_data_path", "none"])
     built = setup(args, DistInfo(device=CUDA))
-    m, s = built.models, built.settings
-    assert s.device == CUDA and s.dtype == torch.bfloat16
+    m, s, cfg = built.models, built.runtime, built.cfg
+    assert s.device == CUDA and cfg.dtype == "bfloat16"
     records, _ = read_rlaif_jsonl(ROOT / "dataset" / "demo_train.jsonl")
     ds = RLAIFDataset(records[:8], m.tok, max_prompt_len=64, seed=0)
     batch = collate_left_pad([ds[i] for i in range(8)], pad_id=m.tok.pad_token_id)
-    exp = T.make_experience(args, batch, m, s, built.kl_ctl.value, built.custom_fns)
+    from trainer.run.phases import phases
+    from trainer.run.timing import PhaseTimer
+
+    exp = T.make_experience(cfg, batch, m, s, built.kl_ctl.value, built.custom_fns, phases(PhaseTimer(), s))
     ro = exp.rollout
     assert ro.sequences.device == CUDA
-    with torch.no_grad(), s.autocast(), attention_implementation(s.train_attn, m.actor):
-        lp, _ = policy_forward(m.actor, ro.sequences, ro.attention_mask, ro.response_len, s.sample_temperature)
+    with torch.no_grad(), s.autocast(), attention_implementation(cfg.train_attn, m.actor):
+        lp, _ = policy_forward(m.actor, ro.sequences, ro.attention_mask, ro.response_len, cfg.sample_temperature)
     mask = ro.response_mask.bool()
     gap = (lp - ro.old_logprobs).abs()[mask]
     assert gap.numel() > 0 and torch.isfinite(gap).all()

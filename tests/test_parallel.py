@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tests.helpers import build_update_world, run_experience, run_update
-from trainer.run.parallel import run_side_by_side, use_parallel_update
+from trainer.config import use_parallel_update
+from trainer.parallel import run_side_by_side
 
 
 def test_side_by_side_runs_each_piece_single_threaded_and_keeps_order():
@@ -55,7 +56,7 @@ def test_auto_is_on_only_for_single_process_cpu_bf16_without_reused_values():
         assert not use_parallel_update(0, cpu, distributed=False, cpu_bf16=True)
     finally:
         torch.set_num_threads(threads)
-    with pytest.raises(ValueError, match="--parallel_update 1 is for single-process CPU runs"):
+    with pytest.raises(SystemExit, match="--parallel_update 1 is for single-process CPU runs"):
         use_parallel_update(1, cpu, distributed=True, cpu_bf16=True)
 
 

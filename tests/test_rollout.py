@@ -458,10 +458,9 @@ def test_bench_quick_smoke_writes_documented_json(tmp_path):
     assert res["config"]["parallel_update"] == 1 and rep["minimind_here_s"] == 8.8
     assert "gen t/s" in r.stdout and "64x2" in r.stdout  # the table was printed
     # Generation against the weight-streaming limit: 64x2 bf16 streams its layer matmuls + LM head (2 bytes each) per token.
-    from trainer.run.setup import layer_matmul_params, policy_layer_params
+    from trainer.config import Config, layer_matmul_params, policy_layer_params
 
-    n = policy_layer_params(argparse.Namespace(actor_path=None, hidden_size=64, num_hidden_layers=2, use_moe=0,
-                                               arch="auto", num_attention_heads=0, num_key_value_heads=0))
+    n = policy_layer_params(Config().replace(hidden_size=64, num_hidden_layers=2))
     assert n == layer_matmul_params(argparse.Namespace(hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
                                                        num_key_value_heads=4, head_dim=8, intermediate_size=256))
     assert res["generate_weight_mb_per_token"] == pytest.approx((n + 6400 * 64) * 2 / 2**20)

@@ -14,9 +14,11 @@ from torch import nn
 import train_ppo as T
 from tests.helpers import UPDATE_BASE_FLAGS, build_update_world, fake_cuda, run_experience
 from trainer.rollout import attention_implementation, policy_forward
+from trainer import config as C
 from trainer.run import setup as S
 from trainer.run import setup as setup_mod
 from trainer.run.distributed import DistInfo
+from trainer.types import Runtime
 
 
 def _args(*flags: str):
@@ -26,11 +28,11 @@ def _args(*flags: str):
 @fake_cuda(1, capability=(8, 0))
 def test_precision_rules_have_one_home():
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert S.resolve_precision(_args(), cpu) == ("float32", torch.float32)
-    assert S.resolve_precision(_args(), cuda) == ("bfloat16", torch.bfloat16)
-    assert S.resolve_precision(_args("--dtype", "bfloat16"), cpu) == ("bfloat16", torch.float32)  # -1: CUDA only
-    assert S.resolve_precision(_args("--dtype", "bfloat16", "--frozen_low_precision", "1"), cpu) == ("bfloat16", torch.bfloat16)
-    assert S.resolve_precision(_args("--frozen_low_precision", "0"), cuda) == ("bfloat16", torch.float32)
+    assert C.resolve_precision(_args(), cpu) == ("float32", torch.float32)
+    assert C.resolve_precision(_args(), cuda) == ("bfloat16", torch.bfloat16)
+    assert C.resolve_precision(_args("--dtype", "bfloat16"), cpu) == ("bfloat16", torch.float32)  # -1: CUDA only
+    assert C.resolve_precision(_args("--dtype", "bfloat16", "--frozen_low_precision", "1"), cpu) == ("bfloat16", torch.bfloat16)
+    assert C.resolve_precision(_args("--frozen_low_precision", "0"), cuda) == ("bfloat16", torch.float32)
 
 
 def test_cpu_native_bf16_reads_the_cpu_flags(tmp_path, monkeypatch):
@@ -38,31 +40,31 @@ def test_cpu_native_bf16_reads_the_cpu_flags(tmp_path, monkeypatch):
     for flags, native in (("fpu avx2 avx512f avx512_bf16", True), ("fpu amx_bf16 amx_tile", True),
                           ("fpu avx2 avx512f avx512_vnni", False)):
         info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
-        assert S.cpu_native_bf16(info) is native, flags
+        assert C.cpu_native_bf16(info) is native, flags
     # No flags to read (not Linux): torch's own capability checks decide.
     for avx512_bf16, amx in ((True, False), (False, True), (False, False)):
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
-        assert S.cpu_native_bf16(tmp_path / "missing") is (avx512_bf16 or amx)
+        assert C.cpu_native_bf16(tmp_path / "missing") is (avx512_bf16 or amx)
 
 
 @fake_cuda(1, capability=(8, 0))
 def test_auto_precision_picks_bf16_on_a_cpu_only_for_large_models_with_native_bf16(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    demo, big = S.policy_layer_params(T.parse_args([])), S.policy_layer_params(_args("--hidden_size", "768", "--num_hidden_layers", "16"))
-    assert demo < S.BF16_CPU_MIN_LAYER_PARAMS <= big
+    demo, big = C.policy_layer_params(T.parse_args([])), C.policy_layer_params(_args("--hidden_size", "768", "--num_hidden_layers", "16"))
+    assert demo < C.BF16_CPU_MIN_LAYER_PARAMS <= big
     for native in (True, False):
-        monkeypatch.setattr(S, "cpu_native_bf16", lambda native=native: native)
+        monkeypatch.setattr(C, "cpu_native_bf16", lambda native=native: native)
         # The demo's 128x4 model keeps fp32 everywhere: its output stays byte-identical.
-        assert S.resolve_precision(_args(), cpu, demo) == ("float32", torch.float32)
+        assert C.resolve_precision(_args(), cpu, demo) == ("float32", torch.float32)
         want = ("bfloat16", torch.bfloat16) if native else ("float32", torch.float32)
-        assert S.resolve_precision(_args(), cpu, big) == want  # --frozen_low_precision -1 follows the same rule
+        assert C.resolve_precision(_args(), cpu, big) == want  # --frozen_low_precision -1 follows the same rule
         # An explicit --dtype wins; the frozen models follow the rule unless the flag says otherwise.
-        assert S.resolve_precision(_args("--dtype", "float32"), cpu, big) == ("float32", torch.float32)
-        assert S.resolve_precision(_args("--dtype", "bfloat16"), cpu, big) == ("bfloat16", want[1])
-        assert S.resolve_precision(_args("--frozen_low_precision", "0"), cpu, big) == (want[0], torch.float32)
-        assert S.resolve_precision(_args(), cpu, None) == ("float32", torch.float32)  # size unknown
-        assert S.resolve_precision(_args(), cuda, demo) == ("bfloat16", torch.bfloat16)  # CUDA: always
+        assert C.resolve_precision(_args("--dtype", "float32"), cpu, big) == ("float32", torch.float32)
+        assert C.resolve_precision(_args("--dtype", "bfloat16"), cpu, big) == ("bfloat16", want[1])
+        assert C.resolve_precision(_args("--frozen_low_precision", "0"), cpu, big) == (want[0], torch.float32)
+        assert C.resolve_precision(_args(), cpu, None) == ("float32", torch.float32)  # size unknown
+        assert C.resolve_precision(_args(), cuda, demo) == ("bfloat16", torch.bfloat16)  # CUDA: always
 
 
 def test_auto_precision_sizes_the_model_from_its_config(tmp_path, monkeypatch):
@@ -71,27 +73,27 @@ def test_auto_precision_sizes_the_model_from_its_config(tmp_path, monkeypatch):
 
     m, _ = save_tiny_causal_lm(tmp_path / "hf", hidden=32, layers=2)
     n = sum(p.numel() for name, p in m.named_parameters() if ".layers." in name and p.dim() == 2)
-    assert S.policy_layer_params(_args("--actor_path", str(tmp_path / "hf"))) == n
-    assert S.policy_layer_params(_args("--actor_path", str(tmp_path / "nowhere"))) is None
+    assert C.policy_layer_params(_args("--actor_path", str(tmp_path / "hf"))) == n
+    assert C.policy_layer_params(_args("--actor_path", str(tmp_path / "nowhere"))) is None
     # 512x8 MiniMind: 8 x (q,o 512x512; k,v 256x512; gate/up/down 1664x512)
-    assert S.policy_layer_params(_args("--hidden_size", "512", "--num_hidden_layers", "8")) == 8 * 512 * (2 * 512 + 2 * 256 + 3 * 1664)
-    monkeypatch.setattr(S, "cpu_native_bf16", lambda: True)
-    monkeypatch.setattr(S, "BF16_CPU_MIN_LAYER_PARAMS", n)  # the tiny model counts as large
+    assert C.policy_layer_params(_args("--hidden_size", "512", "--num_hidden_layers", "8")) == 8 * 512 * (2 * 512 + 2 * 256 + 3 * 1664)
+    monkeypatch.setattr(C, "cpu_native_bf16", lambda: True)
+    monkeypatch.setattr(C, "BF16_CPU_MIN_LAYER_PARAMS", n)  # the tiny model counts as large
     world = build_update_world(["--actor_path", str(tmp_path / "hf"), "--dtype", "auto"])
-    s = world.settings
-    assert s.dtype_name == "bfloat16" and s.flags["dtype"] == "bfloat16" and s.frozen_dtype == torch.bfloat16
+    cfg = world.cfg
+    assert cfg.dtype == "bfloat16" and cfg.flat()["dtype"] == "bfloat16" and cfg.frozen_dtype == torch.bfloat16
     assert {p.dtype for p in world.models.ref.parameters()} == {torch.bfloat16}
 
 
-def test_settings_are_derived_once_and_args_stay_as_parsed():
+def test_the_run_is_built_from_the_resolved_config():
     world = build_update_world(["--greedy", "1", "--debug_mode", "--debug_interval", "7"])
-    s = world.settings
-    assert world.args.dtype == "float32" and s.dtype == torch.float32 and s.flags["dtype"] == "float32"
-    assert s.sample_temperature == 1.0 and world.args.temperature == 0.8  # greedy scores under T = 1
-    assert s.sample_interval == 7  # MiniMind's --debug_mode 1 shows samples every --debug_interval steps
-    assert s.total_steps == 10 and s.hidden_size == 64
+    cfg = world.cfg
+    assert cfg.resolved and cfg.dtype == "float32" and cfg.flat()["dtype"] == "float32"
+    assert cfg.sample_temperature == 1.0 and cfg.temperature == 0.8  # greedy scores under T = 1
+    assert cfg.sample_interval == 7  # MiniMind's --debug_mode 1 shows samples every --debug_interval steps
+    assert world.runtime.total_steps == 10 and cfg.hidden_size == 64
     auto = build_update_world(["--dtype", "auto"])
-    assert auto.args.dtype == "auto" and auto.settings.dtype_name == "float32"
+    assert auto.cfg.dtype == "float32" and auto.runtime.precisions == {"cpu": ("float32", torch.float32)}
 
 
 def test_old_actor_scores_with_the_actors_numerics():
@@ -102,9 +104,9 @@ def test_old_actor_scores_with_the_actors_numerics():
     assert {p.dtype for p in m.ref.parameters()} == {torch.bfloat16}
     ro, metrics = run_experience(world)  # old log-probs scored by the old-actor copy
     # The update's forward (its attention kernel: eager under bf16 on CPU) gives exactly the old log-probs.
-    with torch.no_grad(), world.settings.autocast(), attention_implementation(world.settings.train_attn, m.actor):
-        own, _ = policy_forward(m.actor, ro.sequences, ro.attention_mask, ro.response_len, world.settings.sample_temperature)
-    assert world.settings.train_attn == "eager" and torch.equal(ro.old_logprobs, own)
+    with torch.no_grad(), world.runtime.autocast(), attention_implementation(world.cfg.train_attn, m.actor):
+        own, _ = policy_forward(m.actor, ro.sequences, ro.attention_mask, ro.response_len, world.cfg.sample_temperature)
+    assert world.cfg.train_attn == "eager" and torch.equal(ro.old_logprobs, own)
     assert metrics["kl_ref"] != 0.0  # the bf16 reference: its rounding gap shows up as kl_ref at step 0
 
 
@@ -129,9 +131,9 @@ def test_minimind_flags_are_accepted_and_sglang_is_one_line():
                          "../model", "--sglang_shared_path", "./sglang_ckpt_ppo", "--debug_mode", "--debug_interval", "20",
                          "--debug_log_ratio"])
     assert (args.debug_mode, args.debug_interval, args.debug_log_ratio) == (1, 20, 1)
-    S.validate_flags(args)
+    C.validate(args)
     with pytest.raises(SystemExit, match=r"^error: --rollout_engine sglang is not supported: minippo samples with the policy in-process"):
-        S.validate_flags(T.parse_args(["--rollout_engine", "sglang"]))
+        C.validate(T.parse_args(["--rollout_engine", "sglang"]))
 
 
 def test_deterministic_mode_sets_what_it_says(monkeypatch):
@@ -165,14 +167,14 @@ def test_model_devices_are_plumbed_and_default_to_the_actors(monkeypatch):
     """--ref_device / --critic_device / --reward_device (seed 001's two-GPU layout): on this CPU machine
     only `cpu` exists, so this checks the plumbing: resolved once, models placed there, same results."""
     default = build_update_world()
-    assert (default.settings.ref_device, default.settings.critic_device, default.settings.reward_device) == (torch.device("cpu"),) * 3
+    assert (default.runtime.ref_device, default.runtime.critic_device, default.runtime.reward_device) == (torch.device("cpu"),) * 3
     ro_a, _ = run_experience(default)  # before the next build: each build reseeds the sampler
     placed = build_update_world(["--ref_device", "cpu", "--critic_device", "cpu", "--reward_device", "cpu"])
-    assert next(placed.models.ref.parameters()).device == placed.settings.ref_device == torch.device("cpu")
+    assert next(placed.models.ref.parameters()).device == placed.runtime.ref_device == torch.device("cpu")
     ro_b, _ = run_experience(placed)
     assert torch.equal(ro_a.ref_logprobs, ro_b.ref_logprobs) and torch.equal(ro_a.values, ro_b.values)
     with pytest.raises(SystemExit, match=r"^error: --critic_device tpu:0: expected cpu, cuda, cuda:N or cuda:\+K"):
-        S.validate_flags(_args("--critic_device", "tpu:0"))
+        C.validate(_args("--critic_device", "tpu:0"))
     with pytest.raises(SystemExit, match="CUDA is not available"):
         S.model_devices(_args("--ref_device", "cuda:1"), DistInfo())
 
@@ -229,34 +231,28 @@ def test_model_device_flags_per_rank(monkeypatch):
         assert S.model_devices(_args("--critic_device", "cpu"), gloo)["critic"] == torch.device("cpu")
         with pytest.raises(SystemExit, match=r"^error: --ref_device cuda:\+1: cuda:\+K counts from the rank's own GPU"):
             S.model_devices(_args("--ref_device", "cuda:+1"), DistInfo())
-    S.validate_flags(_args("--ref_device", "cuda:+4"))
+    C.validate(_args("--ref_device", "cuda:+4"))
     with pytest.raises(SystemExit, match=r"^error: --reward_device cuda:-1: expected"):
-        S.validate_flags(_args("--reward_device", "cuda:-1"))
+        C.validate(_args("--reward_device", "cuda:-1"))
 
 
 def test_frozen_models_on_a_cpu_beside_a_gpu_actor_keep_cpu_precision(monkeypatch):
     """A --ref_device cpu reference of a bf16 GPU run is held and run as a CPU would (fp32 for a model
     below the CPU's bf16 threshold), not in the GPU's bf16."""
-    monkeypatch.setattr(S, "cpu_native_bf16", lambda: False)
+    monkeypatch.setattr(C, "cpu_native_bf16", lambda: False)
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     with fake_cuda(2, capability=(8, 0)):
-        assert S.resolve_precision(_args(), cuda) == ("bfloat16", torch.bfloat16)
-        assert S.resolve_precision(_args(), cpu) == ("float32", torch.float32)
-        assert S.resolve_precision(_args("--dtype", "float16"), cpu) == ("float32", torch.float32)  # no fp16 on a CPU
-    s = S.Settings(**{**_settings_fields(), "precisions": {"cuda": ("bfloat16", torch.bfloat16), "cpu": ("float32", torch.float32)}})
+        assert C.resolve_precision(_args(), cuda) == ("bfloat16", torch.bfloat16)
+        assert C.resolve_precision(_args(), cpu) == ("float32", torch.float32)
+        assert C.resolve_precision(_args("--dtype", "float16"), cpu) == ("float32", torch.float32)  # no fp16 on a CPU
+    cuda0 = torch.device("cuda", 0)
+    s = Runtime(info=DistInfo(device=cuda0), ref_device=cpu, critic_device=cuda0, reward_device=cuda0, total_steps=1,
+                precisions={"cuda": ("bfloat16", torch.bfloat16), "cpu": ("float32", torch.float32)})
     entered = []
     monkeypatch.setattr(torch, "autocast", lambda device_type, dtype: entered.append((device_type, dtype)) or contextlib.nullcontext())
     with s.autocast(cpu), s.autocast(cuda), s.autocast():
         pass
     assert entered == [("cuda", torch.bfloat16)] * 2  # the CPU's fp32 needs no autocast
-
-
-def _settings_fields() -> dict:
-    cuda = torch.device("cuda", 0)
-    return dict(info=DistInfo(device=cuda), dtype_name="bfloat16", frozen_dtype=torch.bfloat16, hidden_size=8, total_steps=1,
-                parallel_update=False, train_attn=None, sample_temperature=1.0, sample_interval=0, ref_device=torch.device("cpu"),
-                critic_device=cuda, reward_device=cuda, kl_placement="reward", kl_estimator="k1", clip_epsilon_high=0.2,
-                reuse_values=False, eval_data_path=None, flags={})
 
 
 def test_auto_precision_on_gpus_follows_native_bf16():
@@ -265,8 +261,8 @@ def test_auto_precision_on_gpus_follows_native_bf16():
     cuda = torch.device("cuda", 0)
     for cap, want in (((9, 0), "bfloat16"), ((8, 0), "bfloat16"), ((7, 5), "float16"), ((7, 0), "float16"), ((6, 1), "float32")):
         with fake_cuda(1, capability=cap):
-            assert S.resolve_precision(_args(), cuda) == (want, S.DTYPES[want]), cap
-            assert S.resolve_precision(_args("--dtype", "float32"), cuda) == ("float32", torch.float32)
+            assert C.resolve_precision(_args(), cuda) == (want, S.DTYPES[want]), cap
+            assert C.resolve_precision(_args("--dtype", "float32"), cuda) == ("float32", torch.float32)
     with fake_cuda(1, capability=(7, 0)):
         world = build_update_world()  # the scaler is what fp16 turns on (built on the CPU here)
         optim = S.build_optim(world.args, world.models, 5, torch.float16, cuda)
@@ -376,11 +372,11 @@ def test_ddp_wraps_without_broadcasting_buffers(monkeypatch, actor_dev, critic_d
 
 def test_evaluation_is_on_for_the_demo_and_off_for_other_data(tmp_path):
     demo = "dataset/demo_train.jsonl"
-    assert S.eval_data_path(T.parse_args(["--data_path", demo])) == "dataset/demo_eval.jsonl"
-    assert S.eval_data_path(T.parse_args(["--data_path", demo, "--eval_data_path", "none"])) is None
+    assert C.eval_data_path(T.parse_args(["--data_path", demo])) == "dataset/demo_eval.jsonl"
+    assert C.eval_data_path(T.parse_args(["--data_path", demo, "--eval_data_path", "none"])) is None
     mine = tmp_path / "rlaif.jsonl"
-    assert S.eval_data_path(T.parse_args(["--data_path", str(mine)])) is None  # a user's data: no demo questions
-    assert S.eval_data_path(T.parse_args(["--data_path", str(mine), "--eval_data_path", "held.jsonl"])) == "held.jsonl"
+    assert C.eval_data_path(T.parse_args(["--data_path", str(mine)])) is None  # a user's data: no demo questions
+    assert C.eval_data_path(T.parse_args(["--data_path", str(mine), "--eval_data_path", "held.jsonl"])) == "held.jsonl"
 
 
 def test_ranks_that_resolve_different_precisions_stop_with_one_line(monkeypatch):

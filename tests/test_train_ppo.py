@@ -3,6 +3,8 @@ through the adapters in tests/helpers.py (values pinned by hand computations or 
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import os
@@ -179,11 +181,7 @@ def _same(before: dict, module: torch.nn.Module) -> bool:
 def _one_step(*flags: str, step: int = 0, two_pass: bool = False):
     """A fresh world, its rollout, and one update at `step`: (world, rollout, stats, actor before, critic before).
     two_pass: score the critic's values in their own forward even with one epoch of one minibatch."""
-    world = _world(*flags)
-    if two_pass:
-        import dataclasses
-
-        world.settings = world.built.settings = dataclasses.replace(world.settings, reuse_values=False)
+    world = _world(*flags, *(("--reuse_values", "0") if two_pass else ()))
     ro, _ = run_experience(world)
     actor0, critic0 = param_snapshot(world.actor), param_snapshot(world.critic)
     stats = run_update(world, ro, step=step)
@@ -367,7 +365,7 @@ def test_value_loss_by_hand_unclipped_and_clipped(clip):
         unclipped = _hand_value_loss(world, ro).item()
         clipped = _hand_value_loss(world, ro, clip_range=0.2).item()
     assert clipped > unclipped * 1.1  # the critic moved beyond the clip range (1.8x with these flags)
-    stats = run_update(world, ro, step=1)
+    stats = run_update(world, dataclasses.replace(ro, values_with_grad=None), step=1)  # that graph is spent
     assert stats["loss/value"] == pytest.approx(unclipped if clip == "0" else clipped, rel=1e-5)
     assert (stats["value/clipfrac"] > 0) == (clip == "0.2")
 
@@ -730,9 +728,9 @@ def test_reinforce_pp_returns_are_whitened_over_the_batch():
 def test_kl_auto_rules_follow_each_papers_choice():
     for est, place, kl in (("gae", "reward", "k1"), ("grpo", "loss", "k3"), ("dr_grpo", "loss", "k3"),
                            ("rloo", "reward", "k1"), ("reinforce_pp", "reward", "k1")):
-        s = _world("--advantage_estimator", est, "--num_generations", "2", "--mini_batch_size", "4").settings
-        assert (s.kl_placement, s.kl_estimator) == (place, kl), est
-        assert (s.flags["kl_placement"], s.flags["kl_estimator"]) == (place, kl)  # what resume files record
+        cfg = _world("--advantage_estimator", est, "--num_generations", "2", "--mini_batch_size", "4").cfg
+        assert (cfg.kl_placement, cfg.kl_estimator) == (place, kl), est
+        assert (cfg.flat()["kl_placement"], cfg.flat()["kl_estimator"]) == (place, kl)  # what resume files record
 
 
 def _ragged(ro, lengths=(3, 5, 8, 2)):
@@ -786,17 +784,14 @@ def test_policy_loss_aggregation_by_hand(mode):
 def test_one_minibatch_reuses_the_scoring_values_and_equals_two_passes():
     """One epoch of one minibatch (MiniMind's shape): the critic's scoring forward is kept with its graph and
     the update does not run a second one; values, losses and the updated weights equal the two-pass path."""
-    import dataclasses
-
     flags = ("--mini_batch_size", "4", "--ppo_update_iters", "1")
     one = _world(*flags)
-    assert one.settings.reuse_values
+    assert one.cfg.reuse_values
     _random_value_head(one)
     ro1, _ = run_experience(one)
     assert ro1.values_with_grad is not None and ro1.values_with_grad.requires_grad
     s1 = run_update(one, ro1)
-    two = _world(*flags)
-    two.settings = two.built.settings = dataclasses.replace(two.settings, reuse_values=False)
+    two = _world(*flags, "--reuse_values", "0")
     _random_value_head(two)
     ro2, _ = run_experience(two)
     assert ro2.values_with_grad is None
@@ -806,8 +801,8 @@ def test_one_minibatch_reuses_the_scoring_values_and_equals_two_passes():
     assert s1["grad_norm/critic"] == pytest.approx(s2["grad_norm/critic"], rel=1e-5)
     _assert_close_params(one.critic, two.critic)
     _assert_close_params(one.actor, two.actor)
-    assert not _world("--mini_batch_size", "2").settings.reuse_values  # two minibatches: two passes
-    assert not _world(*flags, "--ppo_update_iters", "2").settings.reuse_values
+    assert not _world("--mini_batch_size", "2").cfg.reuse_values  # two minibatches: two passes
+    assert not _world(*flags, "--ppo_update_iters", "2").cfg.reuse_values
 
 
 def _random_value_head(world) -> None:

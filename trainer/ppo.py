@@ -9,13 +9,8 @@ References
   from Human Preferences", sec. 2.2.
 - KL estimators k1/k2/k3: John Schulman, "Approximating KL Divergence" (2020 note), with
   r = p_ref(x) / pi(x) and x ~ pi: k1 = -log r, k2 = (log r)^2 / 2, k3 = (r - 1) - log r.
-- Critic-free outcome advantages over a group of G responses to one prompt (`group_advantages`):
-  GRPO, Shao et al. 2024, "DeepSeekMath", sec. 4.1.2: A_i = (r_i - mean(r)) / std(r);
-  Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training", sec. 3.1: A_i = r_i - mean(r);
-  RLOO, Ahmadian et al. 2024, "Back to Basics", eq. (5): A_i = r_i - 1/(G-1) sum_{j != i} r_j;
-  REINFORCE++, Hu 2025, "REINFORCE++", sec. 3: per-token KL in the reward, the discounted return
-  as the advantage, normalised over the whole global batch (the "_baseline" variant subtracts the
-  group mean from r_i first).
+- The advantage estimators built from these (GAE, GRPO, Dr. GRPO, RLOO, REINFORCE++) are registered
+  by name in trainer/estimators.py, the policy losses in trainer/losses.py.
 - Clip-higher (an upper clip 1 + eps_high above 1 + eps_low) and token-level loss aggregation: DAPO,
   Yu et al. 2025, sec. 3.1 and 3.3; Dr. GRPO's constant normaliser: Liu et al. 2025, eq. (4).
 
@@ -42,7 +37,6 @@ __all__ = [
     "compute_token_rewards",
     "compute_gae",
     "discounted_returns",
-    "group_advantages",
     "aggregate_loss",
     "policy_loss",
     "value_loss",
@@ -52,8 +46,6 @@ __all__ = [
 ]
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")  # need --num_generations > 1
-ADVANTAGE_ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 # Sums a statistics tensor over data-parallel ranks (trainer.run.distributed.all_reduce_sum); None = one process.
 Reduce = Callable[[Tensor], Tensor]
@@ -193,28 +185,6 @@ def discounted_returns(token_rewards: Tensor, response_mask: Tensor, gamma: floa
     It is GAE with V = 0 and lam = 1, so the same recursion serves both."""
     zeros = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
     return compute_gae(token_rewards, zeros, response_mask, gamma, 1.0)[0]
-
-
-def group_advantages(scores: Tensor, group_size: int, estimator: str, eps: float = 1e-6) -> Tensor:
-    """Outcome scores [B] -> each response's baselined score [B]; rows i*G .. i*G+G-1 are the G
-    responses to prompt i (never split across ranks, so this needs no collective).
-
-    grpo: (r - mean) / (std + eps), std unbiased as in the GRPO implementations (TRL, verl);
-    dr_grpo and reinforce_pp_baseline: r - mean; rloo: r - mean of the others = G/(G-1) (r - mean);
-    reinforce_pp: r unchanged (its baseline is the global whitening the caller applies)."""
-    if estimator == "reinforce_pp":
-        return scores.float()
-    if estimator not in GROUP_ESTIMATORS:
-        raise ValueError(f"unknown group estimator {estimator!r}: expected one of {', '.join(GROUP_ESTIMATORS)} or reinforce_pp")
-    if group_size < 2 or scores.shape[0] % group_size:
-        raise ValueError(f"{estimator} needs groups of >= 2 responses (got {scores.shape[0]} scores in groups of {group_size})")
-    g = scores.float().view(-1, group_size)  # [B/G, G]
-    centred = g - g.mean(dim=1, keepdim=True)
-    if estimator == "grpo":
-        centred = centred / (g.std(dim=1, keepdim=True) + eps)
-    elif estimator == "rloo":
-        centred = centred * (group_size / (group_size - 1))
-    return centred.reshape(-1)
 
 
 # ----------------------------------------------------------------------------- losses

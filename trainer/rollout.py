@@ -195,7 +195,7 @@ class Rollout:
     old_logprobs: torch.Tensor | None = None  # [B, R] policy that sampled (temperature-scaled)
     ref_logprobs: torch.Tensor | None = None  # [B, R]
     values: torch.Tensor | None = None  # [B, R] critic at rollout time (old_values in the loss)
-    values_with_grad: torch.Tensor | None = None  # [B, R] the same values with their graph (Settings.reuse_values)
+    values_with_grad: torch.Tensor | None = None  # [B, R] the same values with their graph (--reuse_values)
     rewards: torch.Tensor | None = None  # [B] scalar reward per response
     advantages: torch.Tensor | None = None  # [B, R]
     returns: torch.Tensor | None = None  # [B, R]

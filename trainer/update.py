@@ -1,104 +1,151 @@
-"""The mechanics of one PPO minibatch: forward/backward in --accumulation_steps micro-batches (DDP
-gradient sync on the last one only, actor and critic side by side with --parallel_update), the
-clipped losses of trainer/ppo.py, and the optimizer step with its non-finite guard. train_ppo.ppo_update
-loops over epochs and minibatches and takes the decisions (early stop, skips) on every rank together."""
+"""Step 5, the whole PPO update in one place: --ppo_update_iters epochs over shuffled minibatches; per
+minibatch the forward/backward in --accumulation_steps micro-batches (DDP's gradient sync on the last
+one only, actor and critic side by side with --parallel_update), the registered policy loss and the
+clipped value loss of trainer/ppo.py, the decisions every rank takes together (a non-finite loss, the
+early stop on approx-KL), and the optimizer step with its non-finite guard.
+"""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 
 import numpy as np
 import torch
 
-from trainer.ppo import aggregate_loss, kl_penalty, policy_loss, value_loss
-from trainer.rollout import Rollout, critic_forward, policy_forward
-from trainer.run import distributed as D
-from trainer.run.parallel import run_side_by_side
-from trainer.run.setup import Models, Optim, Settings, on
-from trainer.run.timing import PhaseTimer
+from trainer import dist as D
+from trainer.config import Config
+from trainer.parallel import run_side_by_side
+from trainer.ppo import aggregate_loss, explained_variance, kl_penalty, value_loss
+from trainer.registry import policy_loss_spec
+from trainer.rollout import Rollout, attention_implementation, critic_forward, policy_forward
+from trainer.types import Models, Optim, Phase, Runtime, on
 
 
-def minibatch_backward(args: argparse.Namespace, ro: Rollout, mb: torch.Tensor, m: Models, opt: Optim, s: Settings, train_actor: bool,
-                        kl_coef: float, stats: dict, timer: PhaseTimer) -> tuple[bool, float]:
+def ppo_update(cfg: Config, ro: Rollout, m: Models, opt: Optim, step: int, rt: Runtime, kl_coef: float,
+               phase: Phase) -> dict[str, float]:
+    """`--ppo_update_iters` epochs over shuffled minibatches of the scored rollout; one optimizer step per
+    minibatch. Returns the step's update statistics (means over minibatches)."""
+    info = rt.info
+    train_actor = step >= cfg.critic_warmup_steps
+    g = torch.Generator().manual_seed(cfg.seed * 7919 + step * 31 + info.rank)
+    stats: dict[str, list] = {}  # per minibatch: floats, or 0-d tensors still on the device
+    stopped_early = nonfinite = False
+    with attention_implementation(cfg.train_attn, *[x for x in (m.actor_train, m.critic_train) if x is not None]):
+        for _ in range(cfg.ppo_update_iters):
+            for mb in torch.randperm(ro.sequences.shape[0], generator=g).split(cfg.mini_batch_size):
+                bad, approx_kl = minibatch_backward(cfg, ro, mb, m, opt, rt, train_actor, kl_coef, stats, phase)
+                stats.setdefault("ppo/approx_kl", []).append(approx_kl)
+                # Decisions taken together on every rank, before any optimizer moves.
+                if D.any_rank(bad or not ro.rewards_finite, info):
+                    nonfinite = True
+                    opt.zero_grad()
+                    break
+                if train_actor and cfg.early_stop_kl > 0 and D.any_rank(approx_kl > cfg.early_stop_kl, info):
+                    stopped_early = True
+                    opt.zero_grad()  # the minibatch that crossed the limit does not step
+                    break
+                with phase("update_optimizer", autocast=False):  # clip, then step unless a gradient norm is NaN/inf
+                    trained = {"actor": m.actor_train} if train_actor else {}
+                    if m.critic_train is not None:
+                        trained["critic"] = m.critic_train
+                    if not optimizer_step(opt, trained, cfg.grad_clip, stats, info):
+                        nonfinite = True
+                        break
+            if stopped_early or nonfinite:
+                break
+    for sched in opt.scheds.values():
+        sched.step()
+    as_t = lambda x: torch.as_tensor(x, dtype=torch.float64, device=rt.device)  # noqa: E731
+    means = torch.stack([torch.stack([as_t(x) for x in v]).mean() for v in stats.values()])
+    out = dict(zip(stats, means.tolist()))  # the step's stats, read from the device once
+    out["ppo/early_stopped"] = float(stopped_early)
+    out["nonfinite"] = float(nonfinite)
+    if m.critic is not None:
+        out["value/explained_var"] = explained_variance(ro.values, ro.returns, ro.response_mask, reduce=D.rank_sum(info))
+    return out
+
+
+def minibatch_backward(cfg: Config, ro: Rollout, mb: torch.Tensor, m: Models, opt: Optim, rt: Runtime, train_actor: bool,
+                       kl_coef: float, stats: dict, phase: Phase) -> tuple[bool, float]:
     """Gradients of one minibatch, summed over --accumulation_steps micro-batches. Returns whether a
     loss was non-finite and the minibatch's approx-KL (token mean over every rank)."""
+    info = rt.info
     # Losses are token sums over the GLOBAL token count of the minibatch (row sums over the global row
     # count for the per-sequence --loss_agg_mode), so DDP's gradient mean equals the single-process
     # mean whatever each rank's share of tokens.
-    n_tokens = D.sum_global(ro.response_mask[mb].sum(), s.info).clamp(min=1)
-    per_token = args.loss_agg_mode == "token_mean"
-    n_rows = len(mb) * s.info.world_size  # every rank's minibatch has the same number of rows
-    approx_kl_sum = torch.zeros((), device=s.device)
-    bad = torch.zeros((), dtype=torch.bool, device=s.device)
-    for k, ub in enumerate(mb.split(args.mini_batch_size // args.accumulation_steps)):
+    n_tokens = D.sum_global(ro.response_mask[mb].sum(), info).clamp(min=1)
+    per_token = cfg.loss_agg_mode == "token_mean"
+    n_rows = len(mb) * info.world_size  # every rank's minibatch has the same number of rows
+    approx_kl_sum = torch.zeros((), device=rt.device)
+    bad = torch.zeros((), dtype=torch.bool, device=rt.device)
+    for k, ub in enumerate(mb.split(cfg.mini_batch_size // cfg.accumulation_steps)):
         part = ro.index(ub)
-        sync = k == args.accumulation_steps - 1  # DDP all-reduces gradients on the last micro-batch only
-        ctx = contextlib.nullcontext() if sync or not s.info.enabled else D.no_sync(m.actor_train, m.critic_train)
-        scale = part.response_mask.sum() / n_tokens * s.info.world_size
-        pg_scale = scale if per_token else len(ub) / n_rows * s.info.world_size  # this micro-batch's share of rows
+        sync = k == cfg.accumulation_steps - 1  # DDP all-reduces gradients on the last micro-batch only
+        ctx = contextlib.nullcontext() if sync or not info.enabled else D.no_sync(m.actor_train, m.critic_train)
+        scale = part.response_mask.sum() / n_tokens * info.world_size
+        pg_scale = scale if per_token else len(ub) / n_rows * info.world_size  # this micro-batch's share of rows
         # Actor and critic share no parameters, so each loss gets its own backward: only one
         # graph's activations are alive at a time (the peak-memory term at 512x8), same gradients;
         # with --parallel_update they run side by side on two cores (two graphs alive).
         parts = []
         if m.critic_train is not None:
-            parts.append(functools.partial(critic_backward, args, m.critic_train, part, scale, s, opt.scaler, timer))
+            parts.append(functools.partial(critic_backward, cfg, m.critic_train, part, scale, rt, opt.scaler, phase))
         if train_actor:
-            # A critic graph kept from scoring (Settings.reuse_values) goes first, so it is freed before the actor's.
+            # A critic graph kept from scoring (--reuse_values) goes first, so it is freed before the actor's.
             at = len(parts) if part.values_with_grad is not None else 0
-            parts.insert(at, functools.partial(actor_backward, args, m.actor_train, part, pg_scale, kl_coef, s, opt.scaler, timer))
+            parts.insert(at, functools.partial(actor_backward, cfg, m.actor_train, part, pg_scale, kl_coef, rt, opt.scaler, phase))
         with ctx:
-            for part_stats, part_bad, kl_sum in run_side_by_side(parts, s.parallel_update):
+            for part_stats, part_bad, kl_sum in run_side_by_side(parts, bool(cfg.parallel_update)):
                 for key, v in part_stats.items():
                     stats.setdefault(key, []).append(v)
                 bad = bad | part_bad
                 if kl_sum is not None:
                     approx_kl_sum += kl_sum
     # The minibatch's one host sync: its verdict and approx-KL, read together.
-    bad, approx_kl = torch.stack([bad.float(), D.sum_global(approx_kl_sum, s.info) / n_tokens]).tolist()
+    bad, approx_kl = torch.stack([bad.float(), D.sum_global(approx_kl_sum, info) / n_tokens]).tolist()
     return bool(bad), approx_kl
 
 
-def actor_backward(args, actor, part: Rollout, scale: torch.Tensor | float, kl_coef: float, s: Settings, scaler,
-                    timer: PhaseTimer) -> tuple[dict, bool, torch.Tensor]:
-    """Clipped policy loss (+ KL in the loss, entropy bonus) of one micro-batch, backward.
+def actor_backward(cfg: Config, actor, part: Rollout, scale: torch.Tensor | float, kl_coef: float, rt: Runtime, scaler,
+                   phase: Phase) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """The registered policy loss (+ KL in the loss, entropy bonus) of one micro-batch, backward.
     Returns its stats, whether the loss was non-finite, and its token-summed approx-KL."""
-    with s.autocast():
-        with timer("update_actor_fwd"):
+    with rt.autocast():
+        with phase("update_actor_fwd", autocast=False):
             logprobs, entropy = policy_forward(actor, part.sequences, part.attention_mask, part.response_len,
-                                               s.sample_temperature, with_entropy=args.entropy_coef > 0)
-        agg = functools.partial(aggregate_loss, response_mask=part.response_mask, mode=args.loss_agg_mode, max_len=args.max_gen_len)
-        pg_loss, pg_stats = policy_loss(logprobs, part.old_logprobs, part.advantages, part.response_mask, args.clip_epsilon,
-                                        s.clip_epsilon_high, args.loss_agg_mode, args.max_gen_len)
+                                               cfg.sample_temperature, with_entropy=cfg.entropy_coef > 0)
+        agg = functools.partial(aggregate_loss, response_mask=part.response_mask, mode=cfg.loss_agg_mode, max_len=cfg.max_gen_len)
+        pg_loss, pg_stats = policy_loss_spec(cfg.policy_loss).fn(logprobs, part.old_logprobs, part.advantages,
+                                                                 part.response_mask, cfg)
         loss = pg_loss * scale
-        if s.kl_placement == "loss":
-            kl = agg(kl_penalty(logprobs, part.ref_logprobs, s.kl_estimator))
+        if cfg.kl_placement == "loss":
+            kl = agg(kl_penalty(logprobs, part.ref_logprobs, cfg.kl_estimator))
             loss = loss + kl_coef * kl * scale
-        if args.entropy_coef > 0:
-            loss = loss - args.entropy_coef * agg(entropy) * scale
+        if cfg.entropy_coef > 0:
+            loss = loss - cfg.entropy_coef * agg(entropy) * scale
     scaler.scale(loss).backward()
     stats = {"loss/policy": pg_loss.detach(), "ppo/clipfrac": pg_stats["clipfrac"], "ppo/ratio": pg_stats["ratio"]}
     return stats, ~torch.isfinite(loss.detach()), pg_stats["approx_kl"] * part.response_mask.sum()
 
 
-def critic_backward(args, critic, part: Rollout, scale: torch.Tensor, s: Settings, scaler,
-                    timer: PhaseTimer) -> tuple[dict, torch.Tensor, None]:
+def critic_backward(cfg: Config, critic, part: Rollout, scale: torch.Tensor, rt: Runtime, scaler,
+                    phase: Phase) -> tuple[dict, torch.Tensor, None]:
     """Clipped value loss of one micro-batch, backward. Returns its stats and whether it was non-finite."""
-    dev = s.critic_device  # the critic may live on its own device (--critic_device): its tensors go there
+    dev = rt.critic_device  # the critic may live on its own device (--critic_device): its tensors go there
     sequences, attention_mask, old_values, returns, mask, scale = on(dev, part.sequences, part.attention_mask, part.values,
                                                                      part.returns, part.response_mask, scale)
-    with s.autocast(dev):
-        if part.values_with_grad is not None:  # the scoring forward's graph (one epoch, one minibatch): no second forward
+    with rt.autocast(dev):
+        if part.values_with_grad is not None:  # the scoring forward's graph (--reuse_values): no second forward
             values = part.values_with_grad
         else:
-            with timer("update_critic_fwd"):
+            with phase("update_critic_fwd", autocast=False):
                 values = critic_forward(critic, sequences, attention_mask, part.response_len)
-        v_loss, v_stats = value_loss(values, old_values, returns, mask, args.cliprange_value or None)
-        loss = args.vf_coef * v_loss * scale
+        v_loss, v_stats = value_loss(values, old_values, returns, mask, cfg.cliprange_value or None)
+        loss = cfg.vf_coef * v_loss * scale
     scaler.scale(loss).backward()
-    stats = {"loss/value": v_loss.detach().to(s.device), "value/clipfrac": v_stats["value_clipfrac"].to(s.device)}
-    return stats, ~torch.isfinite(loss.detach()).to(s.device), None
+    stats = {"loss/value": v_loss.detach().to(rt.device), "value/clipfrac": v_stats["value_clipfrac"].to(rt.device)}
+    return stats, ~torch.isfinite(loss.detach()).to(rt.device), None
 
 
 def optimizer_step(opt: Optim, trained: dict[str, torch.nn.Module], grad_clip: float, stats: dict,

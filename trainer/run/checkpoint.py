@@ -44,6 +44,10 @@ INCOMPATIBLE_FLAGS = (
 )
 # Flags that differ on every resume by design: not worth reporting as a change.
 IGNORED_FLAGS = ("from_resume",)
+# Settings that resume files written before the typed config (trainer/config.py) recorded unresolved:
+# a saved auto value there is not a change.
+UNRESOLVED_BEFORE_CONFIG = {"parallel_update": -1, "frozen_low_precision": -1, "train_attn_implementation": "auto",
+                            "save_merged": -1, "device": "auto"}
 
 
 class ResumeError(RuntimeError):
@@ -192,7 +196,8 @@ def check_compatible(saved_args: dict, args: dict, source: str = "the resume fil
         raise ResumeError(f"{what}: resume with the same value{'s' if len(bad) > 1 else ''}, "
                           f"or start a new run (--from_resume 0 or another --save_weight)")
     return [f"--{k}: {saved_args[k]!r} -> {args[k]!r}" for k in sorted(args)
-            if k in saved_args and k not in IGNORED_FLAGS and saved_args[k] != args[k]]
+            if k in saved_args and k not in IGNORED_FLAGS and saved_args[k] != args[k]
+            and not (k in UNRESOLVED_BEFORE_CONFIG and saved_args[k] == UNRESOLVED_BEFORE_CONFIG[k])]
 
 
 def cuda_rng_state(device: torch.device) -> torch.Tensor | None:

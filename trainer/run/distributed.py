@@ -13,10 +13,8 @@ import os
 import socket
 import sys
 import traceback
-import zlib
 from collections.abc import Callable, Iterator
 from typing import TypeVar
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -24,30 +22,8 @@ import torch.distributed as dist
 
 T = TypeVar("T")
 
-
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    device: torch.device = torch.device("cpu")
-    backend: str = ""  # the process group's backend ("nccl", "gloo"); "" = one process
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def comm_device(self) -> torch.device:
-        """Where the tensors of our own small collectives (decisions, metric means) live: the rank's GPU
-        under NCCL, which takes CUDA tensors only; the CPU under gloo, also when the models are on a GPU."""
-        if self.device.type == "cuda" and self.backend in ("", "nccl"):
-            return self.device
-        return torch.device("cpu")
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
+from trainer.dist import (  # noqa: E402,F401 - the primitives, re-exported for the run's mechanics
+    DistInfo, all_gather_objects, any_rank, broadcast_object, no_sync, rank_sum, reduce_mean, sum_global)
 
 
 def resolve_device(flag: str, local_rank: int = 0, world_size: int = 1) -> torch.device:
@@ -195,101 +171,6 @@ def on_main(fn: Callable[[], T], info: DistInfo) -> T:
             error = one_line(e)
     stop_all(error, info)
     return broadcast_object(result, info)
-
-
-def any_rank(flag: bool, info: DistInfo) -> bool:
-    """True on every rank if it is true on any: decisions such as early stop or skipping a
-    non-finite step must be taken together, or one rank would wait forever in a collective."""
-    if not info.enabled:
-        return bool(flag)
-    t = torch.tensor([1.0 if flag else 0.0], device=info.comm_device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
-
-
-def reduce_mean(values: dict[str, float], info: DistInfo, weights: dict[str, float] | None = None) -> dict[str, float]:
-    """Global mean of each scalar: sum over ranks of value x weight / sum of weights.
-
-    `weights[k]` is what this rank's value of k is a mean over (its token count for a per-token
-    mean, its count of non-NaN entries for a NaN-aware mean); keys without one weigh 1, which is
-    exact for per-sample means since every rank holds the same number of samples. NaN entries
-    (e.g. accuracy with no reference on a rank) are left out, with their weight."""
-    if not info.enabled:
-        return dict(values)
-    keys = sorted(values)
-    _check_same_keys(keys, info)
-    weights = weights or {}
-    vals = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=info.comm_device)
-    w = torch.tensor([float(weights.get(k, 1.0)) for k in keys], dtype=torch.float64, device=info.comm_device)
-    w = torch.where(torch.isfinite(vals), w, torch.zeros_like(w))
-    stacked = torch.stack([torch.where(w > 0, vals * w, torch.zeros_like(vals)), w])
-    dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
-    means = stacked[0] / stacked[1].clamp(min=1e-12)
-    means = torch.where(stacked[1] > 0, means, torch.full_like(means, float("nan")))
-    return {k: float(v) for k, v in zip(keys, means.tolist())}
-
-
-@contextlib.contextmanager
-def no_sync(*models: torch.nn.Module) -> Iterator[None]:
-    """DDP's no_sync on every wrapped model: gradient accumulation without an all-reduce per micro-batch."""
-    with contextlib.ExitStack() as stack:
-        for model in models:
-            if hasattr(model, "no_sync"):
-                stack.enter_context(model.no_sync())
-        yield
-
-
-def _check_same_keys(keys: list[str], info: DistInfo) -> None:
-    """ValueError on every rank, naming the keys, when ranks would all-reduce different metric keys
-    (gloo aborts on the size mismatch; NCCL hangs or reads past the buffer)."""
-    crc = zlib.crc32("\n".join(keys).encode())
-    t = torch.tensor([crc, -crc], dtype=torch.int64, device=info.comm_device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    highest, neg_lowest = t.tolist()
-    if highest == -neg_lowest:  # max == min: every rank has the same keys
-        return
-    per_rank = all_gather_objects(keys, info)
-    common = set.intersection(*map(set, per_rank))
-    diff = {r: sorted(set(k) - common) for r, k in enumerate(per_rank) if set(k) - common}
-    raise ValueError(f"ranks logged different metric keys (beyond the common ones: {diff}); every rank must log the same keys")
-
-
-def all_gather_objects(obj, info: DistInfo) -> list:
-    """Every rank's `obj` (e.g. RNG states for the resume file), in rank order."""
-    if not info.enabled:
-        return [obj]
-    out = [None] * info.world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def broadcast_object(obj, info: DistInfo, src: int = 0):
-    if not info.enabled:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def sum_global(x: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    """Sum of a scalar tensor over ranks (a copy; the input is untouched)."""
-    x = x.detach().float().clone()
-    if info.enabled:
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
-    return x
-
-
-def rank_sum(info: DistInfo) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """The `reduce` of trainer.ppo's batch statistics: sums a tensor over ranks (None for one process),
-    so whitening and explained variance see every rank's tokens."""
-    if not info.enabled:
-        return None
-
-    def reduce(t: torch.Tensor) -> torch.Tensor:
-        t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t
-    return reduce
 
 
 def shard_batches(n: int, seed: int, epoch: int, start: int, rank: int, world: int, batch: int) -> list[list[int]]:

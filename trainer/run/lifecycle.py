@@ -1,7 +1,7 @@
 """A run's lifecycle around the PPO loop: resume, run.json, the logger, the position in the data,
 saving, and one way out (finished, stopped, or failed), on every rank.
 
-    with Run(args, built) as run:          # resumes (--from_resume 1), opens run.json and the logger
+    with Run(cfg, built) as run:           # resumes (--from_resume 1), opens run.json and the logger
         for batch in run.batches():        # this rank's prompts, from where the run left off
             ...                            # one PPO step
             run.end_step(metrics, samples) # count, log, stop on non-finite steps, save
@@ -17,7 +17,6 @@ collectives a save needs (the RNG states are gathered from all ranks).
 
 from __future__ import annotations
 
-import argparse
 import errno
 import uuid
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from trainer.run import distributed as D
 from trainer.run.lock import FolderBusy, FolderLock
 from trainer.run.logging import RunLogger
 from trainer.run.provenance import append_resume_record, mark_run_end, rehash_inputs, write_run_json
+from trainer.config import Config
 from trainer.run.setup import Setup, actor_weights_path
 from trainer.run.signals import StopRequest
 
@@ -50,14 +50,14 @@ class Position:
 
 
 class Run:
-    def __init__(self, args: argparse.Namespace, built: Setup) -> None:
-        self.args, self.built, self.s = args, built, built.settings
-        info, flags = self.s.info, self.s.flags
-        use_moe = bool(args.use_moe)
-        self.prefix = ckpt.resume_prefix(args.save_weight, self.s.hidden_size, use_moe)
-        self.run_dir = Path(args.run_dir or f"runs/{args.save_weight}_{self.s.hidden_size}{'_moe' if use_moe else ''}")
-        self.out_path = (Path(args.save_dir) / f"{args.save_weight}_hf" if args.actor_path
-                         else native_weight_path(args.save_dir, args.save_weight, self.s.hidden_size, use_moe))
+    def __init__(self, cfg: Config, built: Setup) -> None:
+        self.cfg, self.built, self.rt = cfg, built, built.runtime
+        info, flags = self.rt.info, cfg.flat()
+        use_moe = bool(cfg.use_moe)
+        self.prefix = ckpt.resume_prefix(cfg.save_weight, self.cfg.hidden_size, use_moe)
+        self.run_dir = Path(cfg.run_dir or f"runs/{cfg.save_weight}_{self.cfg.hidden_size}{'_moe' if use_moe else ''}")
+        self.out_path = (Path(cfg.save_dir) / f"{cfg.save_weight}_hf" if cfg.actor_path
+                         else native_weight_path(cfg.save_dir, cfg.save_weight, self.cfg.hidden_size, use_moe))
         self._closed = False
         self._plan: tuple[int, int, list[list[int]]] | None = None  # (epoch, start, this rank's batches)
         self._locks: list[FolderLock] = []
@@ -67,7 +67,7 @@ class Run:
         self.evaluated_at = -1  # the step of the last held-out evaluation (-1: none in this process)
         try:
             D.on_main(self._claim_folders, info)
-            resumed = self._resume() if args.from_resume else None
+            resumed = self._resume() if cfg.from_resume else None
             self.run_id = D.on_main(lambda: (resumed and resumed.run_id) or uuid.uuid4().hex[:12], info)
             self.pos = (Position(resumed.step, resumed.epoch, resumed.consumed, resumed.nonfinite_run)
                         if resumed else Position())
@@ -75,8 +75,8 @@ class Run:
             with D.failing_together(info):  # rank 0's start-up writes: a failure there must not strand the others
                 self.logger = RunLogger(
                     run_dir=self.run_dir, enabled=info.is_main,
-                    swanlab_mode="disabled" if not args.use_wandb else args.swanlab_mode, project=args.wandb_project,
-                    experiment_name=f"{args.save_weight}_{self.s.hidden_size}", config=flags, total_steps=self.s.total_steps,
+                    swanlab_mode=cfg.swanlab_mode, project=cfg.wandb_project,
+                    experiment_name=f"{cfg.save_weight}_{self.cfg.hidden_size}", config=flags, total_steps=self.rt.total_steps,
                     start_step=self.pos.step, resume_id=resumed.swanlab_id if resumed else None)
                 self.provenance = self._write_provenance(resumed) if info.is_main else None
         except BaseException:
@@ -92,56 +92,56 @@ class Run:
         refused, naming the holder); a fresh run refuses a folder that holds another run's resume files
         (its saves would be pruned by the old run's higher steps, and --from_resume would continue the
         old run)."""
-        args = self.args
+        cfg = self.cfg
         try:
-            self._locks.append(FolderLock(args.checkpoint_dir, "--checkpoint_dir").acquire())
-            if self.run_dir.resolve() != Path(args.checkpoint_dir).resolve():
+            self._locks.append(FolderLock(cfg.checkpoint_dir, "--checkpoint_dir").acquire())
+            if self.run_dir.resolve() != Path(cfg.checkpoint_dir).resolve():
                 self._locks.append(FolderLock(self.run_dir, "--run_dir").acquire())
         except FolderBusy as e:
             raise SystemExit(f"error: {e}") from None
-        existing = ckpt.list_resume_files(args.checkpoint_dir, self.prefix)
-        if existing and not args.from_resume:
-            raise SystemExit(f"error: {args.checkpoint_dir}/ holds resume files of an earlier run ({existing[0].name}): "
+        existing = ckpt.list_resume_files(cfg.checkpoint_dir, self.prefix)
+        if existing and not cfg.from_resume:
+            raise SystemExit(f"error: {cfg.checkpoint_dir}/ holds resume files of an earlier run ({existing[0].name}): "
                              f"continue it with --from_resume 1, or start a new run with another --checkpoint_dir or "
                              f"--save_weight (or move those files away)")
 
     def _resume(self) -> ckpt.Resumed | None:
-        args, m, o, info = self.args, self.built.models, self.built.optim, self.s.info
+        cfg, m, o, info = self.cfg, self.built.models, self.built.optim, self.rt.info
         trainables = dict(actor=m.actor, critic=m.critic, optims=o.optims, scheds=o.scheds, kl_ctl=self.built.kl_ctl,
                           old_actor=m.old_actor, scaler=o.scaler)
         say = print if info.is_main else (lambda msg: None)
         try:
-            resumed = ckpt.resume_run(args.checkpoint_dir, args.save_weight, self.prefix, self.s.flags, trainables,
-                                      check_inputs=bool(args.resume_check_inputs), seed=args.seed, info=info, say=say)
+            resumed = ckpt.resume_run(cfg.checkpoint_dir, cfg.save_weight, self.prefix, self.cfg.flat(), trainables,
+                                      check_inputs=bool(cfg.resume_check_inputs), seed=cfg.seed, info=info, say=say)
         except ckpt.ResumeError as e:
             raise SystemExit(f"error: {e}")
         # A typo in a folder name must not start over and wipe the logs. (Rank 0's verdict: every rank stops.)
-        D.stop_all(f"--from_resume 1: nothing to resume in {args.checkpoint_dir}/ (no {self.prefix}_step*.pth): "
+        D.stop_all(f"--from_resume 1: nothing to resume in {cfg.checkpoint_dir}/ (no {self.prefix}_step*.pth): "
                    f"check --checkpoint_dir, --save_weight and the model size flags, or use --from_resume 2 "
                    f"to resume when there is something to resume and start a new run otherwise"
-                   if resumed is None and args.from_resume == 1 else None, info)
+                   if resumed is None and cfg.from_resume == 1 else None, info)
         if resumed is None:
-            say(f"no resume file {args.checkpoint_dir}/{self.prefix}_step*.pth: starting a new run (--from_resume 2)")
+            say(f"no resume file {cfg.checkpoint_dir}/{self.prefix}_step*.pth: starting a new run (--from_resume 2)")
         return resumed
 
     def _write_provenance(self, resumed: ckpt.Resumed | None) -> dict:
-        args, info = self.args, self.s.info
+        cfg, info = self.cfg, self.rt.info
         if resumed:
             provenance = append_resume_record(self.run_dir, {**resumed.record, "run_id": self.run_id})
             if resumed.changed_inputs:  # accepted with --resume_check_inputs 0: later resumes check the new bytes
                 provenance = rehash_inputs(self.run_dir, resumed.changed_inputs)
         else:
-            inputs = (actor_weights_path(args), args.actor_path, args.reward_model_path)
-            provenance = write_run_json(self.run_dir, args=self.s.flags, world_size=info.world_size, device=str(info.device),
-                                        seed=args.seed, data_path=args.data_path,
+            inputs = (actor_weights_path(cfg), cfg.actor_path, cfg.reward_model_path)
+            provenance = write_run_json(self.run_dir, args=self.cfg.flat(), world_size=info.world_size, device=str(info.device),
+                                        seed=cfg.seed, data_path=cfg.data_path,
                                         weight_paths=[str(p) for p in inputs if p and Path(p).exists()],
                                         run_id=self.run_id)
         if self.built.n_bad_lines:
-            self.logger.info(f"skipped {self.built.n_bad_lines} malformed lines in {args.data_path}")
+            self.logger.info(f"skipped {self.built.n_bad_lines} malformed lines in {cfg.data_path}")
         n_params = sum(p.numel() for p in self.built.models.actor.parameters())
-        self.logger.info(f"actor {n_params / 1e6:.2f}M params | {len(self.built.dataset)} prompts | {self.s.total_steps} steps x "
-                         f"{args.batch_size * info.world_size} prompts | device {info.device} x{info.world_size} | "
-                         f"dtype {self.s.dtype_name} | run {self.run_id} in {self.run_dir}")
+        self.logger.info(f"actor {n_params / 1e6:.2f}M params | {len(self.built.dataset)} prompts | {self.rt.total_steps} steps x "
+                         f"{cfg.batch_size * info.world_size} prompts | device {info.device} x{info.world_size} | "
+                         f"dtype {self.cfg.dtype} | run {self.run_id} in {self.run_dir}")
         return provenance
 
     # ---- the loop
@@ -152,24 +152,24 @@ class Run:
     def batches(self) -> Iterator[dict]:
         """This rank's prompt batches, epoch after epoch, from the saved position, until the last step
         (or a stop signal, after the step that was running has been saved)."""
-        while self.pos.step < self.s.total_steps:
+        while self.pos.step < self.rt.total_steps:
             batch = self.next_batch()
             if batch is None:
                 return
             yield batch
-            if self.pos.step >= self.s.total_steps or self.stopped_by:
+            if self.pos.step >= self.rt.total_steps or self.stopped_by:
                 return
 
     def next_batch(self) -> dict | None:
         """This rank's next batch of the global prompt stream (None after the last epoch). The position
         saved in resume files advances here, so a step that draws extra batches (--filter_groups) resumes
         after them. Every rank draws together: the position is global."""
-        args, info, pos, ds = self.args, self.s.info, self.pos, self.built.dataset
-        per_step = args.batch_size * info.world_size
-        while pos.epoch < args.epochs:
+        cfg, info, pos, ds = self.cfg, self.rt.info, self.pos, self.built.dataset
+        per_step = cfg.batch_size * info.world_size
+        while pos.epoch < cfg.epochs:
             if self._plan is None or self._plan[0] != pos.epoch:  # one permutation per epoch, from the saved position
-                self._plan = (pos.epoch, pos.consumed, D.shard_batches(len(ds), args.seed, pos.epoch, pos.consumed, info.rank,
-                                                                      info.world_size, args.batch_size))
+                self._plan = (pos.epoch, pos.consumed, D.shard_batches(len(ds), cfg.seed, pos.epoch, pos.consumed, info.rank,
+                                                                      info.world_size, cfg.batch_size))
             epoch, start, plan = self._plan
             k = (pos.consumed - start) // per_step
             if k < len(plan):
@@ -182,12 +182,12 @@ class Run:
     def data_ran_out(self) -> bool:
         """The loop ended before the planned step count: the prompt data ran out first (--filter_groups'
         extra rounds draw prompts of later steps). Not after a stop signal."""
-        return self.pos.step < self.s.total_steps and not self.stopped_by
+        return self.pos.step < self.rt.total_steps and not self.stopped_by
 
     def log_eval(self, metrics: dict[str, float], step: int) -> None:
         """Held-out evaluation figures outside a step's record (the one before the first step, and the
         last one of a run whose data ran out)."""
-        with D.failing_together(self.s.info):
+        with D.failing_together(self.rt.info):
             self.logger.log(metrics, step)
         self.evaluated_at = step
 
@@ -195,7 +195,7 @@ class Run:
         """After a step's update, with its globally reduced metrics: advance, log, stop after
         --max_nonfinite non-finite steps in a row, save every --save_interval steps, at the end, and
         when a stop signal reached any rank."""
-        args, info, pos = self.args, self.s.info, self.pos
+        cfg, info, pos = self.cfg, self.rt.info, self.pos
         pos.nonfinite_run = pos.nonfinite_run + 1 if metrics["nonfinite"] else 0
         metrics["tokens_per_s"] = metrics.pop("tokens_generated") * info.world_size / max(metrics["time/step"], 1e-9)
         pos.step += 1
@@ -203,31 +203,31 @@ class Run:
             self.evaluated_at = pos.step
         with D.failing_together(info):
             try:
-                if pos.step % args.log_interval == 0 or pos.step == self.s.total_steps:
+                if pos.step % cfg.log_interval == 0 or pos.step == self.rt.total_steps:
                     self.logger.log(metrics, pos.step)
-                if info.is_main and self.s.sample_interval and (pos.step % self.s.sample_interval == 0 or pos.step == 1):
+                if info.is_main and self.cfg.sample_interval and (pos.step % self.cfg.sample_interval == 0 or pos.step == 1):
                     self.logger.log_samples(samples, pos.step)
             except OSError as e:
                 raise SystemExit(f"error: {_io_error(e, self.run_dir, 'writing the metrics of step ' + str(pos.step))}") from None
-        if pos.nonfinite_run >= args.max_nonfinite:
+        if pos.nonfinite_run >= cfg.max_nonfinite:
             self.logger.info(f"stopping: {pos.nonfinite_run} non-finite steps in a row (no optimizer step was taken for them); "
-                             f"the last good checkpoint in {args.checkpoint_dir}/ is intact. Lower --learning_rate or check --reward_fn.")
+                             f"the last good checkpoint in {cfg.checkpoint_dir}/ is intact. Lower --learning_rate or check --reward_fn.")
             self._close("stopped: non-finite", state="aborted", plots=False)
             raise SystemExit(2)
         if D.any_rank(self.stop.signal is not None, info):
             self.stopped_by = self.stop.signal or "a signal on another rank"
-        if pos.step % args.save_interval == 0 or pos.step >= self.s.total_steps or self.stopped_by:
+        if pos.step % cfg.save_interval == 0 or pos.step >= self.rt.total_steps or self.stopped_by:
             self.save()
 
     def save(self) -> None:
         """The policy in the usual place and a resume file (atomic; the last --keep_checkpoints kept).
         Weights that are not finite are never written: the last good files stay."""
-        args, info, m = self.args, self.s.info, self.built.models
+        cfg, info, m = self.cfg, self.rt.info, self.built.models
         trained = [m.actor] + ([m.critic] if m.critic is not None else [])
         bad = not all(bool(torch.isfinite(p).all()) for model in trained for p in model.parameters())
         if D.any_rank(bad, info):
             raise SystemExit(f"error: the weights are not finite after step {self.pos.step}: nothing was saved; the last good "
-                             f"checkpoint in {args.checkpoint_dir}/ is intact. Lower --learning_rate or --grad_clip.")
+                             f"checkpoint in {cfg.checkpoint_dir}/ is intact. Lower --learning_rate or --grad_clip.")
         rngs = D.all_gather_objects(ckpt.capture_rng_state(info.device), info)  # a collective: every rank takes part
         with D.failing_together(info):
             if info.is_main:
@@ -235,24 +235,24 @@ class Run:
         self.saved_at = self.pos.step
 
     def _write(self, rngs: list[dict]) -> None:
-        args, m, o = self.args, self.built.models, self.built.optim
+        cfg, m, o = self.cfg, self.built.models, self.built.optim
         state = ckpt.training_state(actor=m.actor, critic=m.critic, optims=o.optims, scheds=o.scheds, kl_ctl=self.built.kl_ctl,
                                     old_actor=m.old_actor, scaler=o.scaler)
         state.update(step=self.pos.step, epoch=self.pos.epoch, consumed=self.pos.consumed, nonfinite_run=self.pos.nonfinite_run,
-                     rng=rngs, world_size=self.s.info.world_size, args=self.s.flags, swanlab_id=self.logger.id,
+                     rng=rngs, world_size=self.rt.info.world_size, args=self.cfg.flat(), swanlab_id=self.logger.id,
                      run=self.provenance or {}, run_id=self.run_id)
         try:
-            ckpt.check_free_space(args.checkpoint_dir, self.prefix, state)
+            ckpt.check_free_space(cfg.checkpoint_dir, self.prefix, state)
             if is_lora(m.actor):
-                save_lora_outputs(args, m.actor, m.tok, self.out_path)
-            elif args.actor_path:
+                save_lora_outputs(self.cfg, m.actor, m.tok, self.out_path)
+            elif cfg.actor_path:
                 m.actor.save_pretrained(self.out_path)
                 m.tok.save_pretrained(self.out_path)
             else:
                 save_native_weights(m.actor, self.out_path)
-            ckpt.save_resume(state, args.checkpoint_dir, self.prefix, self.pos.step, args.keep_checkpoints)
+            ckpt.save_resume(state, cfg.checkpoint_dir, self.prefix, self.pos.step, cfg.keep_checkpoints)
         except OSError as e:
-            raise SystemExit(f"error: {_io_error(e, args.checkpoint_dir, f'saving step {self.pos.step}')}; "
+            raise SystemExit(f"error: {_io_error(e, cfg.checkpoint_dir, f'saving step {self.pos.step}')}; "
                              f"the previous checkpoint is intact") from None
 
     # ---- the way out
@@ -260,15 +260,15 @@ class Run:
         """The way out of a run that was not stopped by an error: stopped by a signal (saved at its last
         step), or done, whether at the planned step count or where the data ran out (saved here if the
         last step was not)."""
-        args = self.args
+        cfg = self.cfg
         if self.stopped_by:
-            self.logger.info(f"stopped by {self.stopped_by} after step {self.pos.step}, saved in {args.checkpoint_dir}/; "
+            self.logger.info(f"stopped by {self.stopped_by} after step {self.pos.step}, saved in {cfg.checkpoint_dir}/; "
                              f"continue with the same command and --from_resume 1")
             self._close(f"stopped: {self.stopped_by}")
             return
         if self.saved_at != self.pos.step and self.pos.step > self.started_at:
             self.save()
-        early = (f" (the prompt data ran out before the planned {self.s.total_steps}: --filter_groups draws extra "
+        early = (f" (the prompt data ran out before the planned {self.rt.total_steps}: --filter_groups draws extra "
                  f"prompts; more --epochs give it more)" if self.data_ran_out else "")
         self.logger.info(f"done: {self.pos.step} steps{early}; policy saved to {self.out_path}; "
                          f"metrics in {self.run_dir}/metrics.jsonl")
@@ -281,13 +281,13 @@ class Run:
         self._closed = True
         self.stop.restore()
         try:
-            if self.s.info.is_main:
+            if self.rt.info.is_main:
                 mark_run_end(self.run_dir, status)
             self.logger.finish(plots=plots, state=state, error=error)
         finally:
             self._release_locks()
             if state == "success":
-                D.cleanup(self.s.info)  # waits for every rank: rank 0 may still be writing
+                D.cleanup(self.rt.info)  # waits for every rank: rank 0 may still be writing
             elif dist.is_initialized():
                 dist.destroy_process_group()  # no barrier: another rank may never reach one
 
@@ -318,17 +318,17 @@ def adapter_dir(out_path: Path) -> Path:
     return out_path.with_name(f"{stem}_lora")
 
 
-def save_lora_outputs(args: argparse.Namespace, actor: torch.nn.Module, tok, out_path: Path) -> None:
+def save_lora_outputs(cfg: Config, actor: torch.nn.Module, tok, out_path: Path) -> None:
     """A LoRA run's policy: the adapter directory (AutoPeftModelForCausalLM loads it: its base is the
     --actor_path directory, or for native weights the start weights exported once into <adapters>/base)
     and, with --save_merged (default for native weights), the merged weights where a full run writes them."""
     adapters = adapter_dir(out_path)
-    base = Path(args.actor_path) if args.actor_path else export_base_hf(actor, tok, adapters / "base")
+    base = Path(cfg.actor_path) if cfg.actor_path else export_base_hf(actor, tok, adapters / "base")
     save_adapter(actor, tok, adapters, base)
-    if not (args.save_merged if args.save_merged >= 0 else not args.actor_path):
+    if not cfg.save_merged:  # resolved: on for native weights, off for --actor_path unless asked
         return
     merged = merged_state_dict(actor)
-    if args.actor_path:
+    if cfg.actor_path:
         base_lm = getattr(actor, "module", actor).get_base_model()
         base_lm.save_pretrained(out_path, state_dict=merged)
         tok.save_pretrained(out_path)

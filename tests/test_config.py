@@ -1,0 +1,154 @@
+"""trainer/config.py: the typed config, its generated command line, presets and resolve()."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer import config as C
+from trainer.registry import ADVANTAGE_ESTIMATORS
+from trainer.types import DistInfo
+
+ROOT = Path(__file__).resolve().parents[1]
+FLAGS_V1 = json.loads((ROOT / "tests" / "fixtures" / "flags_v1.json").read_text())
+
+
+def _flat(cfg: C.Config) -> dict:
+    out = cfg.flat()
+    out.pop("config")
+    return out
+
+
+def test_every_flag_of_the_previous_parser_parses_to_the_same_value():
+    """tests/fixtures/flags_v1.json was written by the hand-written parser this config replaced: its
+    defaults, a MiniMind command line, and every flag set to a non-default value one at a time."""
+    new_defaults = _flat(C.parse_args([]))
+    old = FLAGS_V1["defaults"]
+    assert {k: new_defaults[k] for k in old} == old
+    for name, case in FLAGS_V1["cases"].items():
+        got = _flat(C.parse_args(case["argv"]))
+        assert {k: got[k] for k in case["changed"]} == case["changed"], name
+        assert all(got[k] == old[k] for k in old if k not in case["changed"]), name
+
+
+def test_new_settings_default_to_the_previous_behaviour():
+    added = set(_flat(C.parse_args([]))) - set(FLAGS_V1["defaults"])
+    assert added == {"policy_loss", "reuse_values"}
+    cfg = C.parse_args([])
+    assert cfg.policy_loss == "vanilla" and cfg.reuse_values == -1
+
+
+def test_each_field_has_a_docstring_and_names_are_unique():
+    seen = set()
+    for cls, _ in C.GROUPS.values():
+        docs = C.field_docs(cls)
+        for f in C.fields(cls):
+            assert docs.get(f.name), f"{cls.__name__}.{f.name} has no docstring"
+            assert f.name not in seen
+            seen.add(f.name)
+
+
+def test_help_says_what_flags_do_without_figures():
+    """Help strings say what a flag does and when to use it; measurements live in docs/."""
+    import re
+    for cls, _ in C.GROUPS.values():
+        for name, doc in C.field_docs(cls).items():
+            assert not re.search(r"\b\d+(\.\d+)?\s*(s|ms|MB|GB)\b|\d\s*->\s*\d", doc), f"--{name}: {doc}"
+
+
+def test_flat_access_and_replace_keep_the_groups():
+    cfg = C.parse_args(["--clip_epsilon", "0.1", "--use_wandb"])
+    assert cfg.clip_epsilon == cfg.ppo.clip_epsilon == 0.1 and cfg.use_wandb == 1
+    other = cfg.replace(clip_epsilon=0.3)
+    assert other.ppo.clip_epsilon == 0.3 and cfg.ppo.clip_epsilon == 0.1
+    with pytest.raises(AttributeError):
+        cfg.no_such_setting
+    with pytest.raises(Exception):
+        cfg.ppo.clip_epsilon = 1.0  # frozen
+
+
+def test_yaml_preset_is_overridden_by_flags(tmp_path):
+    p = tmp_path / "p.yaml"
+    p.write_text("advantage_estimator: grpo\nnum_generations: 4\nppo:\n  clip_epsilon: 0.1\nfast_decode: false\n"
+                 "reward_fn: [a:f]\n")
+    cfg = C.parse_args(["--config", str(p), "--num_generations", "8"])
+    assert (cfg.advantage_estimator, cfg.num_generations, cfg.clip_epsilon, cfg.fast_decode) == ("grpo", 8, 0.1, 0)
+    assert cfg.reward_fn == ("a:f",) and cfg.config == str(p)
+    assert cfg.flat()["config"] == str(p)
+
+
+def test_python_preset(tmp_path):
+    p = tmp_path / "p.py"
+    p.write_text("import math\nbatch_size = 8\nmini_batch_size = 8\n_private = 1\nlearning_rate = 1e-5 * math.sqrt(4)\n")
+    cfg = C.parse_args(["--config", str(p)])
+    assert (cfg.batch_size, cfg.mini_batch_size, cfg.learning_rate) == (8, 8, 2e-5)
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("cliprange: 0.1\n", "unknown setting 'cliprange' (did you mean cliprange_value?)"),
+    ("advantage_estimator: ppo2\n", "advantage_estimator: 'ppo2' is not one of"),
+    ("batch_size: 2.5\n", "batch_size: 2.5 is not a valid int"),
+    ("- a\n- b\n", "expected a mapping"),
+    ("a: [\n", "cannot read it"),
+])
+def test_bad_presets_are_one_line(tmp_path, text, msg):
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        C.parse_args(["--config", str(p)])
+    assert str(e.value).startswith(f"error: --config {p}: ") and msg in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_preset_is_one_line_from_the_command_line(tmp_path):
+    r = subprocess.run([sys.executable, "train_ppo.py", "--config", "nope.yaml"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode != 0 and r.stderr.strip() == "error: --config nope.yaml: file not found"
+
+
+def test_shipped_presets_parse_and_resolve():
+    for p in sorted((ROOT / "configs").glob("*.yaml")):
+        cfg = C.resolve(C.parse_args(["--config", str(p)]), DistInfo())
+        assert cfg.resolved, p
+
+
+def test_resolve_fills_every_auto_and_is_frozen():
+    cfg = C.resolve(C.parse_args([]), DistInfo())
+    flat = cfg.flat()
+    # --arch auto is read off the weights file as it loads (model/loader.py), not a rule to resolve here.
+    assert {k for k, v in flat.items() if v == "auto"} == {"arch"} and -1 not in (flat["parallel_update"], flat["save_merged"], flat["reuse_values"],
+                                                       flat["frozen_low_precision"])
+    assert (cfg.dtype, cfg.kl_placement, cfg.kl_estimator, cfg.clip_epsilon_high) == ("float32", "reward", "k1", 0.2)
+    assert cfg.eval_data_path == "dataset/demo_eval.jsonl" and cfg.save_merged == 1 and cfg.train_attn is None
+    assert C.resolve(cfg, DistInfo()) is cfg  # once
+
+
+@pytest.mark.parametrize("est", list(ADVANTAGE_ESTIMATORS))
+def test_kl_defaults_come_from_the_registry(est):
+    cfg = C.resolve(C.parse_args(["--advantage_estimator", est, "--num_generations", "2"]), DistInfo())
+    spec = ADVANTAGE_ESTIMATORS[est]
+    assert (cfg.kl_placement, cfg.kl_estimator) == (spec.kl_placement, spec.kl_estimator)
+    assert cfg.critic_free == (not spec.needs_critic)
+
+
+def test_minimind_debug_mode_and_use_wandb_resolve():
+    cfg = C.resolve(C.parse_args(["--debug_mode", "--debug_interval", "7", "--use_wandb", "0"]), DistInfo())
+    assert cfg.sample_interval == 7 and cfg.swanlab_mode == "disabled"
+
+
+def test_reuse_values_auto_and_refused_where_it_cannot_hold():
+    one = C.resolve(C.parse_args(["--batch_size", "4", "--mini_batch_size", "4"]), DistInfo())
+    assert one.reuse_values == 1
+    assert C.resolve(C.parse_args([]), DistInfo()).reuse_values == 0
+    with pytest.raises(SystemExit, match="--reuse_values 1 needs"):
+        C.resolve(C.parse_args(["--reuse_values", "1"]), DistInfo())
+
+
+def test_a_resumed_run_compares_resolved_values():
+    """An explicit value equal to what auto resolves to is the same run (a resume accepts it)."""
+    a = C.resolve(C.parse_args([]), DistInfo()).flat()
+    b = C.resolve(C.parse_args(["--kl_placement", "reward", "--dtype", "float32", "--clip_epsilon_high", "0.2"]), DistInfo()).flat()
+    assert {k: v for k, v in a.items() if a[k] != b[k]} == {}
