@@ -152,3 +152,10 @@ def test_a_resumed_run_compares_resolved_values():
     a = C.resolve(C.parse_args([]), DistInfo()).flat()
     b = C.resolve(C.parse_args(["--kl_placement", "reward", "--dtype", "float32", "--clip_epsilon_high", "0.2"]), DistInfo()).flat()
     assert {k: v for k, v in a.items() if a[k] != b[k]} == {}
+
+
+def test_the_reference_in_docs_is_the_configs_own():
+    """docs/configuration.md lists every setting as the dataclasses define it (regenerate with
+    trainer.config.reference_markdown() after changing a field)."""
+    text = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    assert C.reference_markdown() in text

@@ -14,7 +14,6 @@ from trainer.ppo import (
     compute_token_rewards,
     discounted_returns,
     explained_variance,
-    group_advantages,
     kl_penalty,
     masked_mean,
     masked_whiten,
@@ -286,36 +285,6 @@ def test_kl_controllers_state_dict_roundtrip_weights_only():
     other.load_state_dict(fixed.state_dict())
     assert other.value == 0.05
     assert all(isinstance(v, float) for v in fixed.state_dict().values())
-
-
-# ----------------------------------------------------------------------------- critic-free estimators
-def test_group_advantages_by_hand():
-    # Two prompts x 3 responses. Group 1: rewards 1, 2, 3 (mean 2, unbiased std 1); group 2: 0, 0, 3
-    # (mean 1, unbiased std sqrt(3)).
-    r = torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0, 3.0])
-    s3 = math.sqrt(3.0)
-    grpo = group_advantages(r, 3, "grpo", eps=0.0)
-    assert torch.allclose(grpo, torch.tensor([-1.0, 0.0, 1.0, -1 / s3, -1 / s3, 2 / s3]))
-    dr = group_advantages(r, 3, "dr_grpo")
-    assert torch.allclose(dr, torch.tensor([-1.0, 0.0, 1.0, -1.0, -1.0, 2.0]))
-    assert torch.equal(group_advantages(r, 3, "reinforce_pp_baseline"), dr)
-    # RLOO: r_i minus the mean of the other two: 1 - 2.5, 2 - 2, 3 - 1.5; 0 - 1.5, 0 - 1.5, 3 - 0.
-    rloo = group_advantages(r, 3, "rloo")
-    assert torch.allclose(rloo, torch.tensor([-1.5, 0.0, 1.5, -1.5, -1.5, 3.0]))
-    assert torch.equal(group_advantages(r, 3, "reinforce_pp"), r)
-
-
-def test_group_advantages_of_an_all_equal_group_are_zero_and_finite():
-    r = torch.tensor([0.5, 0.5, 0.5, 0.5])
-    for est in ("grpo", "dr_grpo", "rloo"):
-        assert torch.equal(group_advantages(r, 4, est), torch.zeros(4)), est
-
-
-def test_group_advantages_refuse_groups_of_one():
-    with pytest.raises(ValueError, match="groups of >= 2"):
-        group_advantages(torch.tensor([1.0, 2.0]), 1, "grpo")
-    with pytest.raises(ValueError, match="groups of >= 2"):
-        group_advantages(torch.tensor([1.0, 2.0, 3.0]), 2, "rloo")
 
 
 def test_discounted_returns_by_hand_skip_pads():

@@ -539,7 +539,7 @@ def test_train_ppo_refuses_a_remote_code_reward_model_in_one_line(world, tmp_pat
 def _validate(world, tmp_path, **over) -> str | None:
     """validate_flags on flags parsed as train_ppo.py parses them: the SystemExit message, or None."""
     from train_ppo import parse_args
-    from trainer.run.setup import validate_flags
+    from trainer.config import validate as validate_flags
 
     try:
         validate_flags(parse_args(tiny_flags(world, tmp_path, **over)))
@@ -592,7 +592,7 @@ def test_output_dir_that_is_a_file_is_one_line_at_start_up(world, tmp_path, flag
 def test_default_run_dir_under_a_file_named_runs(world, tmp_path, monkeypatch):
     """No --run_dir means runs/<save_weight>_<hidden>: a file called runs in the working directory blocks it."""
     from train_ppo import parse_args
-    from trainer.run.setup import validate_flags
+    from trainer.config import validate as validate_flags
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs").write_text("x")

@@ -802,3 +802,19 @@ def validate(cfg: Config) -> None:
     for ok, msg in checks:
         if not ok:
             raise SystemExit(f"error: {msg}")
+
+
+def reference_markdown() -> str:
+    """Every setting by group, as docs/configuration.md lists it (tests/test_config.py keeps the two equal)."""
+    out = []
+    for _, (cls, title) in GROUPS.items():
+        docs, hints = field_docs(cls), get_type_hints(cls)
+        out += [f"### {title}", "", "| flag | default | what it does |", "|---|---|---|"]
+        for f in fields(cls):
+            if f.metadata.get("hidden"):
+                continue
+            choices = f.metadata["choices"]() if "choices" in f.metadata else _kind(hints[f.name])[1]
+            default = f"`{f.default!r}`" + (f" ({' / '.join(map(str, choices))})" if choices else "")
+            out.append(f"| `--{f.name}` | {default} | {docs[f.name].replace('|', '/')} |")
+        out.append("")
+    return "\n".join(out)
