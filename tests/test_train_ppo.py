@@ -707,11 +707,12 @@ def _critic_free_step(est: str, *flags: str):
 @pytest.mark.parametrize("est", ["grpo", "dr_grpo", "rloo"])
 def test_group_estimators_give_every_token_its_responses_baselined_score(est):
     """KL in the loss (grpo/dr_grpo's default) or no KL: each response's advantage is its score minus
-    the group's baseline, equal on every one of its tokens (trainer/ppo.py group_advantages, tested by hand)."""
-    from trainer.ppo import group_advantages
+    the group's baseline, equal on every one of its tokens (trainer/estimators.py, tested by hand)."""
+    import trainer.estimators as E
 
     world, ro, _, _, _ = _critic_free_step(est, "--kl_coef", "0")
-    want = group_advantages(ro.rewards, 4, est)
+    baseline = {"grpo": E.group_normalised, "dr_grpo": E.group_centred, "rloo": E.leave_one_out}[est]
+    want = baseline(ro.rewards, 4)
     m = ro.response_mask.bool()
     for i in range(ro.rewards.shape[0]):
         assert torch.allclose(ro.advantages[i][m[i]], want[i].expand(int(m[i].sum())), atol=1e-6), i
