@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import datetime as _dt
 import itertools
 import json

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from trainer import config as C
 from trainer.registry import ADVANTAGE_ESTIMATORS

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import json
 import os
 import re
 import shlex
@@ -251,12 +252,55 @@ def script_parts(cmd: Command) -> tuple[str, str | None]:
     return script, sub
 
 
+# Runs `<script> [sub] --help` for many scripts in one interpreter: torch and transformers are imported
+# once, not once per script (each script as __main__, as `python scripts/X.py --help` runs it).
+HELP_RUNNER = r"""
+import contextlib, io, json, runpy, sys, traceback
+out = {}
+for script, sub in json.loads(sys.argv[1]):
+    buf, err = io.StringIO(), io.StringIO()
+    sys.argv = [script, *([sub] if sub else []), "--help"]
+    code = 0
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    out[script + "|" + sub] = [code, buf.getvalue(), err.getvalue()[-2000:]]
+print(json.dumps(out))
+"""
+
+
 @functools.cache
+def _helps(keys: tuple[tuple[str, str], ...]) -> dict:
+    r = subprocess.run([sys.executable, "-c", HELP_RUNNER, json.dumps(keys)], cwd=ROOT, env=HELP_ENV,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _script_names() -> list[str]:
+    return sorted({c.argv[0].removeprefix("./") for c in SCRIPTS if (ROOT / c.argv[0].removeprefix("./")).is_file()})
+
+
+def _subcommand_keys() -> tuple[tuple[str, str], ...]:
+    """Every (script, subcommand) the pages use: a second argument the script's own help lists as a choice."""
+    keys = set()
+    for c in SCRIPTS:
+        script = c.argv[0].removeprefix("./")
+        if (ROOT / script).is_file() and len(c.argv) > 1 and re.fullmatch(r"[a-z][a-z0-9_]*", c.argv[1]):
+            keys.add((script, c.argv[1]))
+    return tuple(sorted(k for k in keys if re.search(rf"\{{[^}}]*\b{k[1]}\b[^}}]*\}}", script_help(k[0], None))))
+
+
 def script_help(script: str, sub: str | None) -> str:
-    argv = [sys.executable, script, *([sub] if sub else []), "--help"]
-    r = subprocess.run(argv, cwd=ROOT, env=HELP_ENV, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, f"{' '.join(argv[1:])} exited {r.returncode}:\n{r.stderr[-2000:]}"
-    return r.stdout
+    keys = tuple((s, "") for s in _script_names()) if sub is None else _subcommand_keys()
+    code, out, err = _helps(keys)[f"{script}|{sub or ''}"]
+    assert code == 0, f"{script} {sub or ''} --help exited {code}:\n{err}"
+    return out
 
 
 @pytest.mark.parametrize("cmd", SCRIPTS, ids=[c.id for c in SCRIPTS])

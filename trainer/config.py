@@ -539,22 +539,23 @@ def load_preset(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
 
 
 def _preset_value(where: str, name: str, v: Any, a: argparse.Action) -> Any:
-    """A preset value as the flag's type (YAML booleans for 0/1 flags), in its choices."""
+    """A preset value as the flag's type (YAML booleans for 0/1 flags), in its choices; a list for a repeatable flag."""
     if isinstance(a, argparse._AppendAction):
-        vs = v if isinstance(v, list) else [v]
-        return [_preset_value(where, name, x, argparse.Action([], name, type=a.type)) for x in vs]
-    if v is None:
-        return None
+        return [_coerce(where, name, x, a.type, None) for x in (v if isinstance(v, list) else [v])]
+    return None if v is None else _coerce(where, name, v, a.type, a.choices)
+
+
+def _coerce(where: str, name: str, v: Any, typ: type | None, choices: list | None) -> Any:
     if isinstance(v, bool):
         v = int(v)
     try:
-        if a.type is int and isinstance(v, float) and not v.is_integer():
+        if typ is int and isinstance(v, float) and not v.is_integer():
             raise ValueError
-        v = a.type(v) if a.type is not None else v
+        v = typ(v) if typ is not None else v
     except (TypeError, ValueError):
-        raise SystemExit(f"error: {where}: {name}: {v!r} is not a valid {getattr(a.type, '__name__', 'value')}") from None
-    if a.choices is not None and v not in a.choices:
-        raise SystemExit(f"error: {where}: {name}: {v!r} is not one of {', '.join(map(str, a.choices))}")
+        raise SystemExit(f"error: {where}: {name}: {v!r} is not a valid {getattr(typ, '__name__', 'value')}") from None
+    if choices is not None and v not in choices:
+        raise SystemExit(f"error: {where}: {name}: {v!r} is not one of {', '.join(map(str, choices))}")
     return v
 
 
@@ -675,7 +676,10 @@ def use_parallel_update(flag: int, device: torch.device, distributed: bool, cpu_
             and (threads or torch.get_num_threads()) >= 2)
 
 
-def resolve(raw: Config, info: DistInfo) -> Config:
+_UNREAD = object()
+
+
+def resolve(raw: Config, info: DistInfo, mc: object | None = _UNREAD) -> Config:
     """`raw` validated and every `auto` filled in for this rank's device: --device, --dtype, --frozen_low_precision,
     --kl_placement / --kl_estimator (the estimator's own), --clip_epsilon_high, --eval_data_path,
     --train_attn_implementation, --parallel_update, --save_merged, --hidden_size (an --actor_path model's
@@ -684,7 +688,8 @@ def resolve(raw: Config, info: DistInfo) -> Config:
         return raw
     validate(raw)
     device = info.device
-    mc = model_config(raw)
+    if mc is _UNREAD:  # the actor's transformers config (None: unreadable), if the caller has not read it
+        mc = model_config(raw)
     dtype, frozen = resolve_precision(raw, device, None if mc is None else layer_matmul_params(mc))
     est = estimator_spec(raw.advantage_estimator)
     cpu_bf16 = device.type == "cpu" and dtype == "bfloat16" and not raw.use_compile

@@ -25,7 +25,7 @@ from model.critic import CriticModel
 from model.loader import eos_token_ids, load_policy, load_reward_model
 from model.lora import AdapterSnapshot, AdaptersOff, add_lora
 from model.weights import WeightsError, native_weight_path
-from trainer.config import Config, policy_layer_params, resolve, resolve_precision, validate
+from trainer.config import Config, layer_matmul_params, model_config, resolve, resolve_precision, validate
 from trainer.ppo import AdaptiveKLController, FixedKLController
 from trainer.rewards import RewardModelScorer, load_reward_fn
 from trainer.run.checkpoint import seed_everything
@@ -270,7 +270,8 @@ def setup(raw: Config, info: DistInfo | None = None) -> Setup:
 
 
 def _build(raw: Config, info: DistInfo) -> Setup:
-    cfg = resolve(raw, info)  # validates; every auto filled in for this rank's device
+    mc = model_config(raw)  # the actor's config, read once: the precision rules size the model from it
+    cfg = resolve(raw, info, mc)  # validates; every auto filled in for this rank's device
     if cfg.num_threads > 0:
         torch.set_num_threads(cfg.num_threads)
     allow_tf32(info.device)
@@ -278,7 +279,7 @@ def _build(raw: Config, info: DistInfo) -> Setup:
     seed_everything(cfg.seed)  # the same random-init models (--from_weight none, value head) on every rank
     devices = model_devices(cfg, info)
     # Frozen models on a device of another type follow that type's rule (from the flags as given).
-    layer_params = policy_layer_params(raw)
+    layer_params = None if mc is None else layer_matmul_params(mc)
     precisions = {d.type: resolve_precision(raw, d, layer_params) for d in devices.values() if d.type != info.device.type}
     precisions[info.device.type] = (cfg.dtype, cfg.frozen_dtype)
     try:
