@@ -18,6 +18,7 @@ import argparse
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import math
 import os
@@ -423,6 +424,7 @@ _FIELD_GROUP = {f.name: g for g, (cls, _) in GROUPS.items() for f in fields(cls)
 
 
 # --------------------------------------------------------------------------------------- the parser
+@functools.cache
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of a dataclass (read from its source, as CleanRL's tyro does)."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
@@ -433,6 +435,11 @@ def field_docs(cls: type) -> dict[str, str]:
                 and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
             docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
 
 
 def _kind(hint: Any) -> tuple[type, list | None, bool]:
@@ -455,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "flags on the command line override it")
     for _, (cls, title) in GROUPS.items():
         g = p.add_argument_group(title)
-        docs, hints = field_docs(cls), get_type_hints(cls)
+        docs, hints = field_docs(cls), _hints(cls)
         for f in fields(cls):
             typ, choices, is_list = _kind(hints[f.name])
             meta = f.metadata
@@ -813,7 +820,7 @@ def reference_markdown() -> str:
     """Every setting by group, as docs/configuration.md lists it (tests/test_config.py keeps the two equal)."""
     out = []
     for _, (cls, title) in GROUPS.items():
-        docs, hints = field_docs(cls), get_type_hints(cls)
+        docs, hints = field_docs(cls), _hints(cls)
         out += [f"### {title}", "", "| flag | default | what it does |", "|---|---|---|"]
         for f in fields(cls):
             if f.metadata.get("hidden"):
