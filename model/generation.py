@@ -172,6 +172,12 @@ def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None =
     return torch.searchsorted(cdf, u, right=True).clamp_(max=logits.shape[-1] - 1).squeeze(-1)
 
 
+def _cache_of(out) -> object:
+    """The KV cache a forward returned, under either of transformers 5.x's names for it."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
 def _accepts(model: nn.Module, name: str) -> bool:
     try:
         return name in inspect.signature(model.forward).parameters
@@ -238,7 +244,9 @@ def sample(
     score_temp = 1.0 if greedy else temperature
     try:
         cache = preallocated_cache(model, P + max_new_tokens)
-        extra = {"past_key_values": cache} if cache is not None else {}
+        # transformers 5.x renamed the forward's cache argument (past_key_values -> cache, the old name deprecated)
+        cache_arg = "cache" if _accepts(model, "cache") else "past_key_values"
+        extra = {cache_arg: cache} if cache is not None else {}
         device_type = input_ids.device.type
         fast = fast_decoder(model, device_type) if fast_decode and cache is not None else None
         # With the fast decoder, the prefill is the only forward to cast the weights: autocast's cache would
@@ -282,7 +290,7 @@ def sample(
             else:
                 mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
                 out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=position,
-                            past_key_values=out.past_key_values, use_cache=True, **keep)
+                            use_cache=True, **keep, **{cache_arg: _cache_of(out)})
                 last = out.logits[:, -1, :]
     finally:
         model.train(was_training)

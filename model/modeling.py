@@ -11,6 +11,8 @@ round-trip once `import model` has run.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
@@ -39,6 +41,8 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
         # The trunk follows the attention implementation chosen for the wrapper (sdpa by default).
         hf_config._attn_implementation = config._attn_implementation
         self.model = AutoModel.from_config(hf_config)
+        # transformers 5.x renamed the trunk's KV cache argument; the name this version takes
+        self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
@@ -53,20 +57,23 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values=None,
+        cache=None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        past_key_values=None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        # transformers 5.x renamed the KV cache argument (past_key_values -> cache); take either, pass the trunk's own.
+        cache = cache if cache is not None else past_key_values
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            **{self._cache_arg: cache},
             **kwargs,
         )
         hidden = out.last_hidden_state  # [B, T, H]
@@ -79,7 +86,9 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
+        kv = getattr(out, "cache", None)
+        kv = kv if kv is not None else getattr(out, "past_key_values", None)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{self._cache_arg: kv})
 
 
 def _register() -> None:

@@ -1,9 +1,12 @@
-"""Evaluate a policy on held-out RLAIF prompts: format rate, answer accuracy, RM score, length, EOS rate.
+"""Evaluate a policy on held-out RLAIF prompts: format rate, answer accuracy, RM score, length, EOS rate, and the
+IFEval pass rate for rows with "constraints".
 
     python scripts/eval_policy.py --weights out/full_sft_128.pth --hidden_size 128 --num_hidden_layers 4
     python scripts/eval_policy.py --weights out/ppo_actor_128.pth --hidden_size 128 --num_hidden_layers 4 \\
         --ref_weights out/full_sft_128.pth --temperature 0.8 --json out/eval_ppo.json
     python scripts/eval_policy.py --hf_path path/to/hf_model --reward_model_path none
+    python scripts/eval_policy.py --hf_path out/smollm2_ifeval_hf --ref_hf_path out/smollm2_135m_instruct \
+        --data_path dataset/ifeval_eval.jsonl --max_new_tokens 96 --thinking_ratio 0 --reward_model_path none
 
 Prints a table (overall and per task when the data rows carry a "task" key) and writes the
 figures, plus a few example replies, as JSON.
@@ -84,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reward_model_path", default=None,
                    help=f"sequence-classification RM directory (default {DEFAULT_RM} if it exists; 'none' to skip)")
     p.add_argument("--ref_weights", default=None, help="native .pth of a reference policy: also report KL to it")
+    p.add_argument("--ref_hf_path", default=None,
+                   help="local HF causal-LM directory of a reference policy (e.g. the model before training): also report KL to it")
     p.add_argument("--data_path", default="dataset/demo_eval.jsonl")
     p.add_argument("--n", type=int, default=0, help="evaluate the first n prompts (0 = all)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -113,7 +118,12 @@ def main(argv: list[str] | None = None) -> dict:
             tokenizer_path=args.tokenizer_path,
         )
         ref_policy = None
-        if args.ref_weights:
+        if args.ref_weights and args.ref_hf_path:
+            raise SystemExit("give at most one of --ref_weights PATH (native .pth) or --ref_hf_path DIR")
+        if args.ref_hf_path:
+            ref_policy, _ = load_policy(hf_path=args.ref_hf_path, tokenizer_path=args.tokenizer_path)
+            ref_policy.eval().requires_grad_(False)
+        elif args.ref_weights:
             ref_policy, _ = load_policy(
                 weights=args.ref_weights, hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
                 use_moe=bool(args.use_moe), arch=args.arch, tokenizer_path=args.tokenizer_path,
@@ -153,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "source": source, "data_path": args.data_path, "temperature": args.temperature, "top_p": args.top_p,
         "max_new_tokens": args.max_new_tokens, "seed": args.seed, "reward_model_path": rm_path,
-        "ref_weights": args.ref_weights, "seconds": round(elapsed, 1), **metrics,
+        "ref_weights": args.ref_weights or args.ref_hf_path, "seconds": round(elapsed, 1), **metrics,
         "examples": rows[: args.examples],
     }
     if args.json:

@@ -121,3 +121,17 @@ def test_cli_prints_written_paths(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1
     assert bad.stderr.strip().startswith("plot_run: ") and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_plot_keys_draws_just_the_chosen_metrics_and_names_a_missing_one(tmp_path):
+    from scripts.plot_run import main
+    rows = [{"step": s, "reward/ifeval": s / 10, "kl_ref": 0.1 * s, **({"eval/ifeval_pass_rate": 0.4 + s / 100} if s % 5 == 0 else {})}
+            for s in range(0, 11)]
+    write_metrics(tmp_path / "run", rows)
+    main([str(tmp_path / "run"), "--keys", "eval/ifeval_pass_rate", "reward/ifeval", "kl_ref", "--out", str(tmp_path / "f.png")])
+    assert_png(tmp_path / "f.png")
+    assert not (tmp_path / "run" / "plots").exists()
+    with pytest.raises(SystemExit, match=r"no finite values for eval/accuracy \(it has: eval/ifeval_pass_rate, kl_ref, reward/ifeval\)"):
+        main([str(tmp_path / "run"), "--keys", "eval/accuracy", "--out", str(tmp_path / "g.png")])
+    with pytest.raises(SystemExit, match="--keys and --out go together"):
+        main([str(tmp_path / "run"), "--keys", "kl_ref"])

@@ -20,7 +20,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-__all__ = ["Panel", "read_metrics", "collect_series", "ema", "figure_specs", "plot_run"]
+__all__ = ["Panel", "read_metrics", "collect_series", "ema", "figure_specs", "plot_run", "plot_keys"]
 
 Series = tuple[np.ndarray, np.ndarray]  # (steps, values), finite values only, sorted by step
 
@@ -197,3 +197,19 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     paths.append(_save_grid(out_dir / "overview.png", f"{run_dir.name} - overview (last step {last_step})",
                             all_panels, series, ncols_max=4))
     return paths
+
+
+def plot_keys(run_dir: str | Path, keys: list[str], out: str | Path, title: str | None = None) -> Path:
+    """One PNG of the chosen keys side by side (a figure for a doc page), each panel as in plot_run: held-out
+    eval/* keys unsmoothed, training keys raw + EMA. Raises ValueError naming a key the run never logged."""
+    run_dir = Path(run_dir)
+    series = collect_series(read_metrics(run_dir / "metrics.jsonl"))
+    missing = [k for k in keys if k not in series]
+    if missing:
+        raise ValueError(f"{run_dir / 'metrics.jsonl'} has no finite values for {', '.join(missing)} "
+                         f"(it has: {', '.join(sorted(series))})")
+    panels = [(k, Panel((k,), k.split("/")[-1].replace("_", " "), "held-out, greedy" if k.startswith("eval/") else "",
+                        smooth=not k.startswith("eval/"))) for k in keys]
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return _save_grid(out, title or run_dir.name, panels, series, ncols_max=len(keys))

@@ -270,6 +270,12 @@ def setup(raw: Config, info: DistInfo | None = None) -> Setup:
     return built
 
 
+def _rewards_beside_ifeval(cfg: Config, custom_fns: dict) -> bool:
+    """Whether any reward other than the ifeval component is on (the reward model, rules, custom functions)."""
+    rm = cfg.rm_weight if cfg.reward_model_path not in (None, "none") else 0.0
+    return any((rm, cfg.format_weight, cfg.tag_weight, cfg.accuracy_weight, cfg.eos_penalty)) or bool(custom_fns) or bool(cfg.overlong_buffer_len and cfg.overlong_penalty)
+
+
 def _build(raw: Config, info: DistInfo) -> Setup:
     mc = model_config(raw)  # the actor's config, read once: the precision rules size the model from it
     cfg = resolve(raw, info, mc)  # validates; every auto filled in for this rank's device
@@ -293,6 +299,10 @@ def _build(raw: Config, info: DistInfo) -> Setup:
         eval_records = read_rlaif_jsonl(cfg.eval_data_path)[0][:cfg.eval_samples] if cfg.eval_data_path else []
     except (WeightsError, DataError, ValueError, OSError) as e:
         raise SystemExit(f"error: {e}")
+    if cfg.ifeval_weight and not any(r.constraints for r in records) and not _rewards_beside_ifeval(cfg, custom_fns):
+        raise SystemExit(f"error: {cfg.data_path} has no row with \"constraints\", and the ifeval reward is the only one on "
+                         f"(--ifeval_weight): every reward would be 0. Use a prompt file written by "
+                         f"scripts/make_ifeval_data.py (docs/models.md), or turn on another reward.")
     kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else FixedKLController(cfg.kl_coef)
     try:  # e.g. an --actor_path tokenizer without a chat template: one line, not a traceback
         ds = RLAIFDataset(records, models.tok, max_prompt_len=cfg.max_seq_len, thinking_ratio=cfg.thinking_ratio,
