@@ -6,6 +6,9 @@
         --frozen_low_precision 0,1 --json bench.json     # levers: every comma list expands the matrix
     python scripts/bench_ppo.py --sizes 256x8,512x8 --interleave 1   # fp32 and bf16 of a size in one process,
                                                          # steps alternated (A/B on a shared machine)
+    python scripts/bench_ppo.py --actor_path out/smollm2_135m_instruct --dtypes float32,bfloat16 --lora_r 0,16 \
+        --batch_size 4 --prompt_len 80 --gen_len 64 --update_old_actor_freq 0 --reward_model none --interleave 1 \
+        --extra "--advantage_estimator grpo --num_generations 4 --mini_batch_size 16"   # a pretrained HF model's levers
     python scripts/bench_ppo.py --sizes 512x8 --dtypes bfloat16 --minimind_s_per_step 8.8
                                                          # our speed-up against MiniMind measured beside it
 
@@ -296,8 +299,9 @@ class ConfigRun:
         load_tokenizer()
         self.rss_base = rss_now_mb()  # torch + transformers + project imported, tokenizer loaded, no model yet
         hidden, layers = cfg["hidden"], cfg["layers"]
-        argv = ["--hidden_size", str(hidden), "--num_hidden_layers", str(layers), "--from_weight", "none",
-                "--batch_size", str(cfg["batch_size"]), "--mini_batch_size", str(cfg["batch_size"]),
+        model = (["--actor_path", cfg["actor_path"]] if cfg.get("actor_path") else
+                 ["--hidden_size", str(hidden), "--num_hidden_layers", str(layers), "--from_weight", "none"])
+        argv = [*model, "--batch_size", str(cfg["batch_size"]), "--mini_batch_size", str(cfg["batch_size"]),
                 "--ppo_update_iters", "1", "--max_gen_len", str(cfg["gen_len"]), "--max_seq_len", str(cfg["prompt_len"]),
                 "--dtype", cfg["dtype"], "--update_old_actor_freq", str(cfg["update_old_actor_freq"]),
                 "--frozen_low_precision", str(cfg["frozen_low_precision"]), "--use_compile", str(cfg["use_compile"]),
@@ -463,6 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     a("--sizes", default=None, help="comma list of HIDDENxLAYERS (default 128x4,512x8; --quick: 128x4)")
+    a("--actor_path", default=None,
+      help="a local HF causal-LM directory (e.g. out/smollm2_135m_instruct), benchmarked with its own weights instead of --sizes")
     a("--dtypes", default=None, help="comma list of float32,bfloat16 (default both; --quick: bfloat16)")
     a("--update_old_actor_freq", default=None, help="comma list of old-actor modes: 0 = no copy, N = frozen copy refreshed every N steps (default 0,1; --quick: 0)")
     a("--frozen_low_precision", default="1", help="comma list of 0/1: reference/old actor/RM held in --dtype")
@@ -501,7 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def expand_configs(o: argparse.Namespace) -> list[dict]:
-    sizes = [parse_size(s) for s in (o.sizes or ("128x4" if o.quick else "128x4,512x8")).split(",")]
+    if o.actor_path and o.sizes:
+        raise SystemExit("error: give --sizes (MiniMind models of those shapes) or --actor_path (one HF model), not both")
+    sizes = [(0, 0)] if o.actor_path else [parse_size(s) for s in (o.sizes or ("128x4" if o.quick else "128x4,512x8")).split(",")]
     ints = lambda s: [int(x) for x in str(s).split(",")]
     dtypes = (o.dtypes or ("bfloat16" if o.quick else "float32,bfloat16")).split(",")
     for d in dtypes:
@@ -515,7 +523,7 @@ def expand_configs(o: argparse.Namespace) -> list[dict]:
     matrix = itertools.product(sizes, ints(o.num_threads), ints(o.use_compile), ints(o.frozen_low_precision),
                                dtypes, old_modes, ints(o.parallel_update), ints(o.lora_r), ints(o.reuse_values))
     return [{
-        "name": f"{h}x{l}", "hidden": h, "layers": l, "dtype": d, "update_old_actor_freq": old,
+        "name": Path(o.actor_path).name if o.actor_path else f"{h}x{l}", "hidden": h, "layers": l, "actor_path": o.actor_path, "dtype": d, "update_old_actor_freq": old,
         "frozen_low_precision": flp, "use_compile": comp, "num_threads": threads, "parallel_update": par,
         "batch_size": o.batch_size, "prompt_len": o.prompt_len, "gen_len": o.gen_len,
         "prompts": o.prompts, "steps": steps, "warmup": o.warmup, "count_flops": o.count_flops,

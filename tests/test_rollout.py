@@ -473,6 +473,31 @@ def test_bench_quick_smoke_writes_documented_json(tmp_path):
     assert f"{8.8 / t['step']:.2f}x MiniMind's 8.8 s/step (same run" in r.stdout
 
 
+@pytest.mark.slow
+def test_bench_takes_a_local_hf_model_with_its_own_tokenizer(tmp_path):
+    """--actor_path: a pretrained HF model's levers (here LoRA on and off, interleaved), on its own weights and tokenizer."""
+    from tests.tiny_hf import save_tiny_causal_lm
+
+    hf = tmp_path / "tiny_llama"
+    save_tiny_causal_lm(hf)
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_ppo.py"), "--actor_path", str(hf), "--dtypes", "float32",
+           "--update_old_actor_freq", "0", "--lora_r", "0,4", "--steps", "1", "--batch_size", "2", "--prompt_len", "8",
+           "--gen_len", "4", "--num_threads", "1", "--reward_model", "none", "--interleave", "1", "--count_flops", "0",
+           "--extra", "--advantage_estimator grpo --num_generations 2 --mini_batch_size 4", "--json", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert [(x["ok"], x["config"]["name"], x["config"]["lora_r"]) for x in results] == [(True, "tiny_llama", 0), (True, "tiny_llama", 4)]
+    full, lora = (x["params"]["actor"] for x in results)
+    assert lora > full  # the adapters on top of the same base
+    assert all(x["params"]["critic"] == 0 for x in results)  # grpo: no critic built
+    bad = subprocess.run([*cmd[:2], "--actor_path", str(hf), "--sizes", "64x2"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "not both" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_bench_groups_configs_of_one_size_for_interleaving():
     """--interleave 1: every dtype of one size (and thread count) in one process, so an A/B pair sees the same load."""
     sys.path.insert(0, str(ROOT / "scripts"))
