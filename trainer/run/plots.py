@@ -212,4 +212,4 @@ def plot_keys(run_dir: str | Path, keys: list[str], out: str | Path, title: str 
                         smooth=not k.startswith("eval/"))) for k in keys]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    return _save_grid(out, title or run_dir.name, panels, series, ncols_max=len(keys))
+    return _save_grid(out, title or run_dir.name, panels, series, ncols_max=len(keys) if len(keys) <= 3 else 2)
