@@ -15,6 +15,7 @@ figures, plus a few example replies, as JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -99,6 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch_size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num_threads", type=int, default=0, help="torch threads (0 = all cores)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="autocast dtype of the evaluation; bfloat16 gives the eval/* figures of a run trained under bf16 "
+                        "autocast (train_ppo's --dtype), greedy ties and all")
     p.add_argument("--json", default="out/eval.json", help="write the figures here ('' to skip)")
     p.add_argument("--examples", type=int, default=8, help="example replies to print and keep in the JSON")
     return p.parse_args(argv)
@@ -144,11 +148,13 @@ def main(argv: list[str] | None = None) -> dict:
     tasks = read_tasks(args.data_path, records)
     policy.eval()
 
-    metrics = evaluate_policy(
-        policy, tokenizer, records, rm_scorer=scorer, ref_policy=ref_policy, batch_size=args.batch_size,
-        max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_p=args.top_p, seed=args.seed, thinking_ratio=args.thinking_ratio, tasks=tasks, return_rows=True,
-    )
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if args.dtype == "bfloat16" else contextlib.nullcontext())
+    with autocast:
+        metrics = evaluate_policy(
+            policy, tokenizer, records, rm_scorer=scorer, ref_policy=ref_policy, batch_size=args.batch_size,
+            max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            top_p=args.top_p, seed=args.seed, thinking_ratio=args.thinking_ratio, tasks=tasks, return_rows=True,
+        )
     rows = metrics.pop("rows")
     elapsed = time.time() - t0
     source = args.weights or args.hf_path
