@@ -896,7 +896,7 @@ def test_filter_groups_ending_where_the_data_runs_out_saves_evaluates_and_says_s
     flags = tiny_flags(world, tmp_path, advantage_estimator="grpo", num_generations=2, batch_size=2, mini_batch_size=2,
                        filter_groups=1, filter_max_rounds=2, data_path=str(data), max_steps=0, save_interval=100,
                        eval_data_path=str(held_out), eval_interval=100, eval_samples=2, save_weight="short",
-                       format_weight=0, tag_weight=0, rm_weight=0, accuracy_weight=0, eos_penalty=0)
+                       format_weight=0, tag_weight=0, rm_weight=0, accuracy_weight=0, eos_penalty=0, ifeval_weight=0)
     r = run_train(flags, cwd=tmp_path)
     done = next(l for l in r.stdout.splitlines() + r.stderr.splitlines() if "done: " in l)
     assert "done: 3 steps (the prompt data ran out before the planned 8" in done, done
