@@ -131,9 +131,19 @@ def check(c: dict, reply: str) -> bool:
     return CHECKS[c["type"]](reply, c)
 
 
+def results(constraints: list[dict], reply: str) -> list[tuple[str, bool]]:
+    """(type, met) per constraint, in order: each checked once for the reward and the per-type figures alike."""
+    return [(c["type"], check(c, reply)) for c in constraints]
+
+
+def share_met(met: list[tuple[str, bool]]) -> float:
+    """The fraction of `results` met (1.0: every one)."""
+    return sum(ok for _, ok in met) / len(met)
+
+
 def reward(constraints: list[dict], reply: str) -> float:
     """The fraction of the constraints `reply` meets (1.0: every one)."""
-    return sum(check(c, reply) for c in constraints) / len(constraints)
+    return share_met(results(constraints, reply))
 
 
 DESCRIPTIONS: dict[str, Callable[[dict], str]] = {

@@ -25,6 +25,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from .fast_decode import fast_decoder
 from .lora import base_of
+from .modeling import kv_cache_of
 
 
 @dataclass
@@ -172,12 +173,6 @@ def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None =
     return torch.searchsorted(cdf, u, right=True).clamp_(max=logits.shape[-1] - 1).squeeze(-1)
 
 
-def _cache_of(out) -> object:
-    """The KV cache a forward returned, under either of transformers 5.x's names for it."""
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
-
-
 def _accepts(model: nn.Module, name: str) -> bool:
     try:
         return name in inspect.signature(model.forward).parameters
@@ -290,7 +285,7 @@ def sample(
             else:
                 mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
                 out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=position,
-                            use_cache=True, **keep, **{cache_arg: _cache_of(out)})
+                            use_cache=True, **keep, **{cache_arg: kv_cache_of(out)})
                 last = out.logits[:, -1, :]
     finally:
         model.train(was_training)

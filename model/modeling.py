@@ -21,6 +21,12 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .config import MiniMindConfig
 
 
+def kv_cache_of(out: object) -> object:
+    """The KV cache a forward returned, under either of transformers 5.x's names for it (past_key_values -> cache)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
 class MiniMindPreTrainedModel(PreTrainedModel):
     config_class = MiniMindConfig
     base_model_prefix = "model"
@@ -86,9 +92,7 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        kv = getattr(out, "cache", None)
-        kv = kv if kv is not None else getattr(out, "past_key_values", None)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{self._cache_arg: kv})
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{self._cache_arg: kv_cache_of(out)})
 
 
 def _register() -> None:

@@ -33,12 +33,12 @@ def score_instructions(replies: Sequence[str], constraints: Sequence[list[dict] 
     """IFEval's figures over the rows that carry constraints (dataset/ifeval.py): ifeval_pass_rate (every
     constraint met: IFEval's strict prompt-level accuracy), ifeval_constraint_rate (instruction-level) and
     ifeval_by_type; None where no row has constraints."""
-    met = [[ifeval.check(c, r) for c in cs] for r, cs in zip(replies, constraints) if cs]
+    met = [ifeval.results(cs, r) for r, cs in zip(replies, constraints) if cs]
     by_type: dict[str, list[bool]] = {}
-    for r, cs in zip(replies, constraints):
-        for c in cs or ():
-            by_type.setdefault(c["type"], []).append(ifeval.check(c, r))
-    return {"ifeval_pass_rate": _rate([all(m) for m in met]), "ifeval_constraint_rate": _rate([x for m in met for x in m]),
+    for kind, ok in (x for m in met for x in m):
+        by_type.setdefault(kind, []).append(ok)
+    return {"ifeval_pass_rate": _rate([all(ok for _, ok in m) for m in met]),
+            "ifeval_constraint_rate": _rate([ok for m in met for _, ok in m]),
             "ifeval_by_type": {k: _rate(v) for k, v in sorted(by_type.items())} if by_type else None}
 
 

@@ -421,12 +421,11 @@ def compute_rewards(
         "eos": col([eos_reward(e, 1.0) for e in has_eos]),
     }
     if constraints is not None and any(cs is not None for cs in constraints):  # instruction following (dataset/ifeval.py)
-        components["ifeval"] = col([ifeval.reward(cs, r) if cs else math.nan for cs, r in zip(constraints, replies)])
+        met = [ifeval.results(cs or [], r) for cs, r in zip(constraints, replies)]
+        components["ifeval"] = col([ifeval.share_met(m) if m else math.nan for m in met])
         # Every type, NaN where a row does not ask for it: the same keys on every rank whatever rows it drew.
         for kind in ifeval.CHECKS:  # logged per type, weight 0
-            components[f"ifeval/{kind}"] = col([
-                next((float(ifeval.check(c, r)) for c in cs or () if c["type"] == kind), math.nan)
-                for cs, r in zip(constraints, replies)])
+            components[f"ifeval/{kind}"] = col([next((float(ok) for t, ok in m if t == kind), math.nan) for m in met])
     if rm is not None and weights.get("rm", 0.0) != 0:
         full = [m + [{"role": "assistant", "content": r}] for m, r in zip(messages, replies)]
         if reasoning:

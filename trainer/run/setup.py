@@ -273,7 +273,8 @@ def setup(raw: Config, info: DistInfo | None = None) -> Setup:
 def _rewards_beside_ifeval(cfg: Config, custom_fns: dict) -> bool:
     """Whether any reward other than the ifeval component is on (the reward model, rules, custom functions)."""
     rm = cfg.rm_weight if cfg.reward_model_path not in (None, "none") else 0.0
-    return any((rm, cfg.format_weight, cfg.tag_weight, cfg.accuracy_weight, cfg.eos_penalty)) or bool(custom_fns) or bool(cfg.overlong_buffer_len and cfg.overlong_penalty)
+    rules = (cfg.format_weight, cfg.tag_weight, cfg.accuracy_weight, cfg.eos_penalty)
+    return any((rm, *rules)) or bool(custom_fns) or bool(cfg.overlong_buffer_len and cfg.overlong_penalty)
 
 
 def _build(raw: Config, info: DistInfo) -> Setup:
@@ -299,16 +300,16 @@ def _build(raw: Config, info: DistInfo) -> Setup:
         eval_records = read_rlaif_jsonl(cfg.eval_data_path)[0][:cfg.eval_samples] if cfg.eval_data_path else []
     except (WeightsError, DataError, ValueError, OSError) as e:
         raise SystemExit(f"error: {e}")
-    if cfg.ifeval_weight and not any(r.constraints for r in records) and not _rewards_beside_ifeval(cfg, custom_fns):
-        raise SystemExit(f"error: {cfg.data_path} has no row with \"constraints\", and the ifeval reward is the only one on "
-                         f"(--ifeval_weight): every reward would be 0. Use a prompt file written by "
-                         f"scripts/make_ifeval_data.py (docs/models.md), or turn on another reward.")
     kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else FixedKLController(cfg.kl_coef)
     try:  # e.g. an --actor_path tokenizer without a chat template: one line, not a traceback
         ds = RLAIFDataset(records, models.tok, max_prompt_len=cfg.max_seq_len, thinking_ratio=cfg.thinking_ratio,
                           system_prompt_ratio=cfg.system_prompt_ratio, seed=cfg.seed)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
+    if cfg.ifeval_weight and not ds.has_constraints and not _rewards_beside_ifeval(cfg, custom_fns):
+        raise SystemExit(f"error: {cfg.data_path} has no row with \"constraints\", and the ifeval reward is the only one on "
+                         f"(--ifeval_weight): every reward would be 0. Use a prompt file written by "
+                         f"scripts/make_ifeval_data.py (docs/models.md), or turn on another reward.")
     steps_per_epoch = len(ds) // (cfg.batch_size * info.world_size)
     if steps_per_epoch == 0:
         raise SystemExit(f"error: --data_path has {len(ds)} prompts, fewer than one global batch "
