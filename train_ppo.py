@@ -130,7 +130,7 @@ def make_experience(cfg: Config, batch: dict, m: Models, rt: Runtime, kl_coef: f
 def sample_and_reward(cfg: Config, batch: dict, m: Models, rt: Runtime, custom_fns: dict, phase: Phase) -> Sampled:
     """1. rollout: [B*N, P+R] sequences, N = --num_generations; 2. reward. Rank-local: a failure on some
     ranks only (reward function, reward model, OOM) stops every rank with its line."""
-    with phase("generate", rank_local=True):
+    with D.unsharded(m.actor), phase("generate", rank_local=True):  # --strategy fsdp2: whole weights, no collective per token
         ro = generate_rollout(
             m.actor, batch["input_ids"].to(rt.device), batch["attention_mask"].to(rt.device), max_new_tokens=cfg.max_gen_len,
             eos_token_id=m.eos_ids or m.tok.eos_token_id, pad_token_id=m.tok.pad_token_id, temperature=cfg.temperature,
@@ -138,7 +138,7 @@ def sample_and_reward(cfg: Config, batch: dict, m: Models, rt: Runtime, custom_f
             num_generations=cfg.num_generations, return_logprobs=bool(cfg.rollout_logprobs) and m.old_actor is None,
             fast_decode=bool(cfg.fast_decode),
         )
-    with phase("score", autocast=False, rank_local=True), phase("score_reward", autocast=False):
+    with D.unsharded(reward_model(m)), phase("score", autocast=False, rank_local=True), phase("score_reward", autocast=False):
         rewards, responses, comps = score_responses(cfg, batch, ro, m, custom_fns, phase)
     return Sampled(dataclasses.replace(ro, rewards=rewards), batch, responses, comps)
 
@@ -188,11 +188,11 @@ def greedy_baseline(cfg: Config, sampled: Sampled, m: Models, rt: Runtime, custo
     samples are). Rank-local like the sampling."""
     n, ro = cfg.num_generations, sampled.rollout
     prompts, mask = ro.sequences[::n, :ro.prompt_len], ro.attention_mask[::n, :ro.prompt_len]
-    with phase("generate", rank_local=True):
+    with D.unsharded(m.actor), phase("generate", rank_local=True):
         greedy = generate_rollout(m.actor, prompts, mask, max_new_tokens=cfg.max_gen_len, eos_token_id=m.eos_ids or m.tok.eos_token_id,
                                   pad_token_id=m.tok.pad_token_id, temperature=1.0, top_k=0, top_p=1.0, greedy=True,
                                   fast_decode=bool(cfg.fast_decode))
-    with phase("score", autocast=False, rank_local=True), phase("score_reward", autocast=False):
+    with D.unsharded(reward_model(m)), phase("score", autocast=False, rank_local=True), phase("score_reward", autocast=False):
         rewards, _, _ = score_responses(cfg, sampled.batch, greedy, m, custom_fns, phase, rep=1)
     return rewards.repeat_interleave(n)
 
@@ -230,23 +230,31 @@ def score(cfg: Config, ro: Rollout, m: Models, rt: Runtime, phase: Phase) -> Sco
     reference, and the critic's values of the sampled tokens."""
     R, temp, rows = ro.response_len, cfg.sample_temperature, cfg.forward_batch_size  # rows per scoring forward (0 = all)
     old_logprobs, entropy, values, values_with_grad = ro.old_logprobs, ro.entropy, None, None
-    with phase("score", rank_local=True):
+    # Each forward is rank-local work (a failure is agreed on after it); a sharded model (--strategy fsdp2) is
+    # gathered whole before and freed after, one model at a time.
+    with phase("score"):
         if old_logprobs is None:  # a frozen old actor, or --rollout_logprobs 0: score the samples again,
             scorer = m.old_actor or m.actor  # with the update's attention kernel: the first ratio is then exactly 1
-            with phase("score_old", autocast=False), attention_implementation(cfg.train_attn, scorer):
+            with D.unsharded(scorer), phase("score_old", autocast=False, rank_local=True), \
+                    attention_implementation(cfg.train_attn, scorer):
                 old_logprobs, entropy = forward_in_row_chunks(policy_forward, scorer, ro.sequences, ro.attention_mask,
                                                               R, temp, with_entropy=True, rows=rows)
-        with phase("score_ref", device=rt.ref_device):
+        with D.unsharded(m.ref), phase("score_ref", device=rt.ref_device, rank_local=True):
             ref_logprobs, _ = forward_in_row_chunks(policy_forward, m.ref, *on(rt.ref_device, ro.sequences, ro.attention_mask),
                                                     R, temp, rows=rows)
             ref_logprobs = ref_logprobs.to(rt.device)  # [B, R]
         if m.critic is not None and not cfg.reuse_values:
-            with phase("score_critic", device=rt.critic_device):
+            with D.unsharded(m.critic), phase("score_critic", device=rt.critic_device, rank_local=True):
                 values, _ = critic_values(cfg, ro, m, rt)
     if cfg.reuse_values:  # the update's own (DDP) forward, which may talk to the other ranks: outside the rank-local block
         with phase("score"), phase("score_critic", device=rt.critic_device):
             values, values_with_grad = critic_values(cfg, ro, m, rt)
     return Scores(old_logprobs, ref_logprobs, values, values_with_grad, entropy)
+
+
+def reward_model(m: Models) -> torch.nn.Module | None:
+    """The reward model's module (None without one), for `unsharded`."""
+    return getattr(m.rm_scorer, "model", None)
 
 
 def critic_values(cfg: Config, ro: Rollout, m: Models, rt: Runtime) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -308,7 +316,11 @@ def evaluate(cfg: Config, m: Models, rt: Runtime, records: list) -> dict[str, fl
 def main(argv: list[str] | None = None) -> None:
     built = setup(parse_args(argv))  # resolve the flags; torchrun's ranks, threads, seeds, models, data, optimizers, DDP
     cfg, rt, m, opt, kl_ctl = built.cfg, built.runtime, built.models, built.optim, built.kl_ctl
-    held_out = lambda: D.on_main(lambda: evaluate(cfg, m, rt, built.eval_records), rt.info)  # noqa: E731
+
+    def held_out() -> dict[str, float]:  # on rank 0; every rank gathers sharded weights first (a collective)
+        with D.unsharded(m.actor, reward_model(m)):
+            return D.on_main(lambda: evaluate(cfg, m, rt, built.eval_records), rt.info)
+
     with Run(cfg, built) as run:  # resume, run.json, logger; marks the run's end however it ends
         if built.eval_records and run.step == 0:
             run.log_eval(held_out(), 0)  # where the policy starts

@@ -71,6 +71,31 @@ def two_procs(world, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def fsdp2_procs(world, tmp_path_factory):
+    """The two_procs run under --strategy fsdp2: each rank holds half of every trained tensor."""
+    tmp = tmp_path_factory.mktemp("fsdp2_procs")
+    flags = tiny_flags(world, tmp, **{**EQUIV, "save_weight": "fsdp2"}, batch_size=GLOBAL_BATCH // 2,
+                       mini_batch_size=GLOBAL_BATCH // 2, strategy="fsdp2")
+    r, secs = _timed_run(flags, tmp, procs=2)
+    print(f"2-process fsdp2 run: {secs:.1f} s")
+    return {"tmp": tmp, "r": r}
+
+
+def final_weights(ckpt_dir: Path) -> dict:
+    """The newest resume checkpoint's step, actor and critic (fp32), whether written whole (ddp) or as DCP shards."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = _resume_files(ckpt_dir)[-1]
+    state = _load(path)
+    if state.get("shards"):
+        whole = ckpt_dir / "whole.pt"
+        dcp_to_torch_save(path.with_name(state["shards"]), whole)  # the shards joined, as one process would hold them
+        state.update(torch.load(whole, weights_only=True))
+        whole.unlink()
+    return state
+
+
+@pytest.fixture(scope="module")
 def one_proc(world, tmp_path_factory):
     """Plain `python train_ppo.py`, one process with the whole global batch B."""
     tmp = tmp_path_factory.mktemp("one_proc")
@@ -346,6 +371,34 @@ def test_two_procs_half_batch_equal_one_proc_full_batch(two_procs, one_proc, wor
         pa = [s["prompt"] for s in sa if s["step"] == step]
         pb = [s["prompt"] for s in sb if s["step"] == step]
         assert pa == pb[0::2], step
+
+
+@pytest.mark.slow
+def test_fsdp2_equals_ddp_and_one_process(fsdp2_procs, two_procs, one_proc, world):
+    """2 processes under --strategy fsdp2 end with the same actor/critic as 2 under ddp and as 1 process with the
+    doubled batch, within the DDP test's tolerance (fp32: only the summation order differs: FSDP2 reduce-scatters
+    where DDP all-reduces), and log the same global metrics. The exported policy is the whole model."""
+    out = fsdp2_procs["r"].stdout
+    assert "device cpu x2" in out
+    f, a, b = (final_weights(p["tmp"] / "ckpt") for p in (fsdp2_procs, two_procs, one_proc))
+    assert f["shards"] and f["step"] == 3 and f["consumed"] == a["consumed"]
+    start = torch.load(Path(world["save_dir"]) / f"full_sft_{world['hidden']}.pth", weights_only=True)
+    assert max((f["actor"][k] - start[k].float()).abs().max().item() for k in start if k in f["actor"]) > 1e-3
+    for other in (a, b):
+        for part in ("actor", "critic"):
+            assert set(f[part]) <= set(other[part]), part
+            diffs = [(f[part][k] - other[part][k]).abs() for k in f[part]]
+            assert max(d.max().item() for d in diffs) < MAX_ABS, part
+            assert max(d.mean().item() for d in diffs) < MEAN_ABS, part
+        assert f["kl_ctl"]["value"] == pytest.approx(other["kl_ctl"]["value"], rel=1e-5)
+    mf, ma = read_metrics(fsdp2_procs["tmp"] / "run"), read_metrics(two_procs["tmp"] / "run")
+    for rf, ra in zip(mf, ma):
+        for key in ("reward/total", "kl_ref", "ppo/approx_kl", "value/explained_var", "grad_norm/actor", "grad_norm/critic"):
+            assert rf[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-6), (rf["step"], key)
+    exported = torch.load(Path(world["save_dir"]) / "fsdp2_64.pth", weights_only=True)  # MiniMind's format: fp16
+    assert set(exported) == set(start)
+    key = "model.layers.0.mlp.up_proj.weight"
+    assert torch.allclose(exported[key].float(), f["actor"][key], atol=1e-3)
 
 
 def _samples(tmp: Path) -> list[dict]:

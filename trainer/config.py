@@ -323,6 +323,16 @@ class SystemArgs:
     repeat exactly without it)."""
     ddp_timeout: int = 1800
     """Seconds a collective waits for a missing rank before the run fails."""
+    strategy: Literal["ddp", "fsdp2"] = "ddp"
+    """How the trained models are spread over the ranks. ddp: every rank holds whole models and optimizer state.
+    fsdp2: torch's fully_shard per decoder layer and at the root, so each rank holds 1/world of the actor's and
+    critic's parameters, gradients and AdamW state (use it when four models do not fit one GPU; docs/distributed.md)."""
+    shard_frozen: Flag = 1
+    """Under --strategy fsdp2: shard the reference and reward model too (1), or hold a whole copy on every rank (0:
+    no all-gather to score with them; for small frozen models)."""
+    cpu_offload: Flag = 0
+    """Under --strategy fsdp2 on GPUs: keep the sharded parameters, gradients and optimizer state in host memory
+    (FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU). Slower; for models that do not fit even sharded."""
 
 
 @dataclass(frozen=True)
@@ -813,7 +823,7 @@ def resolve(raw: Config, info: DistInfo, mc: object | None = _UNREAD) -> Config:
         loss_agg_mode=policy_loss_spec(raw.policy_loss).loss_agg if raw.loss_agg_mode == "auto" else raw.loss_agg_mode,
         mini_batch_size=raw.minibatch_rows,
         eval_data_path=eval_data_path(raw), train_attn_implementation=attn,
-        parallel_update=int(use_parallel_update(raw.parallel_update, device, info.enabled, cpu_bf16, bool(reuse),
+        parallel_update=int(use_parallel_update(raw.parallel_update, device, info.enabled or raw.strategy == "fsdp2", cpu_bf16, bool(reuse),
                                                     raw.num_threads or None)),
         save_merged=raw.save_merged if raw.save_merged >= 0 else int(not raw.actor_path),
         hidden_size=hidden or raw.hidden_size, sample_interval=raw.debug_interval if raw.debug_mode else raw.sample_interval,
@@ -822,6 +832,26 @@ def resolve(raw: Config, info: DistInfo, mc: object | None = _UNREAD) -> Config:
 
 
 DEVICE_FLAG = re.compile(r"cpu|cuda(:\+?\d+)?|")  # --ref_device / --critic_device / --reward_device
+
+
+def fsdp2_checks(cfg: Config) -> list[tuple[bool, str]]:
+    """What --strategy fsdp2 does not combine with, as validate's (ok, message) pairs."""
+    if cfg.strategy != "fsdp2":
+        return [(not cfg.cpu_offload, "--cpu_offload 1 offloads FSDP2's shards: it needs --strategy fsdp2")]
+    why = "under --strategy fsdp2"
+    return [
+        (cfg.lora_r == 0, f"--lora_r {cfg.lora_r} {why}: LoRA adapters are small enough for --strategy ddp; use that"),
+        (not cfg.use_moe, f"--use_moe 1 {why} is not supported (experts a rank does not route to have no gradient "
+                          f"there); use --strategy ddp"),
+        (not cfg.use_compile, f"--use_compile 1 {why} is not supported yet; drop it"),
+        (cfg.parallel_update != 1, f"--parallel_update 1 {why}: the sharded backward all-gathers and reduce-scatters "
+                                   f"per layer, which two threads would issue in different orders on different ranks"),
+        (not (cfg.ref_device or cfg.critic_device or cfg.reward_device),
+         f"--ref_device / --critic_device / --reward_device {why}: every model is sharded over the ranks' own devices; "
+         f"drop them (--shard_frozen 1 shards the frozen models instead of moving them)"),
+        (not cfg.cpu_offload or cfg.device != "cpu",
+         "--cpu_offload 1 moves a GPU run's shards to host memory; a CPU run has nothing to offload: drop it"),
+    ]
 
 
 def validate(cfg: Config) -> None:
@@ -900,6 +930,7 @@ def validate(cfg: Config) -> None:
            f"--{f} {getattr(cfg, f)}: expected cpu, cuda, cuda:N or cuda:+K (K GPUs after the rank's own), "
            f"or nothing (the actor's device)")
           for f in ("ref_device", "critic_device", "reward_device")],
+        *fsdp2_checks(cfg),
     ]
     # nan compares False with everything, so "x > 0" alone would let it through.
     for flag, lowest in (("beta", ">= 0"), ("epsilon", "> 0"), ("epsilon_high", "> 0"), ("learning_rate", "> 0"),

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from trainer.ppo import Comm
 
@@ -75,13 +77,55 @@ def reduce_mean(values: dict[str, float], info: DistInfo, weights: dict[str, flo
 
 
 @contextlib.contextmanager
-def no_sync(*models: torch.nn.Module) -> Iterator[None]:
-    """DDP's no_sync on every wrapped model: gradient accumulation without an all-reduce per micro-batch."""
+def no_sync(*models: torch.nn.Module | None) -> Iterator[None]:
+    """Gradient accumulation without a gradient reduction per micro-batch: DDP's no_sync on every wrapped
+    model; FSDP2's gradient sync off (each rank keeps its unreduced gradients until the synced backward)."""
+    sharded = [m for m in models if isinstance(m, FSDPModule)]
     with contextlib.ExitStack() as stack:
         for model in models:
-            if hasattr(model, "no_sync"):
+            if model is not None and hasattr(model, "no_sync"):
                 stack.enter_context(model.no_sync())
+        for model in sharded:
+            model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            for model in sharded:
+                model.set_requires_gradient_sync(True)
+
+
+def fsdp_modules(model: torch.nn.Module | None) -> list[FSDPModule]:
+    """Every FSDP2-sharded module in `model` (empty for a plain or DDP model)."""
+    return [] if model is None else [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def unsharded(*models: torch.nn.Module | None) -> Iterator[None]:
+    """Within the block, FSDP2-sharded models hold their whole parameters on every rank, so their forwards run
+    no collective: sampling, where each rank stops at its own EOS (a per-layer all-gather per decoded token
+    would leave ranks waiting on each other), and rank-local scoring. Entering all-gathers every layer (a
+    collective: every rank enters together, outside rank-local blocks); leaving frees the gathered copies.
+    Plain and DDP models pass through."""
+    mods = [(m, m is not model) for model in models for m in fsdp_modules(model)]  # (module, not the root)
+    for m, _ in mods:
+        m.unshard()
+        m.set_reshard_after_forward(False)
+    try:
         yield
+    finally:
+        for m, inner in mods:  # back to fully_shard's default: layers free their parameters after the forward,
+            m.reshard()        # the root keeps its own for the backward that follows
+            m.set_reshard_after_forward(inner)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor (an FSDP2 DTensor parameter or gradient); the tensor itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """The full value of a DTensor (a collective for a sharded one; a replicated one is read locally), or `t`."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _check_same_keys(keys: list[str], info: DistInfo) -> None:

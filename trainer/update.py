@@ -156,7 +156,8 @@ def optimizer_step(opt: Optim, trained: dict[str, torch.nn.Module], grad_clip: f
     norms = []
     for name, model in trained.items():
         opt.scaler.unscale_(opt.optims[name])
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip).to(info.device))
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)  # sharded: a DTensor, the same on every rank
+        norms.append(D.whole(norm).to(info.device))
     norms = torch.stack(norms).tolist()  # one host sync for both models
     for name, norm in zip(trained, norms):
         stats.setdefault(f"grad_norm/{name}", []).append(norm)

@@ -29,7 +29,8 @@ import torch
 
 from model.lora import LORA_FLAGS, actor_state_dict, load_actor_state_dict
 from model.weights import atomic_torch_save
-from trainer.run.distributed import DistInfo, all_gather_objects, failing_together, on_main, stop_all
+from trainer.run.distributed import DistInfo, all_gather_objects, failing_together, on_main, one_line, stop_all
+from trainer.run.sharding import UnsafeShardsError, load_shards, stray_shards
 from trainer.run.provenance import changed_inputs
 
 FORMAT_VERSION = 1
@@ -40,7 +41,7 @@ INCOMPATIBLE_FLAGS = (
     "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "use_moe", "arch", "from_weight", "actor_path", "tokenizer_path",
     "data_path", "seed", "batch_size", "mini_batch_size", "num_generations", "ppo_update_iters",
     "update_old_actor_freq", "adaptive_kl", "kl_estimator", "kl_placement", "max_seq_len", "max_gen_len", "advantage_estimator",
-    "filter_groups", "thinking_ratio", "system_prompt_ratio", "reward_norm", *LORA_FLAGS,
+    "filter_groups", "thinking_ratio", "system_prompt_ratio", "reward_norm", "strategy", *LORA_FLAGS,
 )
 # Flags that differ on every resume by design: not worth reporting as a change.
 IGNORED_FLAGS = ("from_resume",)
@@ -85,16 +86,23 @@ def other_shape_resume_files(checkpoint_dir: str | Path, save_weight: str, prefi
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
+def resume_path(checkpoint_dir: str | Path, prefix: str, step: int) -> Path:
+    return Path(checkpoint_dir) / f"{prefix}_step{step:08d}.pth"
+
+
 def save_resume(state: dict, checkpoint_dir: str | Path, prefix: str, step: int, keep: int) -> Path:
-    """Atomically write the resume file for `step`, then prune to the newest `keep` files.
+    """Atomically write the resume file for `step`, then prune to the newest `keep` files (and the DCP
+    folders of a sharded run that no kept file names).
 
     Pruning runs only after the rename, so a kill at any moment leaves a complete older file."""
-    path = Path(checkpoint_dir) / f"{prefix}_step{step:08d}.pth"
+    path = resume_path(checkpoint_dir, prefix, step)
     atomic_torch_save({"format_version": FORMAT_VERSION, **state}, path)
     for old in list_resume_files(checkpoint_dir, prefix)[max(keep, 1):]:
         old.unlink(missing_ok=True)
     for tmp in stray_temp_files(checkpoint_dir, prefix):  # only rank 0 saves: no writer is live
         tmp.unlink(missing_ok=True)
+    for folder in stray_shards(checkpoint_dir, prefix, list_resume_files(checkpoint_dir, prefix)):
+        shutil.rmtree(folder, ignore_errors=True)
     return path
 
 
@@ -278,8 +286,15 @@ def find_resume(checkpoint_dir: str | Path, save_weight: str, prefix: str, flags
     return state, path, check_compatible(state["args"], flags, source=str(path))
 
 
-def training_state(*, actor, critic, optims: dict, scheds: dict, kl_ctl, old_actor, scaler, reward_norm=None) -> dict:
-    """Everything trainable or stateful, in full precision (the caller adds step, RNG, flags...)."""
+def training_state(*, actor, critic, optims: dict, scheds: dict, kl_ctl, old_actor, scaler, reward_norm=None,
+                   shards: str | None = None) -> dict:
+    """Everything trainable or stateful, in full precision (the caller adds step, RNG, flags...). `shards`: the
+    DCP folder (a name beside the file) that holds the models and optimizers of a sharded run instead."""
+    if shards is not None:
+        return {"shards": shards, "actor": None, "critic": None, "optim": None, "old_actor": None,
+                "sched": {k: s.state_dict() for k, s in scheds.items()}, "kl_ctl": kl_ctl.state_dict(),
+                "reward_norm": reward_norm.state_dict() if reward_norm is not None else None,
+                "scaler": scaler.state_dict() if scaler is not None else None}
     return {
         "actor": actor_state_dict(actor), "critic": critic.state_dict() if critic is not None else None,  # None: critic-free
         "optim": {k: o.state_dict() for k, o in optims.items()},
@@ -293,21 +308,23 @@ def training_state(*, actor, critic, optims: dict, scheds: dict, kl_ctl, old_act
 
 def load_training_state(state: dict, *, actor, critic, optims: dict, scheds: dict, kl_ctl, old_actor, scaler,
                         reward_norm=None) -> None:
-    """Inverse of `training_state`."""
-    try:
-        load_actor_state_dict(actor, state["actor"])  # with LoRA: its adapters only
-    except ValueError as e:  # e.g. a file written before the LoRA flags were recorded
-        raise ResumeError(str(e)) from None
-    if critic is not None:
-        critic.load_state_dict(state["critic"])
+    """Inverse of `training_state` (a sharded run's models and optimizers come from its DCP folder: `load_shards`)."""
+    if not state.get("shards"):
+        try:
+            load_actor_state_dict(actor, state["actor"])  # with LoRA: its adapters only
+        except ValueError as e:  # e.g. a file written before the LoRA flags were recorded
+            raise ResumeError(str(e)) from None
+        if critic is not None:
+            critic.load_state_dict(state["critic"])
+        for k in optims:
+            optims[k].load_state_dict(state["optim"][k])
+        if old_actor is not None and state.get("old_actor") is not None:
+            old_actor.load_state_dict(state["old_actor"])
     for k in optims:
-        optims[k].load_state_dict(state["optim"][k])
         scheds[k].load_state_dict(state["sched"][k])
     kl_ctl.load_state_dict(state["kl_ctl"])
     if reward_norm is not None and state.get("reward_norm"):  # files from before --reward_norm have none
         reward_norm.load_state_dict(state["reward_norm"])
-    if old_actor is not None and state.get("old_actor") is not None:
-        old_actor.load_state_dict(state["old_actor"])
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
 
@@ -361,6 +378,10 @@ def resume_run(checkpoint_dir: str | Path, save_weight: str, prefix: str, flags:
             state = picked.get("state") or read_resume(path, verify=False)
         except ResumeError as e:
             raise ResumeError(f"{e}; rank 0 chose it: every rank must see rank 0's --checkpoint_dir (a shared filesystem)") from None
+        shards = Path(path).with_name(state["shards"]) if state.get("shards") else None
+        if shards is not None and not (shards / ".metadata").is_file():
+            raise ResumeError(f"{path} names its shards {shards}/, which this rank cannot read: every rank must see rank 0's "
+                              f"--checkpoint_dir (a shared filesystem), with the folder whole")
     seen = all_gather_objects((state["step"], state.get("run_id")), info)
     stop_all(None if all(x == seen[0] for x in seen) else
              f"ranks read different resume files at {path} (step, run id per rank: {seen}): every rank must see "
@@ -368,6 +389,15 @@ def resume_run(checkpoint_dir: str | Path, save_weight: str, prefix: str, flags:
     if choice["changed"]:
         say(f"warning: {', '.join(choice['changed'])} changed since this run started; continuing with the new bytes")
     load_training_state(state, **trainables)
+    if shards is not None:  # a collective: every rank reads its part, resharded to this world size
+        try:
+            load_shards({"actor": trainables["actor"], "critic": trainables["critic"], "old_actor": trainables["old_actor"]},
+                        trainables["optims"], shards)
+        except UnsafeShardsError as e:
+            raise UnsafeResumeError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - DCP raises on every rank when any rank's read failed
+            raise ResumeError(f"{shards}: unreadable shards ({one_line(e)}); move this step's files away to resume from the "
+                              f"previous checkpoint") from None
     step, saved_world, rank, world_size = state["step"], state["world_size"], info.rank, info.world_size
     rngs = state["rng"]
     rng = rngs[rank] if rank < len(rngs) else seed_rngs(seed + rank + 1000003 * step, info.device)

@@ -23,7 +23,8 @@ import torch.distributed as dist
 T = TypeVar("T")
 
 from trainer.dist import (  # noqa: E402,F401 - the primitives, re-exported for the run's mechanics
-    DistInfo, all_gather_objects, any_rank, broadcast_object, comm, no_sync, rank_sum, reduce_mean, sum_global)
+    DistInfo, all_gather_objects, any_rank, broadcast_object, comm, local, no_sync, rank_sum, reduce_mean, sum_global,
+    unsharded)
 
 
 def resolve_device(flag: str, local_rank: int = 0, world_size: int = 1) -> torch.device:

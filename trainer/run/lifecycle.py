@@ -29,6 +29,7 @@ import torch.distributed as dist
 from dataset.rlaif import collate_left_pad
 from model.lora import export_base_hf, is_lora, merged_state_dict, save_adapter
 from model.weights import native_weight_path, save_native_weights
+from trainer.run import sharding
 from trainer.run import checkpoint as ckpt
 from trainer.run import distributed as D
 from trainer.run.lock import FolderBusy, FolderLock
@@ -224,20 +225,33 @@ class Run:
         Weights that are not finite are never written: the last good files stay."""
         cfg, info, m = self.cfg, self.rt.info, self.built.models
         trained = [m.actor] + ([m.critic] if m.critic is not None else [])
-        bad = not all(bool(torch.isfinite(p).all()) for model in trained for p in model.parameters())
+        bad = not all(bool(torch.isfinite(D.local(p)).all()) for model in trained for p in model.parameters())
         if D.any_rank(bad, info):
             raise SystemExit(f"error: the weights are not finite after step {self.pos.step}: nothing was saved; the last good "
                              f"checkpoint in {cfg.checkpoint_dir}/ is intact. Lower --learning_rate or --grad_clip.")
         rngs = D.all_gather_objects(ckpt.capture_rng_state(info.device), info)  # a collective: every rank takes part
+        full, shards = None, None
+        if cfg.strategy == "fsdp2":  # collectives: the whole policy to rank 0, every rank's shards to the DCP folder
+            full = sharding.full_state_dict(m.actor)
+            shards = sharding.shards_path(ckpt.resume_path(cfg.checkpoint_dir, self.prefix, self.pos.step))
+            try:
+                sharding.save_shards({"actor": m.actor, "critic": m.critic, "old_actor": m.old_actor},
+                                     self.built.optim.optims, shards, info)
+            except Exception as e:  # noqa: BLE001 - DCP raises on every rank when any rank's write failed
+                raise SystemExit(f"error: saving step {self.pos.step}'s shards to {shards}: {D.one_line(e)}; the previous "
+                                 f"checkpoint is intact") from None
         with D.failing_together(info):
             if info.is_main:
-                self._write(rngs)
+                self._write(rngs, full, shards)
         self.saved_at = self.pos.step
 
-    def _write(self, rngs: list[dict]) -> None:
+    def _write(self, rngs: list[dict], full: dict | None = None, shards: Path | None = None) -> None:
+        """Rank 0's part of a save: the policy (`full`: its whole weights under --strategy fsdp2) and the resume
+        file (naming `shards`, the DCP folder of a sharded run, which is written by then)."""
         cfg, m, o = self.cfg, self.built.models, self.built.optim
         state = ckpt.training_state(actor=m.actor, critic=m.critic, optims=o.optims, scheds=o.scheds, kl_ctl=self.built.kl_ctl,
-                                    old_actor=m.old_actor, scaler=o.scaler, reward_norm=self.built.reward_norm)
+                                    old_actor=m.old_actor, scaler=o.scaler, reward_norm=self.built.reward_norm,
+                                    shards=None if shards is None else shards.name)
         state.update(step=self.pos.step, epoch=self.pos.epoch, consumed=self.pos.consumed, nonfinite_run=self.pos.nonfinite_run,
                      rng=rngs, world_size=self.rt.info.world_size, args=self.cfg.flat(), swanlab_id=self.logger.id,
                      run=self.provenance or {}, run_id=self.run_id)
@@ -246,10 +260,10 @@ class Run:
             if is_lora(m.actor):
                 save_lora_outputs(self.cfg, m.actor, m.tok, self.out_path)
             elif cfg.actor_path:
-                m.actor.save_pretrained(self.out_path)
+                m.actor.save_pretrained(self.out_path, state_dict=full)
                 m.tok.save_pretrained(self.out_path)
             else:
-                save_native_weights(m.actor, self.out_path)
+                save_native_weights(m.actor if full is None else full, self.out_path)
             ckpt.save_resume(state, cfg.checkpoint_dir, self.prefix, self.pos.step, cfg.keep_checkpoints)
         except OSError as e:
             raise SystemExit(f"error: {_io_error(e, cfg.checkpoint_dir, f'saving step {self.pos.step}')}; "

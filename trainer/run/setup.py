@@ -29,6 +29,7 @@ from trainer.config import Config, layer_matmul_params, model_config, resolve, r
 from trainer.ppo import AdaptiveKLController, FixedKLController, RewardNormalizer
 from trainer.rewards import RewardModelScorer, load_reward_fn
 from trainer.run.checkpoint import seed_everything
+from trainer.run.sharding import shard_models
 from trainer.run.distributed import DistInfo, all_gather_objects, failing_together, gpu_identity, init_distributed, stop_all
 from trainer.types import DTYPES, Models, Optim, Runtime, on  # noqa: F401 - re-exported for scripts
 
@@ -235,9 +236,10 @@ def allow_tf32(device: torch.device) -> None:
 
 
 def wrap_for_training(cfg: Config, models: Models, info: DistInfo) -> None:
-    """DDP (only the trained models; sampling and scoring use the plain modules) and torch.compile."""
+    """DDP (only the trained models; sampling and scoring use the plain modules) and torch.compile. Under
+    --strategy fsdp2 the sharded models train as they are."""
     actor_train, critic_train = models.actor, models.critic
-    if info.enabled:
+    if info.enabled and cfg.strategy == "ddp":
         # No buffer sync before each forward: training changes no buffer (the only ones are rotary
         # inv_freq tables, fixed by the config; a dynamic RoPE recomputes them inside each forward from
         # that rank's own lengths), so DDP's broadcast of every buffer from rank 0 is wasted traffic.
@@ -266,6 +268,9 @@ def setup(raw: Config, info: DistInfo | None = None) -> Setup:
     if info.enabled:
         check_devices_per_rank({"ref": rt.ref_device, "critic": rt.critic_device, "reward": rt.reward_device}, info)
         check_same_precision(cfg.dtype, cfg.frozen_dtype, info)
+    if cfg.strategy == "fsdp2":  # sharding replaces the parameters: the optimizers are built again over the shards
+        shard_models(cfg, built.models, info)
+        built.optim = build_optim(cfg, built.models, rt.total_steps, DTYPES[cfg.dtype], info.device)
     wrap_for_training(cfg, built.models, info)  # DDP's constructor broadcasts rank 0's weights
     return built
 
@@ -280,6 +285,9 @@ def _rewards_beside_ifeval(cfg: Config, custom_fns: dict) -> bool:
 def _build(raw: Config, info: DistInfo) -> Setup:
     mc = model_config(raw)  # the actor's config, read once: the precision rules size the model from it
     cfg = resolve(raw, info, mc)  # validates; every auto filled in for this rank's device
+    if cfg.strategy == "fsdp2" and cfg.dtype == "float16":
+        raise SystemExit("error: --strategy fsdp2 with --dtype float16 (fp16 loss scaling over sharded gradients) is not "
+                         "supported: use --dtype bfloat16 on GPUs that have it, float32 otherwise, or --strategy ddp")
     if cfg.num_threads > 0:
         torch.set_num_threads(cfg.num_threads)
     allow_tf32(info.device)

@@ -1,0 +1,198 @@
+"""--strategy fsdp2: torch's FSDP2 for the run's models, their whole weights for the exported policy, and
+the sharded part of a resume checkpoint through torch.distributed.checkpoint (DCP).
+
+Sharding: `fully_shard` on every decoder layer, then on the root (embeddings, final norm, LM head, the
+critic's value head), over a one-dimensional mesh of all ranks. The actor and critic train sharded (FSDP2's
+MixedPrecisionPolicy on GPUs: bf16 parameters for compute, fp32 gradient reduction; fp32 on CPUs), the
+old actor is sharded like the actor, the reference and reward model with --shard_frozen 1. Forwards that
+run on one rank only (sampling, rank-local scoring, evaluation) happen inside `trainer.dist.unsharded`.
+
+A sharded resume checkpoint is the usual `<prefix>_stepNNNNNNNN.pth` (step, RNG states, schedulers, flags,
+...; it names its shards) beside a DCP folder `<prefix>_stepNNNNNNNN.dcp/` that every rank writes its
+own part of (model and AdamW state). The folder is written under a temporary name and renamed once every
+rank has finished; the .pth is written after it and is what makes the step count, so a kill at any moment
+leaves the previous checkpoint whole. DCP reads the shards into any world size (resharding on load).
+"""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from trainer.config import Config
+from trainer.dist import DistInfo, fsdp_modules
+from trainer.types import Models
+
+SHARDS_SUFFIX = ".dcp"
+
+# FSDP2 warns when a sharded module returns a view (the critic's values are value_head(...).squeeze(-1)):
+# an in-place op on it would skip the pre-backward hook. Nothing here modifies a forward's output in place.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+
+def device_mesh(info: DistInfo) -> DeviceMesh:
+    """Every rank in one data-parallel dimension, on the ranks' device type (a collective: every rank calls it)."""
+    return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp",))
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder blocks of a causal LM, critic or reward model: the longest ModuleList in it (`model.layers`
+    in Llama/Qwen/MiniMind, `transformer.h` in GPT-2)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no list of decoder layers to shard")
+    return max(lists, key=len)
+
+
+def shard(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy | None = None,
+          offload: OffloadPolicy | None = None) -> nn.Module:
+    """fully_shard each decoder layer (freed after its forward, gathered again for the backward), then the
+    root, which keeps its own parameters between forward and backward. In place; returns the model."""
+    kw = {"mesh": mesh, "mp_policy": mp or MixedPrecisionPolicy(), "offload_policy": offload or OffloadPolicy()}
+    for layer in decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=True, **kw)
+    fully_shard(model, reshard_after_forward=False, **kw)
+    return model
+
+
+def shard_models(cfg: Config, models: Models, info: DistInfo) -> None:
+    """Shard the run's models in place (before their optimizers are built: sharding replaces the parameters)."""
+    mesh = device_mesh(info)
+    gpu = info.device.type == "cuda"
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if gpu and cfg.dtype == "bfloat16" else None
+    offload = CPUOffloadPolicy() if cfg.cpu_offload else None
+    shard(models.actor, mesh, mp, offload)
+    if models.critic is not None:
+        shard(models.critic, mesh, mp, offload)
+    if models.old_actor is not None:  # scores like the actor: the same parameter dtype, so the first ratio is 1
+        shard(models.old_actor, mesh, mp, offload)
+    if cfg.shard_frozen:
+        shard(models.ref, mesh, offload=offload)
+        if models.rm_scorer is not None and getattr(models.rm_scorer, "model", None) is not None:
+            try:
+                shard(models.rm_scorer.model, mesh, offload=offload)
+            except ValueError:  # a remote-code reward model without a findable decoder stack: keep it whole
+                pass
+
+
+def is_sharded(model: nn.Module | None) -> bool:
+    return bool(fsdp_modules(model))
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole state dict of a sharded model on rank 0, in host memory ({} on the other ranks). A collective."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+# ---------------------------------------------------------------------------------------------- DCP
+def shards_path(resume_file: str | Path) -> Path:
+    """The DCP folder beside a resume file."""
+    p = Path(resume_file)
+    return p.with_name(p.name.removesuffix(".pth") + SHARDS_SUFFIX)
+
+
+def _temp_path(final: Path) -> Path:
+    return final.with_name(final.name + ".tmp")
+
+
+def sharded_state(models: dict[str, nn.Module | None], optims: dict[str, torch.optim.Optimizer]) -> dict:
+    """What DCP saves and loads: each model's ("actor", "critic", "old_actor"; None = absent) and each optimizer's
+    state (keyed by the model it trains) as DTensors."""
+    state = {name: get_model_state_dict(model) for name, model in models.items() if model is not None}
+    for name, opt in optims.items():
+        state[f"optim/{name}"] = get_optimizer_state_dict(models[name], opt)
+    return state
+
+
+def save_shards(models: dict[str, nn.Module | None], optims: dict, final: Path, info: DistInfo) -> None:
+    """Every rank writes its part of the model and optimizer state into `final` (a DCP folder), via a
+    temporary folder renamed by rank 0 once all parts are written (DCP's save ends with a gather of every
+    rank's write results, so the rename sees them all). A collective."""
+    tmp = _temp_path(final)
+    if info.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save killed at this step before
+    _barrier(info)
+    dcp.save(sharded_state(models, optims), checkpoint_id=str(tmp))
+    if info.is_main:
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    _barrier(info)
+
+
+def load_shards(models: dict[str, nn.Module | None], optims: dict, folder: Path) -> None:
+    """Load a DCP folder written by `save_shards` into the sharded models and optimizers, resharding to this
+    run's world size (an optimizer that has not stepped yet gets its state allocated first, so there is
+    somewhere to load it). A collective."""
+    state = sharded_state(models, optims)
+    dcp.load(state, checkpoint_id=str(folder), storage_reader=SafeReader(folder))
+    for name, model in models.items():
+        if model is not None:
+            set_model_state_dict(model, state[name])
+    for name, opt in optims.items():
+        set_optimizer_state_dict(models[name], opt, state[f"optim/{name}"])
+
+
+class UnsafeShardsError(RuntimeError):
+    """DCP metadata that names something other than DCP's own records: refused, never loaded."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's metadata file is a pickle, which plain pickle.load would let run code; this one builds only
+    DCP's own record classes, torch's dtype / Size / layout / memory-format values and plain containers."""
+
+    def find_class(self, module: str, name: str):  # noqa: ANN201 - pickle's signature
+        if module.startswith("torch.distributed.checkpoint."):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        if (module, name) in {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"),
+                              ("builtins", "frozenset"), ("builtins", "slice")}:
+            return super().find_class(module, name)
+        raise UnsafeShardsError(f"{module}.{name}")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with its metadata read by `_MetadataUnpickler` (the tensors themselves DCP reads with
+    torch.load(weights_only=True))."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except UnsafeShardsError as e:
+                raise UnsafeShardsError(
+                    f"{self.path}: refused: its DCP metadata carries a pickled {e} that would run code when loaded; "
+                    f"do not use checkpoints from untrusted sources") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def stray_shards(checkpoint_dir: str | Path, prefix: str, keep: list[Path]) -> list[Path]:
+    """DCP folders of this run that no kept resume file names: the temporary folders of killed saves and the
+    shards of pruned or never-committed steps."""
+    wanted = {shards_path(p).name for p in keep}
+    return sorted(p for p in Path(checkpoint_dir).glob(f"{prefix}_step*{SHARDS_SUFFIX}*")
+                  if p.is_dir() and p.name not in wanted)
+
+
+def _barrier(info: DistInfo) -> None:
+    if info.enabled:
+        import torch.distributed as dist
+        if info.comm_device.type == "cuda":
+            dist.barrier(device_ids=[info.device.index])
+        else:
+            dist.barrier()
