@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from unittest import mock
@@ -307,3 +308,16 @@ def spawn_ranks(worker, nprocs: int, out_dir: Path, timeout: float, what: str, *
             for p in ctx.processes:
                 p.terminate()
             pytest.fail(f"{what} hung")
+
+
+def resume_state(path: Path) -> dict:
+    """A resume file's state with its models and optimizer state whole, also for a sharded run (--strategy fsdp2),
+    whose DCP folder is joined here as one process would hold it ("actor", "critic", "optim/actor", ...)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state.get("shards"):
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(Path(path).with_name(state["shards"]), Path(tmp) / "whole.pt")
+            state.update(torch.load(Path(tmp) / "whole.pt", weights_only=True))
+    return state

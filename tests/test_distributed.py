@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, free_port, make_tiny_world, read_metrics, run_train, spawn_ranks, tiny_flags
+from tests.helpers import ROOT, deep_equal, resume_state, free_port, make_tiny_world, read_metrics, run_train, spawn_ranks, tiny_flags
 from trainer.run import distributed as D
 from trainer.ppo import explained_variance, masked_whiten
 
@@ -82,17 +82,8 @@ def fsdp2_procs(world, tmp_path_factory):
 
 
 def final_weights(ckpt_dir: Path) -> dict:
-    """The newest resume checkpoint's step, actor and critic (fp32), whether written whole (ddp) or as DCP shards."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    path = _resume_files(ckpt_dir)[-1]
-    state = _load(path)
-    if state.get("shards"):
-        whole = ckpt_dir / "whole.pt"
-        dcp_to_torch_save(path.with_name(state["shards"]), whole)  # the shards joined, as one process would hold them
-        state.update(torch.load(whole, weights_only=True))
-        whole.unlink()
-    return state
+    """The newest resume checkpoint's state with actor and critic whole, whether written whole (ddp) or as shards."""
+    return resume_state(_resume_files(ckpt_dir)[-1])
 
 
 @pytest.fixture(scope="module")
@@ -401,6 +392,37 @@ def test_fsdp2_equals_ddp_and_one_process(fsdp2_procs, two_procs, one_proc, worl
     assert torch.allclose(exported[key].float(), f["actor"][key], atol=1e-3)
 
 
+@pytest.mark.slow
+def test_fsdp2_resume_is_exact_and_reshards_to_another_world_size(fsdp2_procs, world, tmp_path):
+    """A 2-process fsdp2 run resumed from its step-2 checkpoint ends step 3 with bit-identical shards (model and
+    AdamW state); the same checkpoint resumed by 1 process is resharded by DCP and continues the sample stream."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    src = fsdp2_procs["tmp"]
+    per_rank = GLOBAL_BATCH // 2
+    for name, procs, steps in (("same", 2, 3), ("one", 1, 4)):
+        d = tmp_path / name
+        shutil.copytree(src / "ckpt", d / "ckpt")
+        shutil.copytree(src / "run", d / "run")
+        for f in (d / "ckpt").glob("*step00000003*"):  # back to the step-2 checkpoint
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
+        flags = tiny_flags(world, d, **{**EQUIV, "save_weight": "fsdp2", "max_steps": steps}, batch_size=per_rank,
+                           mini_batch_size=per_rank, strategy="fsdp2", from_resume=1)
+        r, _ = _timed_run(flags, d, procs=procs)
+        assert "at step 2 (epoch 0, sample 8)" in r.stdout
+        if procs == 2:
+            whole = {}
+            for run, ckpt in (("straight", src / "ckpt"), ("resumed", d / "ckpt")):
+                dcp_to_torch_save(ckpt / "fsdp2_64_resume_step00000003.dcp", d / f"{run}.pt")
+                whole[run] = torch.load(d / f"{run}.pt", weights_only=True)
+            assert deep_equal(whole["straight"], whole["resumed"]) == []
+        else:
+            assert "world size changed 2 -> 1: continuing at global sample 8 of epoch 0" in r.stdout
+            assert [row["step"] for row in read_metrics(d / "run")] == [1, 2, 3, 4]
+            last = final_weights(d / "ckpt")
+            assert (last["step"], last["consumed"], last["world_size"]) == (4, 8 + 2 * per_rank, 1)
+
+
 def _samples(tmp: Path) -> list[dict]:
     import json
 
@@ -437,24 +459,26 @@ def test_resume_written_by_two_procs_continues_under_one(two_procs, world, tmp_p
 
 
 @pytest.mark.slow
-def test_collective_decisions_do_not_hang(world, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_collective_decisions_do_not_hang(world, tmp_path, strategy):
     """NaN reward on rank 1 only at step 1 -> both ranks skip that step; a tiny --early_stop_kl
     stops every later update on both ranks; 11 prompts with a global batch of 4 (uneven) over 2
     epochs -> 2 steps per epoch on every rank, no hang at the epoch ends. A metric of 1.0 (not 0.5)
-    after the mean over ranks shows both ranks took the decision."""
+    after the mean over ranks shows both ranks took the decision. The same with sharded models."""
     lines = Path(world["data"]).read_text(encoding="utf-8").splitlines()[:11]
     data = tmp_path / "prompts11.jsonl"
     data.write_text("\n".join(lines) + "\n", encoding="utf-8")
     flags = tiny_flags(world, tmp_path, device="cpu", data_path=str(data), batch_size=2, mini_batch_size=2, epochs=2,
                        max_steps=0, early_stop_kl=1e-9, ppo_update_iters=2, rm_weight=0, save_interval=1, keep_checkpoints=10,
-                       save_weight="collective", reward_fn=f"{FIXTURES / 'dist_rewards.py'}:nan_on_rank1_first_call")
+                       save_weight="collective", reward_fn=f"{FIXTURES / 'dist_rewards.py'}:nan_on_rank1_first_call",
+                       strategy=strategy)
     r, secs = _timed_run(flags, tmp_path, procs=2, timeout=240)
     print(f"2-process collective-decisions run: {secs:.1f} s")
     rows = read_metrics(tmp_path / "run")
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     assert [row["nonfinite"] for row in rows] == [1.0, 0.0, 0.0, 0.0]
     assert [row["ppo/early_stopped"] for row in rows[1:]] == [1.0, 1.0, 1.0]
-    files = {(s := _load(f))["step"]: s for f in _resume_files(tmp_path / "ckpt")}
+    files = {(s := resume_state(f))["step"]: s for f in _resume_files(tmp_path / "ckpt")}
     start = torch.load(Path(world["save_dir"]) / f"full_sft_{world['hidden']}.pth", weights_only=True)
     key = "model.layers.0.mlp.up_proj.weight"
     assert torch.equal(files[1]["actor"][key], start[key].float())  # the skipped step moved nothing

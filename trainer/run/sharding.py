@@ -149,15 +149,16 @@ class UnsafeShardsError(RuntimeError):
 
 class _MetadataUnpickler(pickle.Unpickler):
     """DCP's metadata file is a pickle, which plain pickle.load would let run code; this one builds only
-    DCP's own record classes, torch's dtype / Size / layout / memory-format values and plain containers."""
+    DCP's own record classes, torch's dtype / Size / layout / memory-format values, paths and plain containers."""
 
     def find_class(self, module: str, name: str):  # noqa: ANN201 - pickle's signature
         if module.startswith("torch.distributed.checkpoint."):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
             return getattr(torch, name)
-        if (module, name) in {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"),
-                              ("builtins", "frozenset"), ("builtins", "slice")}:
+        if (module, name) in {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                              ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+                              ("builtins", "slice")}:
             return super().find_class(module, name)
         raise UnsafeShardsError(f"{module}.{name}")
 
