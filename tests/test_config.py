@@ -180,3 +180,28 @@ def test_the_reference_in_docs_is_the_configs_own():
     trainer.config.reference_markdown() after changing a field)."""
     text = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert C.reference_markdown() in text
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--strategy", "fsdp2", "--lora_r", "8"], "--lora_r 8 under --strategy fsdp2"),
+    (["--strategy", "fsdp2", "--use_moe", "1"], "--use_moe 1 under --strategy fsdp2"),
+    (["--strategy", "fsdp2", "--use_compile", "1"], "--use_compile 1 under --strategy fsdp2"),
+    (["--strategy", "fsdp2", "--parallel_update", "1"], "--parallel_update 1 under --strategy fsdp2"),
+    (["--strategy", "fsdp2", "--ref_device", "cpu"], "--critic_device / --reward_device under --strategy fsdp2"),
+    (["--strategy", "fsdp2", "--cpu_offload", "1", "--device", "cpu"], "a CPU run has nothing to offload"),
+    (["--cpu_offload", "1"], "--cpu_offload 1 offloads FSDP2's shards: it needs --strategy fsdp2"),
+])
+def test_what_fsdp2_does_not_combine_with_is_one_line(argv, says):
+    with pytest.raises(SystemExit) as e:
+        C.validate(C.parse_args(argv))
+    assert str(e.value).startswith("error: ") and says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fsdp2_turns_the_side_by_side_update_off():
+    """Auto --parallel_update would run the actor's and critic's sharded backwards in two threads: off under fsdp2
+    even for one CPU process under bf16."""
+    import torch
+
+    info = DistInfo(device=torch.device("cpu"))
+    assert C.resolve(C.parse_args(["--dtype", "bfloat16", "--num_threads", "2"]), info, None).parallel_update == 1
+    assert C.resolve(C.parse_args(["--dtype", "bfloat16", "--num_threads", "2", "--strategy", "fsdp2"]), info, None).parallel_update == 0

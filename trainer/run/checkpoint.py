@@ -26,6 +26,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from model.lora import LORA_FLAGS, actor_state_dict, load_actor_state_dict
 from model.weights import atomic_torch_save
@@ -395,7 +396,7 @@ def resume_run(checkpoint_dir: str | Path, save_weight: str, prefix: str, flags:
                         trainables["optims"], shards)
         except UnsafeShardsError as e:
             raise UnsafeResumeError(str(e)) from None
-        except Exception as e:  # noqa: BLE001 - DCP raises on every rank when any rank's read failed
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises on every rank when any rank's read failed
             raise ResumeError(f"{shards}: unreadable shards ({one_line(e)}); move this step's files away to resume from the "
                               f"previous checkpoint") from None
     step, saved_world, rank, world_size = state["step"], state["world_size"], info.rank, info.world_size

@@ -25,6 +25,7 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dataset.rlaif import collate_left_pad
 from model.lora import export_base_hf, is_lora, merged_state_dict, save_adapter
@@ -237,7 +238,7 @@ class Run:
             try:
                 sharding.save_shards({"actor": m.actor, "critic": m.critic, "old_actor": m.old_actor},
                                      self.built.optim.optims, shards, info)
-            except Exception as e:  # noqa: BLE001 - DCP raises on every rank when any rank's write failed
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises on every rank when any rank's write failed
                 raise SystemExit(f"error: saving step {self.pos.step}'s shards to {shards}: {D.one_line(e)}; the previous "
                                  f"checkpoint is intact") from None
         with D.failing_together(info):

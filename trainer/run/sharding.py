@@ -134,6 +134,7 @@ def load_shards(models: dict[str, nn.Module | None], optims: dict, folder: Path)
     """Load a DCP folder written by `save_shards` into the sharded models and optimizers, resharding to this
     run's world size (an optimizer that has not stepped yet gets its state allocated first, so there is
     somewhere to load it). A collective."""
+    SafeReader(folder).read_metadata()  # an unsafe file refused as such (inside dcp.load it is one failure among others)
     state = sharded_state(models, optims)
     dcp.load(state, checkpoint_id=str(folder), storage_reader=SafeReader(folder))
     for name, model in models.items():
