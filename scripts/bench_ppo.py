@@ -311,12 +311,14 @@ class ConfigRun:
                 "--rm_weight", "0.5" if cfg["reward_model"] else "0", "--lora_r", str(cfg.get("lora_r", 0)),
                 "--reward_model_path", cfg["reward_model"] or "none", "--device", cfg.get("device", "cpu"),
                 # 0: the two-pass path the trainer takes with more than one minibatch
-                "--reuse_values", "-1" if cfg.get("reuse_values", 1) else "0", *cfg.get("extra_args", [])]
+                "--reuse_values", "-1" if cfg.get("reuse_values", 1) else "0", "--strategy", cfg.get("strategy", "ddp"),
+                *cfg.get("extra_args", [])]
         self.T, self.cfg = T, cfg
         raw = T.parse_args(argv)
         # ---- the run, built by the trainer's own set-up (models, optimizers, precision, compile)
         t_build = time.perf_counter()
-        self.built = setup(raw, DistInfo(device=resolve_device(raw.device)))
+        # Under torchrun (--procs N): the process group from its environment, as train_ppo.py builds it.
+        self.built = setup(raw, None if int(os.environ.get("WORLD_SIZE", "1")) > 1 else DistInfo(device=resolve_device(raw.device)))
         self.args = args = self.built.cfg  # resolved
         self.build_s = time.perf_counter() - t_build
         self.rss_models = rss_now_mb()
@@ -368,13 +370,15 @@ class ConfigRun:
         m = built.models
         actor, critic, ref, old_actor, rm_scorer, optims = m.actor, m.critic, m.ref, m.old_actor, m.rm_scorer, built.optim.optims
         # ---- figures
+        from trainer.dist import local  # this rank's part of a sharded (--strategy fsdp2) tensor
+
         nparams = lambda m: sum(p.numel() for p in m.parameters()) if m is not None else 0
-        pbytes = lambda m: sum(p.numel() * p.element_size() for p in m.parameters()) if m is not None else 0
+        pbytes = lambda m: sum(local(p).numel() * p.element_size() for p in m.parameters()) if m is not None else 0
         params = {"actor": nparams(actor), "critic": nparams(critic), "ref": nparams(ref), "old_actor": nparams(old_actor),
                   "reward_model": nparams(rm_scorer.model) if rm_scorer is not None and hasattr(rm_scorer, "model") else 0}
-        adam_bytes = sum(t.numel() * t.element_size() for o in optims.values() for s in o.state.values()
+        adam_bytes = sum(local(t).numel() * t.element_size() for o in optims.values() for s in o.state.values()
                          for t in s.values() if isinstance(t, torch.Tensor))
-        grad_bytes = sum(p.numel() * 4 for m in (actor, critic) if m is not None for p in m.parameters() if p.requires_grad)
+        grad_bytes = sum(local(p).numel() * 4 for m in (actor, critic) if m is not None for p in m.parameters() if p.requires_grad)
         param_mb = {"actor": pbytes(actor) / MB, "critic": pbytes(critic) / MB, "ref": pbytes(ref) / MB,
                     "old_actor": pbytes(old_actor) / MB,
                     "reward_model": pbytes(rm_scorer.model) / MB if rm_scorer is not None and hasattr(rm_scorer, "model") else 0.0}
@@ -387,6 +391,8 @@ class ConfigRun:
             "fp32_model_copy": fp32_copy_mb, "budget_4_copies_2_adamw": rss_base + 8 * fp32_copy_mb,
         }
         memory["within_budget"] = bool(peak <= memory["budget_4_copies_2_adamw"])
+        # What this rank holds of the trained models: parameters, fp32 gradients and AdamW state (1/world under fsdp2).
+        memory["trained_state"] = (param_mb["actor"] + param_mb["critic"]) + grad_bytes / MB + adam_bytes / MB
         dev = built.runtime.device  # on a GPU: the most its allocator handed out at once, builds and steps together
         memory["cuda_peak_allocated"] = torch.cuda.max_memory_allocated(dev) / MB if dev.type == "cuda" else None
 
@@ -431,11 +437,21 @@ class ConfigRun:
 
 
 def run_config(cfg: dict) -> dict:
-    """One configuration, in this (fresh) process. Returns the result dict (RESULT_KEYS)."""
+    """One configuration, in this (fresh) process, or this rank's part of it under torchrun (--procs). Returns the
+    result dict (RESULT_KEYS)."""
     run = ConfigRun(cfg)
     for step in range(cfg["warmup"] + cfg["steps"]):
         run.step(step)
-    return run.result()
+    result = run.result()
+    if run.built.runtime.info.enabled:  # every rank's result, then leave together (the trainer's own way out)
+        from trainer.run import distributed as D
+
+        info = run.built.runtime.info
+        result["rank"] = info.rank
+        result["per_rank"] = D.all_gather_objects({"trained_state": result["memory_mb"]["trained_state"],
+                                                   "peak_rss": result["memory_mb"]["peak_rss"], "error": result["error"]}, info)
+        D.cleanup(info)
+    return result
 
 
 def run_interleaved(cfgs: list[dict]) -> list[dict]:
@@ -479,6 +495,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="comma list of 1/0: with one epoch of one minibatch (the bench's shape) the critic's scoring forward is the "
            "update's (1, the trainer's rule) or the update runs its own (0)")
     a("--lora_r", default="0", help="comma list of LoRA ranks of the actor (0 = full fine-tuning; --extra sets --lora_alpha etc.)")
+    a("--procs", type=int, default=1,
+      help="processes per config: > 1 runs each config under torchrun (gloo on CPU, NCCL on GPUs), every rank the same "
+           "batch, and reports what each rank holds of the trained models and its peak RSS")
+    a("--strategy", default="ddp", help="comma list of ddp,fsdp2 (train_ppo's --strategy; with --procs > 1)")
     a("--batch_size", type=int, default=8)
     a("--prompt_len", type=int, default=64)
     a("--gen_len", type=int, default=64)
@@ -520,16 +540,21 @@ def expand_configs(o: argparse.Namespace) -> list[dict]:
     if steps < 1 or o.warmup < 0:
         raise SystemExit("error: --steps must be >= 1 and --warmup >= 0")
     # Every comma list expands the matrix (the last list varies fastest).
+    strategies = o.strategy.split(",")
+    if any(x not in ("ddp", "fsdp2") for x in strategies):
+        raise SystemExit(f"error: --strategy {o.strategy}: a comma list of ddp, fsdp2")
+    if o.procs < 1 or (o.procs > 1 and o.interleave):
+        raise SystemExit("error: --procs must be >= 1, and --interleave 1 needs --procs 1 (one torchrun per config)")
     matrix = itertools.product(sizes, ints(o.num_threads), ints(o.use_compile), ints(o.frozen_low_precision),
-                               dtypes, old_modes, ints(o.parallel_update), ints(o.lora_r), ints(o.reuse_values))
+                               dtypes, old_modes, ints(o.parallel_update), ints(o.lora_r), ints(o.reuse_values), strategies)
     return [{
         "name": Path(o.actor_path).name if o.actor_path else f"{h}x{l}", "hidden": h, "layers": l, "actor_path": o.actor_path, "dtype": d, "update_old_actor_freq": old,
         "frozen_low_precision": flp, "use_compile": comp, "num_threads": threads, "parallel_update": par,
         "batch_size": o.batch_size, "prompt_len": o.prompt_len, "gen_len": o.gen_len,
         "prompts": o.prompts, "steps": steps, "warmup": o.warmup, "count_flops": o.count_flops,
         "seed": o.seed, "reward_model": None, "extra_args": o.extra.split() if o.extra else [], "lora_r": lora,
-        "reuse_values": reuse, "device": o.device,
-    } for (h, l), threads, comp, flp, d, old, par, lora, reuse in matrix]
+        "reuse_values": reuse, "device": o.device, "strategy": strategy, "procs": o.procs,
+    } for (h, l), threads, comp, flp, d, old, par, lora, reuse, strategy in matrix]
 
 
 def run_child(cfgs: list[dict], timeout: int) -> list[dict]:
@@ -537,7 +562,11 @@ def run_child(cfgs: list[dict], timeout: int) -> list[dict]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "result.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", json.dumps({"cfgs": cfgs, "out": str(out)})]
+        job = ["--_child", json.dumps({"cfgs": cfgs, "out": str(out)})]
+        procs = cfgs[0].get("procs", 1)
+        launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port",
+                     str(_free_port())] if procs > 1 else [sys.executable])
+        cmd = [*launcher, str(Path(__file__).resolve()), *job]
         try:
             r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout * len(cfgs))
         except subprocess.TimeoutExpired:
@@ -546,6 +575,14 @@ def run_child(cfgs: list[dict], timeout: int) -> list[dict]:
             tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
             return [{"config": c, "ok": False, "error": f"exit {r.returncode}: {tail}"} for c in cfgs]
         return json.loads(out.read_text())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def child_groups(cfgs: list[dict], interleave: bool) -> list[list[dict]]:
@@ -563,7 +600,8 @@ def fmt_row(r: dict) -> str:
     c = r["config"]
     label = (f"{c['name']:>6} {c['dtype'][:4]:>4} old={c['update_old_actor_freq']} flp={c['frozen_low_precision']} "
              f"cmp={c['use_compile']} thr={c['num_threads'] or 'def'} par={c.get('parallel_update', -1)} lora={c.get('lora_r', 0)}"
-             f"{'' if c.get('reuse_values', 1) else ' 2pass'}")
+             f"{'' if c.get('reuse_values', 1) else ' 2pass'}"
+             f"{' ' + c.get('strategy', 'ddp') + 'x' + str(c['procs']) if c.get('procs', 1) > 1 else ''}")
     if not r.get("ok"):
         return f"{label} | FAILED: {r.get('error')}"
     t, m = r["time_s"], r["memory_mb"]
@@ -608,7 +646,11 @@ def main(argv: list[str] | None = None) -> None:
         job = json.loads(o._child)
         cfgs = job["cfgs"]
         res = [run_config(cfgs[0])] if len(cfgs) == 1 else run_interleaved(cfgs)
-        Path(job["out"]).write_text(json.dumps(res))
+        if res[0].get("rank", 0) == 0:
+            Path(job["out"]).write_text(json.dumps(res))
+        if "rank" in res[0]:  # torchrun: out before interpreter shutdown, where a gloo group can hang
+            sys.stdout.flush()
+            os._exit(0)
         return
     try:
         from trainer.run.distributed import resolve_device
@@ -687,6 +729,14 @@ def main(argv: list[str] | None = None) -> None:
     for r in results:
         if r.get("ok"):
             print(summary_line(r, o))
+    spread = [r for r in results if r.get("ok") and r.get("per_rank")]
+    if spread:
+        print("\nper rank (--procs): parameters + fp32 gradients + AdamW state of the trained models, and peak RSS:")
+        for r in spread:
+            c = r["config"]
+            print(f"{c['name']} {c['dtype']} {c['strategy']} x {c['procs']}: trained state "
+                  + ", ".join(f"{x['trained_state']:.1f}" for x in r["per_rank"]) + " MB; peak RSS "
+                  + ", ".join(f"{x['peak_rss']:.0f}" for x in r["per_rank"]) + " MB")
     print(f"total bench time {time.perf_counter() - t_all:.0f} s")
     report = {
         "machine": {"cpu": cpu_name(), "logical_cpus": os.cpu_count(), "torch": torch.__version__,

@@ -423,6 +423,29 @@ def test_fsdp2_resume_is_exact_and_reshards_to_another_world_size(fsdp2_procs, w
             assert (last["step"], last["consumed"], last["world_size"]) == (4, 8 + 2 * per_rank, 1)
 
 
+@pytest.mark.slow
+def test_fsdp2_with_whole_frozen_models_old_actor_and_evaluation(world, tmp_path):
+    """The other fsdp2 paths in one 2-process run: --shard_frozen 0 (reference and reward model whole on every rank),
+    MiniMind's frozen old actor (refreshed from the sharded actor's state dict), a critic-free estimator, and the
+    held-out evaluation, which runs on rank 0 while every rank holds the gathered weights."""
+    evald = tmp_path / "eval.jsonl"
+    evald.write_text("\n".join(Path(world["data"]).read_text(encoding="utf-8").splitlines()[:4]) + "\n", encoding="utf-8")
+    flags = tiny_flags(world, tmp_path, device="cpu", batch_size=2, mini_batch_size=4, max_steps=2, strategy="fsdp2",
+                       shard_frozen=0, update_old_actor_freq=1, advantage_estimator="grpo", num_generations=2,
+                       eval_data_path=str(evald), eval_interval=1, save_weight="whole_frozen")
+    r, secs = _timed_run(flags, tmp_path, procs=2)
+    print(f"2-process fsdp2 --shard_frozen 0 run: {secs:.1f} s")
+    rows = read_metrics(tmp_path / "run")
+    assert [row["step"] for row in rows if "kl_ref" in row] == [1, 2]
+    assert all(math.isfinite(row["eval/response_length"]) for row in rows if "eval/response_length" in row)
+    assert len([row for row in rows if "eval/response_length" in row]) == 3  # steps 0, 1, 2
+    assert rows[-1]["kl_ref"] > 0  # the actor moved away from its whole-on-every-rank reference
+    state = final_weights(tmp_path / "ckpt")
+    assert state["shards"] and "old_actor" in state and set(state["old_actor"]) == set(state["actor"])
+    exported = torch.load(Path(world["save_dir"]) / "whole_frozen_64.pth", weights_only=True)
+    assert set(exported) == set(torch.load(Path(world["save_dir"]) / "full_sft_64.pth", weights_only=True))
+
+
 def _samples(tmp: Path) -> list[dict]:
     import json
 

@@ -299,7 +299,10 @@ def _build(raw: Config, info: DistInfo) -> Setup:
     precisions = {d.type: resolve_precision(raw, d, layer_params) for d in devices.values() if d.type != info.device.type}
     precisions[info.device.type] = (cfg.dtype, cfg.frozen_dtype)
     try:
-        models = build_models(cfg, info.device, cfg.frozen_dtype, devices,
+        # --strategy fsdp2: built in host memory; sharding then moves each rank's shards to its device, so a GPU
+        # never holds a trained model whole (fully_shard moves CPU-built modules to the mesh's device).
+        build_on = torch.device("cpu") if cfg.strategy == "fsdp2" else info.device
+        models = build_models(cfg, build_on, cfg.frozen_dtype, {k: build_on for k in devices} if cfg.strategy == "fsdp2" else devices,
                               frozen_dtypes={k: precisions[d.type][1] for k, d in devices.items()})
         if info.rank > 0:  # then each rank samples differently (rank 0 keeps the single-process stream)
             seed_everything(cfg.seed + info.rank)

@@ -77,13 +77,17 @@ def shard_models(cfg: Config, models: Models, info: DistInfo) -> None:
         shard(models.critic, mesh, mp, offload)
     if models.old_actor is not None:  # scores like the actor: the same parameter dtype, so the first ratio is 1
         shard(models.old_actor, mesh, mp, offload)
+    rm = getattr(models.rm_scorer, "model", None)
     if cfg.shard_frozen:
         shard(models.ref, mesh, offload=offload)
-        if models.rm_scorer is not None and getattr(models.rm_scorer, "model", None) is not None:
+        if rm is not None:
             try:
-                shard(models.rm_scorer.model, mesh, offload=offload)
-            except ValueError:  # a remote-code reward model without a findable decoder stack: keep it whole
+                shard(rm, mesh, offload=offload)
+            except ValueError:  # a remote-code reward model without a findable decoder stack: kept whole
                 pass
+    for frozen in (models.ref, rm):  # built in host memory (setup): what stays whole goes to the rank's device
+        if frozen is not None and not is_sharded(frozen):
+            frozen.to(info.device)
 
 
 def is_sharded(model: nn.Module | None) -> bool:
