@@ -287,6 +287,30 @@ def check_two_processes(c: Context) -> tuple[str, str]:
     return "PASS", figures + f"; --device cuda on 1 GPU refused: \"{said[0][:160]}\""
 
 
+def check_fsdp2(c: Context) -> tuple[str, str]:
+    """--strategy fsdp2 under torchrun: on the GPUs (NCCL, bf16 MixedPrecisionPolicy; on one GPU also with
+    --cpu_offload 1), or 2 gloo ranks in the CPU smoke run."""
+    import torch
+
+    n_gpus = torch.cuda.device_count() if not c.smoke else 0
+    procs, device, dtype = (min(n_gpus, 2), "cuda", "bfloat16") if n_gpus else (2, "cpu", "float32")
+    figures = []
+    for name, extra in (("fsdp2", []), *([("fsdp2_offload", ["--cpu_offload", "1"])] if n_gpus else [])):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [c.py, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port", str(port), "train_ppo.py",
+               "--device", device, "--dtype", dtype, "--num_threads", "1", "--strategy", "fsdp2", *extra,
+               *train_flags(c.work, name, 64, 2, 2, 8, 2)]
+        t0 = time.perf_counter()
+        run(cmd, dict(c.env, OMP_NUM_THREADS="1"), c.o.timeout)
+        if not (c.work / name / "out" / "ppo_actor_64.pth").is_file() or not list((c.work / name / "ckpt").glob("*.dcp")):
+            raise CheckFailed(f"{name}: finished without its policy or its DCP shards")
+        figures.append(f"{' '.join(extra) or 'sharded'}: 2 steps in {time.perf_counter() - t0:.0f} s")
+    where = f"NCCL, {procs} rank(s) on GPUs, bf16" if n_gpus else "gloo with --device cpu, 2 ranks, fp32"
+    return "PASS", f"{where}, 64x2: " + "; ".join(figures) + " (with start-up; policy and DCP shards written)"
+
+
 def check_minimind(c: Context) -> tuple[str, str]:
     if not c.o.minimind_dir:
         return "SKIP", "no --minimind_dir given"
@@ -307,7 +331,7 @@ def check_minimind(c: Context) -> tuple[str, str]:
 CHECKS: list[tuple[str, Callable[[Context], tuple[str, str]]]] = [
     ("gpu tests", check_gpu_tests), ("bench", check_bench), ("deterministic", check_deterministic),
     ("fast decode", check_fast_decode), ("logprob gap", check_logprob_gap), ("2 processes", check_two_processes),
-    ("minimind", check_minimind),
+    ("fsdp2", check_fsdp2), ("minimind", check_minimind),
 ]
 
 

@@ -12,7 +12,7 @@ from tests.helpers import ROOT
 from tests.test_time_minimind import _fake_minimind
 
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
-ROWS = ["gpu tests", "bench", "deterministic", "fast decode", "logprob gap", "2 processes", "minimind"]
+ROWS = ["gpu tests", "bench", "deterministic", "fast decode", "logprob gap", "2 processes", "fsdp2", "minimind"]
 
 
 def _run(args: list[str], timeout: int) -> subprocess.CompletedProcess:
@@ -64,6 +64,7 @@ def test_allow_cpu_smoke_run_prints_every_row(tmp_path):
     assert table["deterministic"][1].startswith("identical: ")
     assert "no LoRA: A_logr" in table["logprob gap"][1] and "LoRA r4: A_logr" in table["logprob gap"][1]
     assert "gloo with --device cpu" in table["2 processes"][1]
+    assert table["fsdp2"][0] == "PASS" and "policy and DCP shards written" in table["fsdp2"][1]
     assert "x as long" in table["minimind"][1]  # MiniMind's s/step against the bench row's
     # Each check's command was printed before it ran, and the runs wrote where they were told.
     commands = [l for l in r.stdout.splitlines() if l.startswith("$ ")]
