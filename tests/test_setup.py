@@ -356,7 +356,7 @@ def test_ddp_wraps_without_broadcasting_buffers(monkeypatch, actor_dev, critic_d
     _RecordingDDP.calls = []
     monkeypatch.setattr(setup_mod, "DDP", _RecordingDDP)
     models = SimpleNamespace(actor=_OnDevice(actor_dev), critic=_OnDevice(critic_dev), actor_train=None, critic_train=None)
-    args = argparse.Namespace(use_moe=0, use_compile=0)
+    args = argparse.Namespace(use_moe=0, use_compile=0, strategy="ddp")
     setup_mod.wrap_for_training(args, models, DistInfo(rank=0, world_size=2, device=actor_dev))
     assert [kw["device_ids"] for kw in _RecordingDDP.calls] == ids
     for kw in _RecordingDDP.calls:
