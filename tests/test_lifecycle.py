@@ -289,3 +289,41 @@ def test_preemption_under_a_scheduler_and_torchrun_saves_and_resumes_exactly(wor
     sa, sb = resume_state(a / "ckpt" / _name(5)), resume_state(b / "ckpt" / _name(5))
     parts = [k for k in sa if k in ("actor", "critic", "optim") or k.startswith("optim/")]
     assert not deep_equal({k: sa[k] for k in parts}, {k: sb[k] for k in parts})
+
+
+@pytest.mark.slow
+def test_sigkill_of_every_rank_during_sharded_saves_loses_nothing(world, tmp_path):
+    """--strategy fsdp2 saves every step: every rank writes DCP shards, rank 0 renames the folder and then
+    commits the step with its .pth. Both ranks are SIGKILLed at arbitrary moments after a save, twice (kills
+    land in a step or inside a save); each resume picks the last committed step, leftovers are ignored and
+    cleaned, and the run ends with the model and AdamW state of a run never killed, bit for bit."""
+    import random
+
+    common = dict(max_steps=6, save_interval=1, keep_checkpoints=2, sample_interval=0, reward_fn=[], device="cpu",
+                  batch_size=2, mini_batch_size=2, strategy="fsdp2")
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    assert _wait_ranks(_start_ranks(tiny_flags(world, a, **common), a)) == [0, 0], (a / "rank0.log").read_text()[-3000:]
+    rng = random.Random()  # the kill moments are deliberately not reproducible
+    for k, after in enumerate((1, 3)):
+        procs = _start_ranks(tiny_flags(world, b, **common, from_resume=int(k > 0)), b)
+        t_end = time.monotonic() + 240
+        while not (b / "ckpt" / _name(after)).exists():
+            assert all(p.poll() is None for p, _ in procs), (b / "rank0.log").read_text()[-3000:]
+            assert time.monotonic() < t_end
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.3))
+        assert all(p.poll() is None for p, _ in procs), "the run finished before the kill: it would test nothing"
+        for p, _ in procs:
+            p.send_signal(signal.SIGKILL)
+        assert [p.wait(timeout=60) for p, _ in procs] == [-signal.SIGKILL] * 2
+        assert ckpt.list_resume_files(b / "ckpt", PREFIX)  # a committed step is always there
+    assert _wait_ranks(_start_ranks(tiny_flags(world, b, **common, from_resume=1), b)) == [0, 0], \
+        (b / "rank0.log").read_text()[-3000:]
+    files = ckpt.list_resume_files(b / "ckpt", PREFIX)
+    assert [f.name for f in files] == [_name(6), _name(5)]
+    assert sorted(p.name for p in (b / "ckpt").glob("*.dcp*")) == sorted(f.name.replace(".pth", ".dcp") for f in files)
+    sa, sb = resume_state(a / "ckpt" / _name(6)), resume_state(files[0])
+    parts = [k for k in sa if k in ("actor", "critic") or k.startswith("optim/")]
+    assert parts and not deep_equal({k: sa[k] for k in parts}, {k: sb[k] for k in parts})
