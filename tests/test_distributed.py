@@ -705,3 +705,12 @@ def test_each_estimator_two_ranks_equal_one_process(tmp_path):
             assert torch.equal(w0[k], w1[k]), (name, k)  # DDP keeps the ranks equal
             diff = (w0[k] - v).abs()
             assert diff.max().item() < MAX_ABS and diff.mean().item() < MEAN_ABS, (name, k)
+
+
+def test_small_collectives_stay_on_the_gpu_beside_a_gloo_backend_for_offloaded_shards():
+    """--cpu_offload 1 starts "cuda:nccl,cpu:gloo" (host-memory shards are reduced over gloo): the trainer's own
+    decisions and metric sums still go over NCCL on the rank's GPU; a gloo-only group on GPUs uses the CPU."""
+    gpu = torch.device("cuda", 3)
+    assert D.DistInfo(world_size=2, device=gpu, backend="cuda:nccl,cpu:gloo").comm_device == gpu
+    assert D.DistInfo(world_size=2, device=gpu, backend="nccl").comm_device == gpu
+    assert D.DistInfo(world_size=2, device=gpu, backend="gloo").comm_device == torch.device("cpu")

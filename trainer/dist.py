@@ -35,7 +35,7 @@ class DistInfo:
     def comm_device(self) -> torch.device:
         """Where the tensors of our own small collectives (decisions, metric means) live: the rank's GPU
         under NCCL, which takes CUDA tensors only; the CPU under gloo, also when the models are on a GPU."""
-        if self.device.type == "cuda" and self.backend in ("", "nccl"):
+        if self.device.type == "cuda" and (self.backend in ("", "nccl") or "cuda:nccl" in self.backend):
             return self.device
         return torch.device("cpu")
 

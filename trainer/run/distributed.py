@@ -59,8 +59,10 @@ def gpu_identity(device: torch.device) -> str:
     return f"{socket.gethostname()}:{visible[index] if index < len(visible) else index}"
 
 
-def init_distributed(device_flag: str = "auto", timeout_s: int = 1800) -> DistInfo:
-    """Initialise from torchrun's environment, or return a single-process DistInfo."""
+def init_distributed(device_flag: str = "auto", timeout_s: int = 1800, cpu_collectives: bool = False) -> DistInfo:
+    """Initialise from torchrun's environment, or return a single-process DistInfo. `cpu_collectives`: on GPUs,
+    a gloo backend beside NCCL for collectives on host tensors (FSDP2's --cpu_offload reduces and gathers its
+    host-memory shards: gradient-norm and whole-state-dict collectives)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -70,7 +72,8 @@ def init_distributed(device_flag: str = "auto", timeout_s: int = 1800) -> DistIn
         if not dist.is_initialized():
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+            backend = ("cuda:nccl,cpu:gloo" if cpu_collectives else "nccl") if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
         backend = str(dist.get_backend())
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
 
