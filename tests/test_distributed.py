@@ -714,3 +714,29 @@ def test_small_collectives_stay_on_the_gpu_beside_a_gloo_backend_for_offloaded_s
     assert D.DistInfo(world_size=2, device=gpu, backend="cuda:nccl,cpu:gloo").comm_device == gpu
     assert D.DistInfo(world_size=2, device=gpu, backend="nccl").comm_device == gpu
     assert D.DistInfo(world_size=2, device=gpu, backend="gloo").comm_device == torch.device("cpu")
+
+
+@pytest.mark.slow
+def test_fsdp2_exports_a_whole_hf_directory(world, tmp_path):
+    """--actor_path under fsdp2: the saved policy is a plain Hugging Face directory (its class name, not FSDP's)
+    holding the whole trained weights, the same as the run's DCP shards."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_hf import save_tiny_causal_lm
+
+    save_tiny_causal_lm(tmp_path / "llama")
+    flags = tiny_flags(world, tmp_path, actor_path=str(tmp_path / "llama"), save_dir=str(tmp_path / "out"), max_steps=2,
+                       batch_size=2, mini_batch_size=2, max_gen_len=8, device="cpu", strategy="fsdp2", save_weight="hf_fsdp2",
+                       reward_model_path="none", rm_weight=0, reward_fn=f"{FIXTURES / 'toy_rewards.py'}:low_id_share")
+    _timed_run(flags, tmp_path, procs=2)
+    out = tmp_path / "out" / "hf_fsdp2_hf"
+    import json
+
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    saved = final_weights(tmp_path / "ckpt")["actor"]
+    start = AutoModelForCausalLM.from_pretrained(tmp_path / "llama").state_dict()
+    got = model.state_dict()
+    assert set(saved) <= set(got)
+    assert all(torch.equal(got[k], saved[k]) for k in saved)
+    assert any(not torch.equal(got[k], start[k]) for k in saved)  # it trained
