@@ -9,6 +9,9 @@
     python scripts/bench_ppo.py --actor_path out/smollm2_135m_instruct --dtypes float32,bfloat16 --lora_r 0,16 \
         --batch_size 4 --prompt_len 80 --gen_len 64 --update_old_actor_freq 0 --reward_model none --interleave 1 \
         --extra "--advantage_estimator grpo --num_generations 4 --mini_batch_size 16"   # a pretrained HF model's levers
+    python scripts/bench_ppo.py --actor_path out/smollm2_135m_instruct --dtypes float32 --procs 2 --strategy ddp,fsdp2 \
+        --num_threads 1 --batch_size 2 --prompt_len 32 --gen_len 32 --reward_model none --update_old_actor_freq 0
+                                                         # each config under torchrun: what each rank holds
     python scripts/bench_ppo.py --sizes 512x8 --dtypes bfloat16 --minimind_s_per_step 8.8
                                                          # our speed-up against MiniMind measured beside it
 
