@@ -101,3 +101,13 @@ def test_a_save_killed_midway_leaves_the_last_committed_checkpoint_and_is_cleane
 def test_resuming_across_strategies_is_refused_in_one_line():
     with pytest.raises(ckpt.ResumeError, match="--strategy is 'fsdp2' but the resume file was written with --strategy 'ddp'"):
         ckpt.check_compatible({"strategy": "ddp"}, {"strategy": "fsdp2"})
+
+
+@pytest.mark.slow
+def test_one_process_without_torchrun_runs_sharded(tmp_path):
+    """`python train_ppo.py --strategy fsdp2` with no torchrun gets a process group of one (FSDP2 needs one)."""
+    from tests.helpers import make_tiny_world, run_train, tiny_flags
+
+    world = make_tiny_world(tmp_path / "w")
+    run_train(tiny_flags(world, tmp_path, max_steps=1, strategy="fsdp2"), cwd=tmp_path)
+    assert list((tmp_path / "ckpt").glob("*.dcp"))

@@ -59,10 +59,12 @@ def gpu_identity(device: torch.device) -> str:
     return f"{socket.gethostname()}:{visible[index] if index < len(visible) else index}"
 
 
-def init_distributed(device_flag: str = "auto", timeout_s: int = 1800, cpu_collectives: bool = False) -> DistInfo:
+def init_distributed(device_flag: str = "auto", timeout_s: int = 1800, cpu_collectives: bool = False,
+                     group_of_one: bool = False) -> DistInfo:
     """Initialise from torchrun's environment, or return a single-process DistInfo. `cpu_collectives`: on GPUs,
     a gloo backend beside NCCL for collectives on host tensors (FSDP2's --cpu_offload reduces and gathers its
-    host-memory shards: gradient-norm and whole-state-dict collectives)."""
+    host-memory shards: gradient-norm and whole-state-dict collectives). `group_of_one`: one process without
+    torchrun still gets a process group (FSDP2 shards over one; our own collectives stay no-ops)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -75,6 +77,9 @@ def init_distributed(device_flag: str = "auto", timeout_s: int = 1800, cpu_colle
             backend = ("cuda:nccl,cpu:gloo" if cpu_collectives else "nccl") if device.type == "cuda" else "gloo"
             dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
         backend = str(dist.get_backend())
+    elif group_of_one and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1, timeout=timedelta(seconds=timeout_s))
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
 
 

@@ -32,6 +32,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from trainer.config import Config
 from trainer.dist import DistInfo, fsdp_modules
+from trainer.run.distributed import barrier
 from trainer.types import Models
 
 SHARDS_SUFFIX = ".dcp"
@@ -126,12 +127,12 @@ def save_shards(models: dict[str, nn.Module | None], optims: dict, final: Path, 
     tmp = _temp_path(final)
     if info.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # a save killed at this step before
-    _barrier(info)
+    barrier(info)
     dcp.save(sharded_state(models, optims), checkpoint_id=str(tmp))
     if info.is_main:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-    _barrier(info)
+    barrier(info)
 
 
 def load_shards(models: dict[str, nn.Module | None], optims: dict, folder: Path) -> None:
@@ -193,12 +194,3 @@ def stray_shards(checkpoint_dir: str | Path, prefix: str, keep: list[Path]) -> l
     wanted = {shards_path(p).name for p in keep}
     return sorted(p for p in Path(checkpoint_dir).glob(f"{prefix}_step*{SHARDS_SUFFIX}*")
                   if p.is_dir() and p.name not in wanted)
-
-
-def _barrier(info: DistInfo) -> None:
-    if info.enabled:
-        import torch.distributed as dist
-        if info.comm_device.type == "cuda":
-            dist.barrier(device_ids=[info.device.index])
-        else:
-            dist.barrier()
