@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from model.fast_decode import reuse_decoder  # noqa: E402
 from trainer.config import Config, parse_args  # noqa: E402
 from trainer.evaluate import evaluate_policy  # noqa: E402
+from trainer.multiturn import Episode, episode_components, generate_episodes  # noqa: E402
 from trainer.ppo import RewardNormalizer, kl_penalty, masked_whiten  # noqa: E402
 from trainer.registry import estimator_spec  # noqa: E402
 from trainer.rewards import RewardFnError, compute_rewards, overlong_penalty  # noqa: E402
@@ -48,6 +49,7 @@ from trainer.run.lifecycle import Run  # noqa: E402
 from trainer.run.phases import phases  # noqa: E402
 from trainer.run.setup import setup  # noqa: E402
 from trainer.run.timing import PhaseTimer  # noqa: E402
+from trainer.tools import ToolRunner  # noqa: E402
 from trainer.types import Models, Phase, Runtime, on  # noqa: E402
 from trainer.update import ppo_update  # noqa: E402
 
@@ -95,18 +97,18 @@ class Scores:
 @torch.no_grad()
 def make_experience(cfg: Config, batch: dict, m: Models, rt: Runtime, kl_coef: float, custom_fns: dict,
                     phase: Phase, more_prompts: Callable[[], dict | None] | None = None,
-                    reward_norm: RewardNormalizer | None = None) -> Experience:
+                    reward_norm: RewardNormalizer | None = None, tools: ToolRunner | None = None) -> Experience:
     """Rollout, reward, score, advantages for one batch of prompts (with --filter_groups, more prompts
     from `more_prompts` until every group of the batch carries signal). `reward_norm` holds --reward_norm
-    running's moments (a fresh one when None)."""
+    running's moments (a fresh one when None); `tools` runs --tools calls (None: single-turn rollouts)."""
     filter_stats = {}
     with reuse_decoder(m.actor) if cfg.filter_groups else contextlib.nullcontext():  # rounds share one weight copy
-        sampled = sample_and_reward(cfg, batch, m, rt, custom_fns, phase)  # steps 1 and 2
+        sampled = sample_and_reward(cfg, batch, m, rt, custom_fns, phase, tools)  # steps 1 and 2
         if cfg.filter_groups:
-            sampled, filter_stats = keep_groups_with_signal(cfg, sampled, m, rt, custom_fns, phase, more_prompts)
+            sampled, filter_stats = keep_groups_with_signal(cfg, sampled, m, rt, custom_fns, phase, more_prompts, tools)
         baseline = None
         if estimator_spec(cfg.advantage_estimator).needs_baseline_rollout:  # ReMax: a greedy reply per prompt
-            baseline = greedy_baseline(cfg, sampled, m, rt, custom_fns, phase)
+            baseline = greedy_baseline(cfg, sampled, m, rt, custom_fns, phase, tools)
     ro = sampled.rollout
     sc = score(cfg, ro, m, rt, phase)  # 3
     ro = dataclasses.replace(ro, old_logprobs=sc.old_logprobs, ref_logprobs=sc.ref_logprobs, values=sc.values,
@@ -127,24 +129,40 @@ def make_experience(cfg: Config, batch: dict, m: Models, rt: Runtime, kl_coef: f
     return Experience(ro, metrics, weights, samples)
 
 
-def sample_and_reward(cfg: Config, batch: dict, m: Models, rt: Runtime, custom_fns: dict, phase: Phase) -> Sampled:
-    """1. rollout: [B*N, P+R] sequences, N = --num_generations; 2. reward. Rank-local: a failure on some
-    ranks only (reward function, reward model, OOM) stops every rank with its line."""
+def sample_and_reward(cfg: Config, batch: dict, m: Models, rt: Runtime, custom_fns: dict, phase: Phase,
+                      tools: ToolRunner | None = None) -> Sampled:
+    """1. rollout: [B*N, P+R] sequences, N = --num_generations (with --tools, multi-turn episodes); 2. reward.
+    Rank-local: a failure on some ranks only (reward function, reward model, OOM) stops every rank with its line."""
     with D.unsharded(m.actor), phase("generate", rank_local=True):  # --strategy fsdp2: whole weights, no collective per token
-        ro = generate_rollout(
-            m.actor, batch["input_ids"].to(rt.device), batch["attention_mask"].to(rt.device), max_new_tokens=cfg.max_gen_len,
-            eos_token_id=m.eos_ids or m.tok.eos_token_id, pad_token_id=m.tok.pad_token_id, temperature=cfg.temperature,
-            top_k=cfg.top_k, top_p=cfg.top_p, greedy=bool(cfg.greedy), suppress_eos=bool(cfg.suppress_eos),
-            num_generations=cfg.num_generations, return_logprobs=bool(cfg.rollout_logprobs) and m.old_actor is None,
-            fast_decode=bool(cfg.fast_decode),
-        )
+        ro, episodes = sample_rollout(cfg, batch, m, rt, tools)
     with D.unsharded(reward_model(m)), phase("score", autocast=False, rank_local=True), phase("score_reward", autocast=False):
-        rewards, responses, comps = score_responses(cfg, batch, ro, m, custom_fns, phase)
+        rewards, responses, comps = score_responses(cfg, batch, ro, m, custom_fns, phase, episodes=episodes)
     return Sampled(dataclasses.replace(ro, rewards=rewards), batch, responses, comps)
 
 
+def sample_rollout(cfg: Config, batch: dict, m: Models, rt: Runtime, tools: ToolRunner | None,
+                   greedy: bool = False) -> tuple[Rollout, list[Episode] | None]:
+    """Responses to the batch's prompts (one greedy one per prompt with `greedy`, for ReMax's baseline): single turns,
+    or with --tools multi-turn episodes, whose old log-probs are then scored by a forward (tool replies sit between
+    the sampled tokens)."""
+    n = 1 if greedy else cfg.num_generations
+    sampling = dict(temperature=1.0, top_k=0, top_p=1.0, greedy=True) if greedy else dict(
+        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, greedy=bool(cfg.greedy), suppress_eos=bool(cfg.suppress_eos))
+    eos = m.eos_ids or m.tok.eos_token_id
+    if tools is not None:
+        return generate_episodes(m.actor, m.tok, tools, batch, max_turns=cfg.max_turns, max_total_len=cfg.max_total_len,
+                                 max_new_tokens=cfg.max_gen_len, eos_token_id=eos, pad_token_id=m.tok.pad_token_id,
+                                 num_generations=n, device=rt.device, fast_decode=bool(cfg.fast_decode), **sampling)
+    ro = generate_rollout(
+        m.actor, batch["input_ids"].to(rt.device), batch["attention_mask"].to(rt.device), max_new_tokens=cfg.max_gen_len,
+        eos_token_id=eos, pad_token_id=m.tok.pad_token_id, num_generations=n, fast_decode=bool(cfg.fast_decode),
+        return_logprobs=bool(cfg.rollout_logprobs) and m.old_actor is None and not greedy, **sampling)
+    return ro, None
+
+
 def keep_groups_with_signal(cfg: Config, first: Sampled, m: Models, rt: Runtime, custom_fns: dict, phase: Phase,
-                            more_prompts: Callable[[], dict | None] | None) -> tuple[Sampled, dict]:
+                            more_prompts: Callable[[], dict | None] | None,
+                            tools: ToolRunner | None = None) -> tuple[Sampled, dict]:
     """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): a group whose N rewards are all equal has zero
     advantage under a group baseline, so it only dilutes the batch. Keep the groups with signal and sample
     the next prompts (the same extra batches on every rank: the prompt stream is global) until each rank
@@ -161,7 +179,7 @@ def keep_groups_with_signal(cfg: Config, first: Sampled, m: Models, rt: Runtime,
         if batch is None:  # the prompt data ran out (the same on every rank)
             break
         rounds += 1
-        cur = sample_and_reward(cfg, batch, m, rt, custom_fns, phase)
+        cur = sample_and_reward(cfg, batch, m, rt, custom_fns, phase, tools)
     chosen = (kept + dropped)[:want]
     stats = {"filter/groups_dropped": float(len(dropped)), "filter/extra_rollouts": float(rounds),
              "filter/groups_filled": float(max(0, want - len(kept)))}
@@ -183,30 +201,34 @@ def keep_groups_with_signal(cfg: Config, first: Sampled, m: Models, rt: Runtime,
     return Sampled(merged, fields, responses, {k: torch.cat(v) for k, v in comps.items()}), stats
 
 
-def greedy_baseline(cfg: Config, sampled: Sampled, m: Models, rt: Runtime, custom_fns: dict, phase: Phase) -> torch.Tensor:
+def greedy_baseline(cfg: Config, sampled: Sampled, m: Models, rt: Runtime, custom_fns: dict, phase: Phase,
+                    tools: ToolRunner | None = None) -> torch.Tensor:
     """ReMax's baseline [B]: the reward of a greedy reply to each row's prompt (one per prompt, rewarded as the
     samples are). Rank-local like the sampling."""
     n, ro = cfg.num_generations, sampled.rollout
-    prompts, mask = ro.sequences[::n, :ro.prompt_len], ro.attention_mask[::n, :ro.prompt_len]
+    prompts = {**sampled.batch, "input_ids": ro.sequences[::n, :ro.prompt_len], "attention_mask": ro.attention_mask[::n, :ro.prompt_len]}
     with D.unsharded(m.actor), phase("generate", rank_local=True):
-        greedy = generate_rollout(m.actor, prompts, mask, max_new_tokens=cfg.max_gen_len, eos_token_id=m.eos_ids or m.tok.eos_token_id,
-                                  pad_token_id=m.tok.pad_token_id, temperature=1.0, top_k=0, top_p=1.0, greedy=True,
-                                  fast_decode=bool(cfg.fast_decode))
+        greedy, episodes = sample_rollout(cfg, prompts, m, rt, tools, greedy=True)
     with D.unsharded(reward_model(m)), phase("score", autocast=False, rank_local=True), phase("score_reward", autocast=False):
-        rewards, _, _ = score_responses(cfg, sampled.batch, greedy, m, custom_fns, phase, rep=1)
+        rewards, _, _ = score_responses(cfg, sampled.batch, greedy, m, custom_fns, phase, rep=1, episodes=episodes)
     return rewards.repeat_interleave(n)
 
 
-def score_responses(cfg: Config, batch: dict, ro: Rollout, m: Models, custom_fns: dict,
-                    phase: Phase, rep: int | None = None) -> tuple[torch.Tensor, list[str], dict]:
+def score_responses(cfg: Config, batch: dict, ro: Rollout, m: Models, custom_fns: dict, phase: Phase,
+                    rep: int | None = None, episodes: list[Episode] | None = None) -> tuple[torch.Tensor, list[str], dict]:
     """The rewards [B] (the weighted total), the decoded responses and each component [B], for `rep` responses
     per prompt (default --num_generations). Rewards see the full assistant reply: the prefix the chat template
-    forced + the decoded response."""
+    forced + the decoded response; of a multi-turn episode, its last turn (the answer), and the tool statistics."""
     rep = rep or cfg.num_generations
     expand = lambda xs: [x for x in xs for _ in range(rep)]  # prompt i's samples are rows i*N .. i*N+N-1
-    tokens, mask = ro.sequences[:, -ro.response_len:].tolist(), ro.response_mask.bool().tolist()  # one copy, not two per row
-    responses = [m.tok.decode([t for t, keep in zip(row, k) if keep], skip_special_tokens=True) for row, k in zip(tokens, mask)]
-    replies = [p + r for p, r in zip(expand(batch["assistant_prefix"]), responses)]
+    if episodes is None:
+        tokens, mask = ro.sequences[:, -ro.response_len:].tolist(), ro.response_mask.bool().tolist()  # one copy, not two per row
+        responses = [m.tok.decode([t for t, keep in zip(row, k) if keep], skip_special_tokens=True) for row, k in zip(tokens, mask)]
+        replies = [p + r for p, r in zip(expand(batch["assistant_prefix"]), responses)]
+    else:  # the whole episode for the sample table (tool replies included); the last turn is the answer
+        tokens, seen = ro.sequences[:, ro.prompt_len:].tolist(), ro.attention_mask[:, ro.prompt_len:].bool().tolist()
+        responses = [m.tok.decode([t for t, keep in zip(row, k) if keep]) for row, k in zip(tokens, seen)]
+        replies = [e.final_reply for e in episodes]
     weights = {"format": cfg.format_weight, "tags": cfg.tag_weight, "rm": cfg.rm_weight,
                "accuracy": cfg.accuracy_weight, "eos": cfg.eos_penalty, "ifeval": cfg.ifeval_weight}
     try:
@@ -216,12 +238,17 @@ def score_responses(cfg: Config, batch: dict, ro: Rollout, m: Models, custom_fns
             rm=m.rm_scorer if cfg.rm_weight else None, reasoning=bool(cfg.reasoning), custom_fns=custom_fns,
             timer=lambda name: phase(name, autocast=False),
             constraints=expand(batch.get("constraints") or [None] * len(batch["prompt"])),
+            gts=expand(batch.get("gt") or [None] * len(batch["prompt"])),
         )
     except RewardFnError as e:  # the user's function, the user's to fix: one line, not a traceback
         raise SystemExit(f"error: {e}") from None
     if cfg.overlong_buffer_len:  # DAPO: warn long responses before the cut, in proportion
         comps["overlong"] = overlong_penalty(ro.response_mask.sum(1).cpu(), cfg.max_gen_len, cfg.overlong_buffer_len)
         rewards = rewards + cfg.overlong_penalty * comps["overlong"]
+    if episodes is not None:  # --tools: a call that could not run costs --tool_error_penalty
+        comps.update(episode_components(episodes))
+        comps["tool_error"] = -(comps["tool_failures"] > 0).float()
+        rewards = rewards + cfg.tool_error_penalty * comps["tool_error"]
     return rewards.to(ro.sequences.device), responses, comps
 
 
@@ -298,14 +325,17 @@ def compute_advantages(cfg: Config, ro: Rollout, kl_coef: float, rt: Runtime, sc
 
 
 # --------------------------------------------------------------------------------------- evaluation
-def evaluate(cfg: Config, m: Models, rt: Runtime, records: list) -> dict[str, float]:
-    """Greedy replies to held-out prompts, scored as in training (format, accuracy, reward model). Runs on
-    rank 0 only, in its own random stream: training's samples are the same with or without it."""
+def evaluate(cfg: Config, m: Models, rt: Runtime, records: list, tools: ToolRunner | None = None) -> dict[str, float]:
+    """Greedy replies to held-out prompts, scored as in training (format, accuracy, reward model; with --tools,
+    multi-turn episodes and how often they call a tool). Runs on rank 0 only, in its own random stream: training's
+    samples are the same with or without it."""
     with rt.autocast():
         ev = evaluate_policy(m.actor, m.tok, records, rm_scorer=m.rm_scorer, batch_size=64, max_prompt_len=cfg.max_seq_len,
-                             max_new_tokens=cfg.max_gen_len, temperature=0.0, thinking_ratio=cfg.thinking_ratio, seed=cfg.seed)
+                             max_new_tokens=cfg.max_gen_len, temperature=0.0, thinking_ratio=cfg.thinking_ratio, seed=cfg.seed,
+                             tools=tools, max_turns=cfg.max_turns, max_total_len=cfg.max_total_len)
     nan = float("nan")
-    return {"eval/accuracy": nan if ev["accuracy"] is None else ev["accuracy"], "eval/format_rate": ev["format_rate"],
+    tool_rates = {"eval/tool_call_rate": ev["tool_call_rate"], "eval/tool_ok_rate": ev["tool_ok_rate"]} if tools else {}
+    return {**tool_rates, "eval/accuracy": nan if ev["accuracy"] is None else ev["accuracy"], "eval/format_rate": ev["format_rate"],
             "eval/reward/rm": nan if ev["rm_score_mean"] is None else ev["rm_score_mean"],
             "eval/response_length": ev["mean_response_len"], "eval/eos_rate": ev["eos_rate"],
             "eval/ifeval_pass_rate": nan if ev["ifeval_pass_rate"] is None else ev["ifeval_pass_rate"],
@@ -319,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def held_out() -> dict[str, float]:  # on rank 0; every rank gathers sharded weights first (a collective)
         with D.unsharded(m.actor, reward_model(m)):
-            return D.on_main(lambda: evaluate(cfg, m, rt, built.eval_records), rt.info)
+            return D.on_main(lambda: evaluate(cfg, m, rt, built.eval_records, built.tools), rt.info)
 
     with Run(cfg, built) as run:  # resume, run.json, logger; marks the run's end however it ends
         if built.eval_records and run.step == 0:
@@ -331,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
             phase = phases(timer, rt)
             with phase("step", autocast=False):
                 exp = make_experience(cfg, batch, m, rt, kl_ctl.value, built.custom_fns, phase, run.next_batch,
-                                      built.reward_norm)  # 1-4
+                                      built.reward_norm, built.tools)  # 1-4
                 with phase("update", autocast=False):
                     stats = ppo_update(cfg, exp.rollout, m, opt, run.step, rt, kl_ctl.value, phase)  # 5
             times = {f"time/{k}": v for k, v in timer.wall.items()

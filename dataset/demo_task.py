@@ -25,6 +25,7 @@ does not reshuffle the other files.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import re
 from dataclasses import dataclass
@@ -510,11 +511,65 @@ def make_pairs(rng: random.Random, n: int, want_eval: bool) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------- the tool task (--tools dataset/demo_tools.py)
+# Products the policy gets wrong on its own; a calculator call gets them right. Episodes of the SFT data:
+#   turn 1  "<think>\n{why}\n</think>\n<tool_call>\n{call json}\n</tool_call>"   (then the tool's reply)
+#   turn 2  "<think>\n{read}\n</think>\n<answer>\n{product}\n</answer>"
+TOOL_TASK = "mul"
+_TOOL_WORDS = {"en": ("Use the calculator for {a} × {b}.", "The calculator says {p}."),
+               "zh": ("用计算器算 {a} × {b}。", "计算器得出 {p}。")}
+
+
+def tool_call_turn(problem: Problem) -> str:
+    """The first turn of a tool episode: a calculator call for the product."""
+    a, b = problem.operands
+    call = {"name": "calculator", "arguments": {"expression": f"{a} * {b}"}}
+    why = _TOOL_WORDS[problem.lang][0].format(a=a, b=b)
+    return f"{THINK_OPEN}{why}\n</think>\n<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
+
+def tool_answer_turn(problem: Problem) -> str:
+    """The turn after the calculator's reply: its result as the answer."""
+    return format_full(_TOOL_WORDS[problem.lang][1].format(p=problem.answer), problem.answer)
+
+
+def make_tool_sft(rng: random.Random, n: int, tool_share: float = 0.4) -> list[dict]:
+    """SFT conversations for the tool task, train side only: `tool_share` of them a calculator episode (user,
+    assistant call, tool reply, assistant answer), the rest answered directly (half full, half plain), so the
+    policy starts out calling the tool on some prompts and PPO can find that it pays."""
+    rows = []
+    for (lang,) in _balanced(n, LANGS):
+        problem = _sample(rng, TOOL_TASK, lang, want_eval=False)
+        user = {"role": "user", "content": problem.prompt}
+        if rng.random() < tool_share:
+            conv = [user, {"role": "assistant", "content": tool_call_turn(problem)},
+                    {"role": "tool", "name": "calculator", "content": problem.answer},
+                    {"role": "assistant", "content": tool_answer_turn(problem)}]
+            style = "tool"
+        else:
+            style = "full" if rng.random() < 0.5 else "plain"
+            conv = [user, {"role": "assistant", "content": full_reply(problem) if style == "full" else plain_reply(problem)}]
+        rows.append({"conversations": conv, "style": style, "task": TOOL_TASK, "lang": lang})
+    return rows
+
+
+def sample_task_prompts(rng: random.Random, task: str, n: int, want_eval: bool) -> list[Problem]:
+    """n distinct prompts (by text) of one task from one side of the split, balanced over language."""
+    seen: set[str] = set()
+    problems = []
+    for (lang,) in _balanced(n, LANGS):
+        problem = _sample(rng, task, lang, want_eval, exclude=seen)
+        seen.add(problem.prompt)
+        problems.append(problem)
+    return problems
+
+
 def generate_all(seed: int = 0, n_train: int = 10_000, n_eval: int = 500,
                  n_sft: int = 40_000, n_pairs: int = 60_000,
-                 n_pairs_eval: int = 1_000) -> dict[str, list[dict]]:
-    """All demo files as rows, keyed by file stem (demo_train, demo_eval, demo_sft,
-    demo_pairs, demo_pairs_eval). Same arguments -> identical rows."""
+                 n_pairs_eval: int = 1_000, n_tool_train: int = 2_000, n_tool_eval: int = 200,
+                 n_tool_sft: int = 8_000) -> dict[str, list[dict]]:
+    """All demo files as rows, keyed by file stem (demo_train, demo_eval, demo_sft, demo_pairs, demo_pairs_eval,
+    and the tool task's demo_tools_train, demo_tools_eval, demo_tools_sft). Same arguments -> identical rows."""
     train = sample_prompts(_rng(seed, "train"), n_train, want_eval=False)
     evals = sample_prompts(_rng(seed, "eval"), n_eval, want_eval=True)
     return {
@@ -523,4 +578,7 @@ def generate_all(seed: int = 0, n_train: int = 10_000, n_eval: int = 500,
         "demo_sft": make_sft(_rng(seed, "sft"), n_sft),
         "demo_pairs": make_pairs(_rng(seed, "pairs"), n_pairs, want_eval=False),
         "demo_pairs_eval": make_pairs(_rng(seed, "pairs_eval"), n_pairs_eval, want_eval=True),
+        "demo_tools_train": [_rlaif_row(p) for p in sample_task_prompts(_rng(seed, "tools_train"), TOOL_TASK, n_tool_train, False)],
+        "demo_tools_eval": [_rlaif_row(p) for p in sample_task_prompts(_rng(seed, "tools_eval"), TOOL_TASK, n_tool_eval, True)],
+        "demo_tools_sft": make_tool_sft(_rng(seed, "tools_sft"), n_tool_sft),
     }

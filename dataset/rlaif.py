@@ -60,6 +60,8 @@ class PromptRecord:
     reference: str | None  # reference answer if the final assistant turn carried one
     where: str  # "path:lineno" for error messages / logging
     constraints: list[dict] | None = None  # verifiable instructions (dataset/ifeval.py) the reply must meet
+    tools: list[dict] | None = None  # tool schemas offered in this chat (MiniMind agent rows: the system message's "tools")
+    gt: list[str] | None = None  # MiniMind agent rows: values the final answer must contain (numbers by value)
 
 
 def is_placeholder(content: str) -> bool:
@@ -80,6 +82,7 @@ def parse_conversation(obj: Any, where: str) -> PromptRecord:
                         f"{type(conv).__name__}; {_SKIP_HINT}")
 
     messages: list[dict] = []
+    tools = None
     for k, msg in enumerate(conv):
         at = f"{where}: conversations[{k}]"
         if not isinstance(msg, dict):
@@ -95,6 +98,8 @@ def parse_conversation(obj: Any, where: str) -> PromptRecord:
         if not isinstance(content, str):
             raise DataError(f"{at} ({role}) content must be a string, got "
                             f"{type(content).__name__}; {_SKIP_HINT}")
+        if role == "system" and "tools" in msg:  # MiniMind's agent_rl.jsonl: the tools offered, as JSON text or a list
+            tools = _parse_tools(msg["tools"], at)
         if role == "system" and k != 0:
             raise DataError(f"{at}: a system message is only allowed as the first message; "
                             f"{_SKIP_HINT}")
@@ -122,7 +127,32 @@ def parse_conversation(obj: Any, where: str) -> PromptRecord:
             constraints = ifeval.validate(obj["constraints"], where)
         except ValueError as e:
             raise DataError(f"{e}; {_SKIP_HINT}") from None
-    return PromptRecord(messages=messages, reference=reference, where=where, constraints=constraints)
+    gt = None
+    if "gt" in obj:  # a MiniMind agent row's ground truth
+        raw = obj["gt"] if isinstance(obj["gt"], list) else [obj["gt"]]
+        if not raw or not all(isinstance(g, (str, int, float)) and not isinstance(g, bool) for g in raw):
+            raise DataError(f"{where}: 'gt' must be a value or a non-empty list of strings / numbers the final answer "
+                            f"must contain; {_SKIP_HINT}")
+        gt = [str(g) for g in raw]
+    return PromptRecord(messages=messages, reference=reference, where=where, constraints=constraints, tools=tools, gt=gt)
+
+
+def _parse_tools(raw: Any, at: str) -> list[dict]:
+    """A system message's "tools": a list of tool schemas, or that list as JSON text (MiniMind writes it so)."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{at}: 'tools' is not valid JSON ({e.msg} at column {e.colno}); {_SKIP_HINT}") from None
+    if not isinstance(raw, list) or not all(isinstance(t, dict) and tool_name(t) for t in raw):
+        raise DataError(f"{at}: 'tools' must be a list of tool schemas, each with a function name; {_SKIP_HINT}")
+    return raw
+
+
+def tool_name(schema: dict) -> str | None:
+    """The name in a tool schema ({"type": "function", "function": {"name": ...}} or {"name": ...})."""
+    fn = schema.get("function", schema)
+    return fn.get("name") if isinstance(fn, dict) and isinstance(fn.get("name"), str) else None
 
 
 def _json_array_message(path: Path, lineno: int) -> str:
@@ -207,12 +237,13 @@ def detect_assistant_prefix(prompt: str) -> str:
     return ""
 
 
-def render_prompt(tokenizer: Any, messages: list[dict], open_thinking: bool) -> str:
-    """Chat-template text ending with the assistant header (+ think prefix)."""
+def render_prompt(tokenizer: Any, messages: list[dict], open_thinking: bool, tools: list[dict] | None = None) -> str:
+    """Chat-template text ending with the assistant header (+ think prefix), listing `tools` when given."""
     # transformers 5 forwards extra kwargs to the Jinja template; templates that ignore
     # `open_thinking` simply render without a think prefix.
+    kw = {"tools": tools} if tools else {}
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         open_thinking=open_thinking)
+                                         open_thinking=open_thinking, **kw)
 
 
 def generation_tail_len(tokenizer: Any, open_thinking: bool) -> int:
@@ -242,7 +273,8 @@ class RLAIFDataset(Dataset):
 
     def __init__(self, records: list[PromptRecord], tokenizer: Any, max_prompt_len: int,
                  thinking_ratio: float = 1.0, system_prompt_ratio: float = 0.0,
-                 system_prompts: Sequence[str] = DEFAULT_SYSTEM_PROMPTS, seed: int = 0) -> None:
+                 system_prompts: Sequence[str] = DEFAULT_SYSTEM_PROMPTS, seed: int = 0,
+                 tools: list[dict] | None = None) -> None:
         if not 0.0 <= thinking_ratio <= 1.0:
             raise ValueError(f"thinking_ratio must be in [0, 1], got {thinking_ratio} "
                              f"(check --thinking_ratio)")
@@ -269,6 +301,8 @@ class RLAIFDataset(Dataset):
         self.system_prompt_ratio = float(system_prompt_ratio)
         self.system_prompts = tuple(system_prompts)
         self.seed = seed
+        self.tools = tools  # --tools: offered in every chat whose row names none (MiniMind agent rows name theirs)
+        self.tool_rows = tools is not None or any(r.tools for r in records)
 
         # Fail at construction, not mid-training: truncation must never eat the assistant header.
         modes = [m for m, used in ((True, thinking_ratio > 0), (False, thinking_ratio < 1)) if used]
@@ -304,7 +338,8 @@ class RLAIFDataset(Dataset):
         if system_prompt is not None:
             messages.insert(0, {"role": "system", "content": system_prompt})
 
-        prompt = render_prompt(self.tokenizer, messages, open_thinking)
+        tools = record.tools or self.tools
+        prompt = render_prompt(self.tokenizer, messages, open_thinking, tools)
         ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
         # Left truncation keeps the end of the chat (latest user turn, header, think prefix).
         num_truncated = max(0, len(ids) - self.max_prompt_len)
@@ -319,6 +354,9 @@ class RLAIFDataset(Dataset):
             "constraints": (record.constraints or []) if self.has_constraints else None,
             "assistant_prefix": detect_assistant_prefix(prompt),
             "num_truncated": num_truncated,
+            "open_thinking": open_thinking,
+            "tools": tools,
+            "gt": record.gt,
         }
 
 
@@ -345,4 +383,7 @@ def collate_left_pad(batch: list[dict], pad_id: int) -> dict:
         "assistant_prefix": [item["assistant_prefix"] for item in batch],
         "index": [item["index"] for item in batch],
         "num_truncated": [item.get("num_truncated", 0) for item in batch],
+        "open_thinking": [item.get("open_thinking", True) for item in batch],
+        "tools": [item.get("tools") for item in batch],
+        "gt": [item.get("gt") for item in batch],
     }

@@ -32,6 +32,7 @@ from model.loader import load_policy, load_reward_model  # noqa: E402
 from model.weights import WeightsError  # noqa: E402
 from trainer.evaluate import evaluate_policy  # noqa: E402
 from trainer.rewards import RewardModelScorer  # noqa: E402
+from trainer.tools import ToolError, ToolRunner, load_tools  # noqa: E402
 
 DEFAULT_RM = "out/demo_rm"
 
@@ -69,6 +70,9 @@ def print_table(m: dict, label: str) -> None:
         print(f"  IFEval pass rate  {_fmt(m['ifeval_pass_rate'], True)} (every constraint met; single constraints "
               f"{_fmt(m['ifeval_constraint_rate'], True)})")
         print("  " + ", ".join(f"{k} {_fmt(v, True)}" for k, v in m["ifeval_by_type"].items()))
+    if m.get("tool_call_rate") is not None:
+        print(f"  tool calls        {_fmt(m['tool_call_rate'], True)} of episodes call a tool, "
+              f"{_fmt(m['tool_ok_rate'], True)} call and every call runs")
     if m.get("by_task"):
         print(f"  {'task':<8} {'n':>5} {'format':>8} {'accuracy':>9}")
         for task, t in m["by_task"].items():
@@ -103,6 +107,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="autocast dtype of the evaluation; bfloat16 gives the eval/* figures of a run trained under bf16 "
                         "autocast (train_ppo's --dtype), greedy ties and all")
+    p.add_argument("--tools", default=None,
+                   help="a tool module (as train_ppo.py --tools): replies are multi-turn episodes with tool calls")
+    p.add_argument("--max_turns", type=int, default=3, help="--tools: policy turns per episode")
+    p.add_argument("--max_total_len", type=int, default=1024, help="--tools: tokens per episode, prompt included")
     p.add_argument("--json", default="out/eval.json", help="write the figures here ('' to skip)")
     p.add_argument("--examples", type=int, default=8, help="example replies to print and keep in the JSON")
     return p.parse_args(argv)
@@ -141,7 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
             rm, rm_tok = load_reward_model(rm_path)
             scorer = RewardModelScorer(rm, rm_tok)
         records, _ = read_rlaif_jsonl(args.data_path)
-    except (WeightsError, DataError) as e:
+        tools = ToolRunner(load_tools(args.tools)) if args.tools else None
+    except (WeightsError, DataError, ToolError) as e:
         raise SystemExit(str(e)) from None
     if args.n > 0:
         records = records[: args.n]
@@ -154,6 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
             policy, tokenizer, records, rm_scorer=scorer, ref_policy=ref_policy, batch_size=args.batch_size,
             max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_p=args.top_p, seed=args.seed, thinking_ratio=args.thinking_ratio, tasks=tasks, return_rows=True,
+            tools=tools, max_turns=args.max_turns, max_total_len=args.max_total_len,
         )
     rows = metrics.pop("rows")
     elapsed = time.time() - t0
@@ -164,7 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
     for row in rows[: args.examples]:
         mark = "ok " if row["correct"] else "bad" if row["correct"] is not None else "   "
         user = row["prompt"].rsplit("<|im_start|>user\n", 1)[-1].split("<|im_end|>")[0]
-        print(f"  [{mark}|{'fmt' if row['format_ok'] else '   '}] {user!r} -> {row['reply']!r}")
+        reply = " | ".join(row["turns"]) if "turns" in row else row["reply"]
+        print(f"  [{mark}|{'fmt' if row['format_ok'] else '   '}] {user!r} -> {reply!r}")
 
     result = {
         "source": source, "data_path": args.data_path, "temperature": args.temperature, "top_p": args.top_p,

@@ -11,6 +11,9 @@ Writes into --out_dir:
     demo_sft.jsonl         40,000 SFT conversations, ~50% "full" / ~50% "plain" replies
     demo_pairs.jsonl       60,000 preference pairs (train side) for the demo reward model (one pass)
     demo_pairs_eval.jsonl   1,000 preference pairs (eval side) for held-out RM accuracy
+    demo_tools_train.jsonl  2,000 multiplication prompts for the tool demo (shipped; configs/demo_tools.yaml)
+    demo_tools_eval.jsonl     200 held-out multiplication prompts for the tool demo (shipped)
+    demo_tools_sft.jsonl    8,000 SFT conversations of the tool demo, 40% calculator episodes (multi-turn)
 Rows also carry "task" and "lang" (and "style" / "kind"); MiniMind loaders ignore extra keys.
 The task itself lives in dataset/demo_task.py.
 """
@@ -43,8 +46,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n_sft", type=int, default=40_000)
     parser.add_argument("--n_pairs", type=int, default=60_000)
     parser.add_argument("--n_pairs_eval", type=int, default=1_000)
+    parser.add_argument("--n_tool_train", type=int, default=2_000)
+    parser.add_argument("--n_tool_eval", type=int, default=200)
+    parser.add_argument("--n_tool_sft", type=int, default=8_000)
     args = parser.parse_args(argv)
-    for flag in ("n_train", "n_eval", "n_sft", "n_pairs", "n_pairs_eval"):
+    for flag in ("n_train", "n_eval", "n_sft", "n_pairs", "n_pairs_eval", "n_tool_train", "n_tool_eval", "n_tool_sft"):
         if getattr(args, flag) < 0:
             parser.error(f"--{flag} must be >= 0")
     if args.out_dir.exists() and not args.out_dir.is_dir():
@@ -54,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     try:
         files = generate_all(args.seed, n_train=args.n_train, n_eval=args.n_eval, n_sft=args.n_sft,
-                             n_pairs=args.n_pairs, n_pairs_eval=args.n_pairs_eval)
+                             n_pairs=args.n_pairs, n_pairs_eval=args.n_pairs_eval, n_tool_train=args.n_tool_train,
+                             n_tool_eval=args.n_tool_eval, n_tool_sft=args.n_tool_sft)
     except RuntimeError as err:  # too many distinct prompts asked of a small problem space
         raise SystemExit(f"make_demo_data: {err}") from None
     for stem, rows in files.items():

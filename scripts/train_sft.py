@@ -36,38 +36,66 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from dataset.rlaif import render_prompt  # noqa: E402
+from trainer.multiturn import observation  # noqa: E402
+from trainer.tools import ToolError, load_tools  # noqa: E402
 from model.loader import build_minimind, load_tokenizer  # noqa: E402
-from model.weights import WeightsError, native_weight_path, save_native_weights  # noqa: E402
+from model.weights import WeightsError, load_native_weights, native_weight_path, save_native_weights  # noqa: E402
 
 IGNORE_INDEX = -100
 THINK_PREFIX = "<think>\n"
 
 
-def encode_sft_example(tokenizer: Any, conversations: list[dict], where: str = "") -> tuple[list[int], list[int]]:
+def encode_sft_example(tokenizer: Any, conversations: list[dict], where: str = "",
+                       tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
     """(input_ids, labels) for one conversation ending with the assistant turn to learn.
 
     input_ids = prompt tokens (as PPO renders them, ending in "<think>\\n") + target tokens + EOS;
-    labels are IGNORE_INDEX on the prompt so only the reply (and its EOS) is learned.
+    labels are IGNORE_INDEX on the prompt so only the reply (and its EOS) is learned. A tool episode (assistant,
+    tool, ..., assistant) is tokenised as the multi-turn rollout builds it (trainer/multiturn.py): every assistant
+    turn is a target, the tools' replies and the template around them are context.
     """
     if not conversations or conversations[-1].get("role") != "assistant":
         raise ValueError(f"{where}: the conversation must end with the assistant reply to learn")
-    reply = conversations[-1].get("content")
-    if not isinstance(reply, str) or not reply.startswith(THINK_PREFIX):
-        raise ValueError(
-            f"{where}: the assistant content must start with {THINK_PREFIX!r} (the prefix the chat "
-            "template forces with open_thinking); regenerate the data with scripts/make_demo_data.py"
-        )
-    messages = [{"role": m["role"], "content": m["content"]} for m in conversations[:-1]]
-    prompt = render_prompt(tokenizer, messages, open_thinking=True)
+    first = next(k for k, m in enumerate(conversations) if m.get("role") == "assistant")
+    history = [{"role": m["role"], "content": m["content"]} for m in conversations[:first]]
+    prompt = render_prompt(tokenizer, history, open_thinking=True, tools=tools)
     if not prompt.endswith(THINK_PREFIX):
         raise ValueError(f"the tokenizer's chat template does not end generation prompts with {THINK_PREFIX!r}; "
                          "use the project tokenizer (model/)")
-    prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=False))
-    target_ids = list(tokenizer.encode(reply[len(THINK_PREFIX):], add_special_tokens=False)) + [tokenizer.eos_token_id]
-    return prompt_ids + target_ids, [IGNORE_INDEX] * len(prompt_ids) + target_ids
+    ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+    labels = [IGNORE_INDEX] * len(ids)
+    k = first
+    while k < len(conversations):
+        msg = conversations[k]
+        if msg.get("role") == "assistant":
+            reply = msg.get("content")
+            if not isinstance(reply, str) or not reply.startswith(THINK_PREFIX):
+                raise ValueError(
+                    f"{where}: the assistant content must start with {THINK_PREFIX!r} (the prefix the chat "
+                    "template forces with open_thinking); regenerate the data with scripts/make_demo_data.py"
+                )
+            target = list(tokenizer.encode(reply[len(THINK_PREFIX):], add_special_tokens=False)) + [tokenizer.eos_token_id]
+            ids, labels = ids + target, labels + target
+            history.append({"role": "assistant", "content": reply})
+            k += 1
+            continue
+        replies = []
+        while k < len(conversations) and conversations[k].get("role") == "tool":
+            replies.append(dict(conversations[k]))
+            k += 1
+        if not replies:
+            raise ValueError(f"{where}: after the first assistant turn only assistant and tool messages may follow")
+        text, prefix = observation(tokenizer, history, replies, tools, open_thinking=True)
+        if prefix != THINK_PREFIX:
+            raise ValueError(f"{where}: the chat template does not open the next turn with {THINK_PREFIX!r}")
+        context = list(tokenizer.encode(text, add_special_tokens=False))
+        ids, labels = ids + context, labels + [IGNORE_INDEX] * len(context)
+        history += replies
+    return ids, labels
 
 
-def read_sft_jsonl(path: str | Path, tokenizer: Any, max_seq_len: int) -> tuple[list[list[int]], list[list[int]]]:
+def read_sft_jsonl(path: str | Path, tokenizer: Any, max_seq_len: int,
+                   tools: list[dict] | None = None) -> tuple[list[list[int]], list[list[int]]]:
     """Encode every line of an SFT jsonl ({"conversations": [...]}); too-long rows are an error."""
     path = Path(path)
     if not path.is_file():
@@ -83,7 +111,7 @@ def read_sft_jsonl(path: str | Path, tokenizer: Any, max_seq_len: int) -> tuple[
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise SystemExit(f"{where}: not a JSON object with 'conversations' ({type(e).__name__})") from None
             try:
-                ids, labs = encode_sft_example(tokenizer, conv, where)
+                ids, labs = encode_sft_example(tokenizer, conv, where, tools)
             except ValueError as e:
                 raise SystemExit(str(e)) from None
             if len(ids) > max_seq_len:
@@ -170,6 +198,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer_path", default=None, help="tokenizer directory (default: model/)")
     p.add_argument("--save_dir", default="out")
     p.add_argument("--save_weight", default="full_sft", help="file prefix: <save_dir>/<save_weight>_<hidden>.pth")
+    p.add_argument("--init_from", default=None,
+                   help="start from these weights (a MiniMind .pth, e.g. out/full_sft_128.pth) instead of random init")
+    p.add_argument("--tools", default=None,
+                   help="a tool module (as train_ppo.py --tools): every conversation's prompt lists its tools, and tool "
+                        "episodes (assistant, tool, assistant) are learned turn by turn")
     p.add_argument("--hidden_size", type=int, default=128)
     p.add_argument("--num_hidden_layers", type=int, default=4)
     p.add_argument("--num_attention_heads", type=int, default=4, help="4 heads of 32 dims at hidden 128 (see below)")
@@ -209,7 +242,11 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = load_tokenizer(args.tokenizer_path)
     except (WeightsError, OSError) as e:  # e.g. the RM's out/rm_tokenizer not made yet
         raise SystemExit(f"error: {e}")
-    inputs, labels = read_sft_jsonl(args.data_path, tokenizer, args.max_seq_len)
+    try:
+        tools = load_tools(args.tools).schema_list() if args.tools else None
+    except ToolError as e:
+        raise SystemExit(f"error: {e}")
+    inputs, labels = read_sft_jsonl(args.data_path, tokenizer, args.max_seq_len, tools)
     n = len(inputs)
     lengths = [len(x) for x in inputs]
     tokens_per_batch = args.batch_size * sum(sum(t != IGNORE_INDEX for t in lab) for lab in labels) / n
@@ -225,6 +262,11 @@ def main(argv: list[str] | None = None) -> None:
                            num_key_value_heads=args.num_key_value_heads)
     # Eager attention: at these sizes torch's CPU SDPA (flash) backward under bf16 autocast was ~10x
     # slower than the whole rest of the step; eager is as fast as SDPA in fp32. Inference is unaffected.
+    if args.init_from:
+        try:
+            load_native_weights(model, args.init_from)
+        except (WeightsError, OSError) as e:
+            raise SystemExit(f"error: --init_from: {e}")
     model.set_attn_implementation("eager")
     model.train()
     n_params = sum(p.numel() for p in model.parameters())

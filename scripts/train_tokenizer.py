@@ -47,8 +47,34 @@ CORPUS_FILE = ROOT / "dataset" / "tokenizer_corpus.txt"
 
 # ChatML as MiniMind renders it. `open_thinking` undefined counts as false, like MiniMind.
 CHAT_TEMPLATE = """\
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] + '\\n\\n' }}
+    {%- endif %}
+    {{- '# Tools\\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\\n' + (tool | tojson) }}
+    {%- endfor %}
+    {{- '\\n</tools>\\nTo call a tool, reply with <tool_call>\\n{\\"name\\": <name>, \\"arguments\\": <arguments>}\\n</tool_call><|im_end|>\\n' }}
+{%- endif %}
 {%- for message in messages %}
-    {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}
+    {%- if message['role'] == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- elif not (tools and loop.first and message['role'] == 'system') %}
+        {{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}
+        {%- for call in message['tool_calls'] or [] %}
+            {%- set call = call['function'] or call %}
+            {{- '<tool_call>\\n{\\"name\\": \\"' + call['name'] + '\\", \\"arguments\\": ' + (call['arguments'] if call['arguments'] is string else call['arguments'] | tojson) + '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\\n' }}

@@ -133,6 +133,15 @@ class RolloutArgs:
     the next prompts until the batch is full."""
     filter_max_rounds: int = 4
     """--filter_groups: at most this many extra prompt batches per step; then the batch is filled up with dropped groups."""
+    tools: str | None = None
+    """A Python module of tool functions (type hints + docstring each) the policy may call: rollouts become multi-turn
+    episodes (sample a turn, run its <tool_call>s, append the replies, sample again). Only the policy's tokens train."""
+    max_turns: int = 3
+    """--tools: at most this many policy turns per episode."""
+    max_total_len: int = 1024
+    """--tools: at most this many tokens per episode, prompt and tool replies included; a turn that would pass it is cut."""
+    tool_timeout: float = 5.0
+    """--tools: seconds a tool call may run before it is stopped (the policy then reads a timeout error)."""
     suppress_eos: Flag = opt(0, hidden=True)
     """Never stop at EOS (benchmarks: fixed lengths)."""
 
@@ -154,6 +163,9 @@ class RewardArgs:
     ifeval_weight: float = 1.0
     """Weight of the instruction-following reward: the share of a prompt row's "constraints" (dataset/ifeval.py) the
     reply meets, logged per constraint type; rows without constraints get none."""
+    tool_error_penalty: float = 0.5
+    """--tools: subtracted when an episode made a tool call that could not run (malformed JSON, unknown tool, bad
+    arguments, or the tool raised or timed out)."""
     reward_fn: tuple[str, ...] = ()
     """A custom reward, module:function (repeatable): fn(prompt, reply, reference) -> float."""
     overlong_buffer_len: int = 0
@@ -907,6 +919,11 @@ def validate(cfg: Config) -> None:
         (cfg.num_generations >= 2 or not cfg.filter_groups,
          "--filter_groups 1 drops groups of --num_generations responses with equal rewards: give --num_generations >= 2"),
         (cfg.filter_max_rounds >= 1, "--filter_max_rounds must be >= 1"),
+        (cfg.max_turns >= 1, "--max_turns must be >= 1"),
+        (cfg.max_total_len > cfg.max_seq_len or not cfg.tools,
+         f"--max_total_len {cfg.max_total_len} must exceed --max_seq_len {cfg.max_seq_len} (the prompt) to leave room for turns"),
+        (math.isfinite(cfg.tool_timeout) and cfg.tool_timeout > 0, f"--tool_timeout {cfg.tool_timeout} must be a number of seconds > 0"),
+        (not cfg.tools or Path(cfg.tools).is_file(), f"--tools {cfg.tools}: file not found; give a .py module of tool functions"),
         (cfg.reuse_values != 1 or cfg.can_reuse_values,
          "--reuse_values 1 needs --advantage_estimator gae with one PPO epoch (--ppo_update_iters 1) of one minibatch "
          "(--mini_batch_size = --batch_size x --num_generations, --accumulation_steps 1)"),
@@ -937,7 +954,8 @@ def validate(cfg: Config) -> None:
                          ("critic_learning_rate", "> 0"), ("grad_clip", "> 0"),
                          ("clip_epsilon", "> 0"), ("kl_coef", ">= 0"), ("clip_epsilon_high", "> 0"), ("overlong_penalty", ">= 0"),
                          ("gspo_clip_low", "> 0"), ("gspo_clip_high", "> 0"), ("gmpo_clip", "> 0"), ("kl_cov_coef", ">= 0"),
-                         ("sapo_tau_pos", "> 0"), ("sapo_tau_neg", "> 0"), ("adv_eps", ">= 0"), ("reward_clip", ">= 0")):
+                         ("sapo_tau_pos", "> 0"), ("sapo_tau_neg", "> 0"), ("adv_eps", ">= 0"), ("reward_clip", ">= 0"),
+                         ("tool_error_penalty", ">= 0")):
         v = getattr(cfg, flag)
         if v is None:  # --clip_epsilon_high or a MiniMind name not given
             continue

@@ -21,7 +21,9 @@ from torch import Tensor, nn
 from dataset import ifeval
 from dataset.rlaif import PromptRecord, RLAIFDataset, collate_left_pad
 from model.generation import sample
-from trainer.rewards import RewardModelScorer, answers_match, extract_answer, format_reward
+from trainer.multiturn import Episode, generate_episodes
+from trainer.rewards import RewardModelScorer, answers_match, extract_answer, format_reward, gt_reward
+from trainer.tools import ToolRunner
 
 
 def _rate(hits: Sequence[bool]) -> float | None:
@@ -55,8 +57,10 @@ def score_replies(
     replies: Sequence[str],
     references: Sequence[str | None],
     tasks: Sequence[str | None] | None = None,
+    gts: Sequence[list[str] | None] | None = None,
 ) -> dict[str, Any]:
-    """Rule-based bookkeeping for a list of replies.
+    """Rule-based bookkeeping for a list of replies (a row with `gts`, a MiniMind agent row's ground truth, is
+    correct when its answer contains all of it).
 
     Returns n, format_rate (format_reward > 0), accuracy over rows that have a reference
     (None if none has one), n_with_reference, accuracy split by whether the reply used the
@@ -70,7 +74,8 @@ def score_replies(
         raise ValueError(f"score_replies: {len(replies)} replies but {len(tasks)} task labels")
     format_ok = [format_reward(r) > 0 for r in replies]
     correct: list[bool | None] = [
-        None if ref is None else answers_match(extract_answer(r), ref) for r, ref in zip(replies, references)
+        gt_reward(r, g) == 1.0 if g else None if ref is None else answers_match(extract_answer(r), ref)
+        for r, ref, g in zip(replies, references, gts or [None] * len(replies))
     ]
     graded = [(f, c) for f, c in zip(format_ok, correct) if c is not None]
     out: dict[str, Any] = {
@@ -127,6 +132,9 @@ def evaluate_policy(
     thinking_ratio: float = 1.0,
     tasks: Sequence[str | None] | None = None,
     return_rows: bool = False,
+    tools: ToolRunner | None = None,
+    max_turns: int = 3,
+    max_total_len: int = 1024,
 ) -> dict[str, Any]:
     """Sample one reply per record (temperature 0 = greedy) and score it.
 
@@ -136,6 +144,8 @@ def evaluate_policy(
     kl_ref (mean over rows of the summed per-token logp_policy - logp_ref on the sampled tokens,
     fp32 and temperature 1; None without ref_policy), by_task (when `tasks` gives a task name per
     record, e.g. the demo files' "task" key), rows (per-row details, when return_rows).
+    With `tools` (a ToolRunner) every reply is a multi-turn episode (trainer/multiturn.py) scored on its last turn,
+    and tool_call_rate (episodes that called a tool) and tool_ok_rate (called, and every call ran) are added.
 
     Deterministic given `seed`: sampling draws from a generator of its own on the policy's device,
     seeded with it, so the caller's random state (a training run's, on the CPU and on every GPU) is
@@ -150,18 +160,21 @@ def evaluate_policy(
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError(f"batch_size ({batch_size}) and max_new_tokens ({max_new_tokens}) must be >= 1")
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
-    dataset = RLAIFDataset(list(records), tokenizer, max_prompt_len, thinking_ratio=thinking_ratio, seed=seed)
+    dataset = RLAIFDataset(list(records), tokenizer, max_prompt_len, thinking_ratio=thinking_ratio, seed=seed,
+                           tools=tools.toolbox.schema_list() if tools is not None else None)
     greedy = temperature == 0.0
     device = next(policy.parameters()).device
 
     replies: list[str] = []
     references: list[str | None] = []
+    gts: list[list[str] | None] = []
     constraints: list[list[dict] | None] = []
     lengths: list[int] = []
     eos_flags: list[bool] = []
     rm_scores: list[float] = []
     kls: list[float] = []
     rows: list[dict[str, Any]] = []
+    episodes: list[Episode] = []
     # Not torch.manual_seed: it reseeds every GPU's default generator too, and training would sample
     # from its step-0 stream again after each evaluation.
     generator = torch.Generator(device).manual_seed(seed)
@@ -169,30 +182,40 @@ def evaluate_policy(
         batch = collate_left_pad([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))], pad_id)
         input_ids = batch["input_ids"].to(device)  # [B, P]
         attention_mask = batch["attention_mask"].to(device)  # [B, P]
-        samples = sample(
-            policy, input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_token_id=eos_id,
-            pad_token_id=pad_id, temperature=temperature if not greedy else 1.0, top_p=top_p, greedy=greedy,
-            generator=generator,
-        )
-        responses = samples.sequences[:, input_ids.shape[1]:]  # [B, R]
-        mask = samples.response_mask  # [B, R]
-        texts = tokenizer.batch_decode(
-            [row[m.bool()].tolist() for row, m in zip(responses.cpu(), mask.cpu())], skip_special_tokens=True
-        )
-        batch_replies = [prefix + text for prefix, text in zip(batch["assistant_prefix"], texts)]
+        if tools is not None:
+            ro, eps = generate_episodes(policy, tokenizer, tools, batch, max_turns=max_turns, max_total_len=max_total_len,
+                                        max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
+                                        temperature=temperature if not greedy else 1.0, top_p=top_p, greedy=greedy,
+                                        generator=generator, device=device)
+            sequences, mask, has_eos, full_mask = ro.sequences, ro.response_mask, ro.has_eos, ro.attention_mask
+            batch_replies = [e.final_reply for e in eps]
+            episodes += eps
+        else:
+            samples = sample(
+                policy, input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_token_id=eos_id,
+                pad_token_id=pad_id, temperature=temperature if not greedy else 1.0, top_p=top_p, greedy=greedy,
+                generator=generator,
+            )
+            sequences, mask, has_eos = samples.sequences, samples.response_mask, samples.has_eos  # [B, P+R], [B, R], [B]
+            full_mask = torch.cat([attention_mask, mask.to(attention_mask.dtype)], dim=1)  # [B, P+R]
+            responses = sequences[:, input_ids.shape[1]:]  # [B, R]
+            texts = tokenizer.batch_decode(
+                [row[m.bool()].tolist() for row, m in zip(responses.cpu(), mask.cpu())], skip_special_tokens=True
+            )
+            batch_replies = [prefix + text for prefix, text in zip(batch["assistant_prefix"], texts)]
         replies += batch_replies
         references += batch["reference"]
+        gts += batch["gt"]
         constraints += batch["constraints"]
         lengths += mask.sum(dim=1).tolist()
-        eos_flags += samples.has_eos.tolist()
+        eos_flags += has_eos.tolist()
         if rm_scorer is not None:
             convs = [msgs + [{"role": "assistant", "content": r}] for msgs, r in zip(batch["messages"], batch_replies)]
             rm_scores += rm_scorer.score(convs).tolist()
-        if ref_policy is not None:
-            full_mask = torch.cat([attention_mask, mask.to(attention_mask.dtype)], dim=1)  # [B, P+R]
-            P = input_ids.shape[1]
-            logprobs = response_logprobs(policy, samples.sequences, full_mask, P)  # [B, R]
-            ref_logprobs = response_logprobs(ref_policy, samples.sequences, full_mask, P)  # [B, R]
+        if ref_policy is not None:  # the policy's own tokens only (a tool's reply is not the policy's)
+            P = sequences.shape[1] - mask.shape[1]
+            logprobs = response_logprobs(policy, sequences, full_mask, P)  # [B, R]
+            ref_logprobs = response_logprobs(ref_policy, sequences, full_mask, P)  # [B, R]
             kls += ((logprobs - ref_logprobs) * mask).sum(dim=1).tolist()
         if return_rows:
             rows += [
@@ -200,17 +223,22 @@ def evaluate_policy(
                 for p, r, ref in zip(batch["prompt"], batch_replies, batch["reference"])
             ]
 
-    scored = score_replies(replies, references, tasks)
+    scored = score_replies(replies, references, tasks, gts)
     metrics: dict[str, Any] = {k: v for k, v in scored.items() if k not in ("format_ok", "correct")}
     metrics.update(score_instructions(replies, constraints), **text_diversity(replies))
     metrics["mean_response_len"] = sum(lengths) / len(lengths)
     metrics["eos_rate"] = sum(eos_flags) / len(eos_flags)
     metrics["rm_score_mean"] = sum(rm_scores) / len(rm_scores) if rm_scorer is not None else None
     metrics["kl_ref"] = sum(kls) / len(kls) if ref_policy is not None else None
+    if tools is not None:
+        metrics["tool_call_rate"] = sum(e.calls > 0 for e in episodes) / len(episodes)
+        metrics["tool_ok_rate"] = sum(e.calls > 0 and e.failed == 0 for e in episodes) / len(episodes)
     if return_rows:
         for i, row in enumerate(rows):
             row.update(format_ok=scored["format_ok"][i], correct=scored["correct"][i], length=lengths[i],
                        has_eos=eos_flags[i])
+            if tools is not None:
+                row.update(turns=list(episodes[i].turns), tool_calls=episodes[i].calls, tool_failures=episodes[i].failed)
             if rm_scorer is not None:
                 row["rm_score"] = rm_scores[i]
             if tasks is not None:

@@ -135,6 +135,18 @@ def accuracy_reward(reply: str, reference: str | None) -> float | None:
     return 1.0 if answers_match(extract_answer(reply), reference) else 0.0
 
 
+def gt_reward(reply: str, gt: list[str]) -> float:
+    """MiniMind's agent reward: the share of the ground-truth values `gt` the reply's answer contains (a number by
+    value among the answer's numbers, any other value as a case-insensitive substring)."""
+    answer = _normalise(extract_answer(reply) or "")
+    numbers = {_as_number(x) for x in _NUMBER_RE.findall(answer.replace(",", ""))}
+    hit = 0
+    for g in gt:
+        value = _as_number(_normalise(g))
+        hit += (value in numbers) if value is not None else (_normalise(g).casefold() in answer.casefold())
+    return hit / len(gt)
+
+
 def eos_reward(has_eos: bool, penalty: float) -> float:
     """-penalty for a response cut at the length limit (it never emitted EOS), else 0."""
     return 0.0 if has_eos or penalty == 0 else -float(penalty)
@@ -384,10 +396,12 @@ def compute_rewards(
     custom_fns: dict[str, RewardFn],
     timer: Timer | None = None,
     constraints: list[list[dict] | None] | None = None,
+    gts: list[list[str] | None] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Total reward [B] (float32) and each component's raw, unweighted value [B].
 
-    Components: "format", "tags", "accuracy" (nan where there is no reference; adds 0 there), "ifeval" (when
+    Components: "format", "tags", "accuracy" (nan where there is no reference; adds 0 there; a row with `gts`, a
+    MiniMind agent row's ground truth, scores the share of it the answer contains instead), "ifeval" (when
     `constraints` has a list for any row, [] = none asked: the fraction of a row's constraints met, nan where
     it has none; adds 0 there) with "ifeval/<type>" for every type (1/0, nan where absent; weight 0: logged only),
     "eos" (-1 when cut at the length limit), "rm" (only computed when rm is given and
@@ -415,8 +429,8 @@ def compute_rewards(
         "format": col([format_reward(r) for r in replies]),
         "tags": col([tag_reward(r) for r in replies]),
         "accuracy": col([
-            math.nan if (a := accuracy_reward(r, ref)) is None else a
-            for r, ref in zip(replies, references)
+            gt_reward(r, g) if g else math.nan if (a := accuracy_reward(r, ref)) is None else a
+            for r, ref, g in zip(replies, references, gts or [None] * n)
         ]),
         "eos": col([eos_reward(e, 1.0) for e in has_eos]),
     }

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dataset.rlaif import DataError, RLAIFDataset, read_rlaif_jsonl
+from dataset.rlaif import DataError, RLAIFDataset, tool_name, read_rlaif_jsonl
 from model.critic import CriticModel
 from model.loader import eos_token_ids, load_policy, load_reward_model
 from model.lora import AdapterSnapshot, AdaptersOff, add_lora
@@ -28,6 +28,7 @@ from model.weights import WeightsError, native_weight_path
 from trainer.config import Config, layer_matmul_params, model_config, resolve, resolve_precision, validate
 from trainer.ppo import AdaptiveKLController, FixedKLController, RewardNormalizer
 from trainer.rewards import RewardModelScorer, load_reward_fn
+from trainer.tools import Toolbox, ToolRunner, load_tools
 from trainer.run.checkpoint import seed_everything
 from trainer.run.sharding import shard_models
 from trainer.run.distributed import DistInfo, all_gather_objects, failing_together, gpu_identity, init_distributed, stop_all
@@ -50,6 +51,7 @@ class Setup:
     n_bad_lines: int  # malformed prompt lines skipped (--skip_bad_lines)
     eval_records: list  # held-out prompts evaluated during training (empty: no evaluation)
     reward_norm: RewardNormalizer = field(default_factory=lambda: RewardNormalizer("none"))  # --reward_norm's running moments
+    tools: ToolRunner | None = None  # --tools: runs the policy's tool calls (None: single-turn rollouts)
 
 
 def set_deterministic(enabled: bool, device: torch.device) -> None:
@@ -310,12 +312,15 @@ def _build(raw: Config, info: DistInfo) -> Setup:
         custom_fns = {spec.split(":")[-1]: load_reward_fn(spec) for spec in cfg.reward_fn}
         records, n_bad = read_rlaif_jsonl(cfg.data_path, skip_bad_lines=bool(cfg.skip_bad_lines))
         eval_records = read_rlaif_jsonl(cfg.eval_data_path)[0][:cfg.eval_samples] if cfg.eval_data_path else []
+        toolbox = load_tools(cfg.tools) if cfg.tools else None
+        check_tool_rows(records + eval_records, toolbox)
     except (WeightsError, DataError, ValueError, OSError) as e:
         raise SystemExit(f"error: {e}")
     kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else FixedKLController(cfg.kl_coef)
     try:  # e.g. an --actor_path tokenizer without a chat template: one line, not a traceback
         ds = RLAIFDataset(records, models.tok, max_prompt_len=cfg.max_seq_len, thinking_ratio=cfg.thinking_ratio,
-                          system_prompt_ratio=cfg.system_prompt_ratio, seed=cfg.seed)
+                          system_prompt_ratio=cfg.system_prompt_ratio, seed=cfg.seed,
+                          tools=toolbox.schema_list() if toolbox else None)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     if cfg.ifeval_weight and not ds.has_constraints and not _rewards_beside_ifeval(cfg, custom_fns):
@@ -334,4 +339,19 @@ def _build(raw: Config, info: DistInfo) -> Setup:
                       critic_device=devices["critic"], reward_device=devices["reward"], total_steps=total_steps,
                       precisions=precisions)
     return Setup(cfg, runtime, models, optim, kl_ctl, ds, custom_fns, n_bad, eval_records,
-                 RewardNormalizer(cfg.reward_norm, cfg.reward_clip))
+                 RewardNormalizer(cfg.reward_norm, cfg.reward_clip), ToolRunner(toolbox, cfg.tool_timeout) if toolbox else None)
+
+
+def check_tool_rows(records: list, toolbox: Toolbox | None) -> None:
+    """Rows that offer tools (MiniMind agent rows) need a --tools module that implements every one of them."""
+    for r in records:
+        if not r.tools:
+            continue
+        names = [tool_name(t) for t in r.tools]
+        if toolbox is None:
+            raise DataError(f"{r.where}: the row offers tools ({', '.join(names)}); give --tools MODULE.py with a "
+                            f"function for each")
+        missing = [n for n in names if n not in toolbox.schemas]
+        if missing:
+            raise DataError(f"{r.where}: the row offers {', '.join(missing)}, which --tools {toolbox.path} does not "
+                            f"define; add them to the module")
