@@ -533,7 +533,7 @@ def tool_answer_turn(problem: Problem) -> str:
     return format_full(_TOOL_WORDS[problem.lang][1].format(p=problem.answer), problem.answer)
 
 
-def make_tool_sft(rng: random.Random, n: int, tool_share: float = 0.4) -> list[dict]:
+def make_tool_sft(rng: random.Random, n: int, tool_share: float = 0.2) -> list[dict]:
     """SFT conversations for the tool task, train side only: `tool_share` of them a calculator episode (user,
     assistant call, tool reply, assistant answer), the rest answered directly (half full, half plain), so the
     policy starts out calling the tool on some prompts and PPO can find that it pays."""

@@ -11,6 +11,12 @@ shipped policy, greedy on the 500 held-out prompts, uses the reasoning format on
 right on 39% (57% when it reasons, 36% when it answers plainly): room for PPO to win on both.
 Arithmetic is learned late: at this size held-out accuracy stayed under 15% for the first ~1200 steps.
 
+The tool demo's starting policy (configs/demo_tools.yaml) continues from that file on calculator episodes:
+
+    python scripts/train_sft.py --num_threads 1 --data_path dataset/demo_tools_sft.jsonl --tools dataset/demo_tools.py \
+        --init_from out/full_sft_128.pth --save_weight tool_sft --max_seq_len 320 --max_steps 500 \
+        --learning_rate 5e-4 --warmup_steps 20    # -> out/tool_sft_128.pth
+
 Tokenisation matches PPO's generation prompts exactly: the prompt part is the chat template with
 add_generation_prompt=True and open_thinking=True (ending in "<think>\\n"), tokenised on its own
 like dataset/rlaif.py does; the target is the assistant content after that "<think>\\n" prefix plus

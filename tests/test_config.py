@@ -48,12 +48,14 @@ def test_new_settings_default_to_the_previous_behaviour():
               "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef", "sapo_tau_pos", "sapo_tau_neg"}
     minimind_grpo = {"loss_type", "beta", "epsilon", "epsilon_high"}
     assert added == {"policy_loss", "reuse_values", "mask_truncated", "adv_std_unbiased", "adv_eps", "reward_norm",
-                     "reward_clip", "ifeval_weight", "strategy", "shard_frozen", "cpu_offload", *losses, *minimind_grpo}
+                     "reward_clip", "ifeval_weight", "strategy", "shard_frozen", "cpu_offload", *losses, *minimind_grpo,
+                     "tools", "max_turns", "max_total_len", "tool_timeout", "tool_error_penalty"}
     cfg = C.resolve(C.parse_args([]), DistInfo())
     assert cfg.policy_loss == "vanilla" and cfg.reuse_values == 0 and cfg.loss_agg_mode == "token_mean"
     assert (cfg.mask_truncated, cfg.adv_std_unbiased, cfg.adv_eps, cfg.reward_norm, cfg.reward_clip) == (0, 1, 1e-6, "none", 0.0)
     assert all(getattr(cfg, k) is None for k in minimind_grpo)
     assert (cfg.strategy, cfg.cpu_offload) == ("ddp", 0)  # DDP as before; --shard_frozen only matters under fsdp2
+    assert cfg.tools is None  # single-turn rollouts as before; the other tool settings only matter with --tools
 
 
 def test_each_field_has_a_docstring_and_names_are_unique():

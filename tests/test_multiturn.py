@@ -5,7 +5,9 @@ the advantages and losses."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch
 from dataset.rlaif import PromptRecord, RLAIFDataset, collate_left_pad
 from model.generation import Samples
 from model.loader import load_tokenizer
-from tests.helpers import ROOT
+from tests.helpers import ROOT, read_metrics, run_train, sigkill_after, spawn_train
 from trainer import multiturn
 from trainer.ppo import compute_gae, compute_token_rewards
 import trainer.estimators  # noqa: F401 - registers the estimators
@@ -216,3 +218,68 @@ def test_observation_refuses_a_template_that_rewrites_history(tok):
     with pytest.raises(ValueError, match="must only append"):
         multiturn.observation(Rewriting(), [{"role": "assistant", "content": "x"}],
                               [{"role": "tool", "content": "1"}], None, True)
+
+
+# --------------------------------------------------------------------------------------- end to end
+def tool_flags(tmp: Path, **over) -> list[str]:
+    """configs/demo_tools.yaml, shrunk to seconds: the shipped tool policy (it calls the calculator on some prompts)."""
+    out = tmp / "out"
+    out.mkdir(exist_ok=True)
+    shutil.copy(ROOT / "out" / "tool_sft_128.pth", out / "tool_sft_128.pth")
+    flags = {"config": str(ROOT / "configs" / "demo_tools.yaml"), "save_dir": str(out), "checkpoint_dir": str(tmp / "ckpt"),
+             "run_dir": str(tmp / "run"), "max_steps": 3, "batch_size": 4, "num_generations": 2, "mini_batch_size": 8,
+             "eval_interval": 2, "eval_samples": 8, "save_interval": 1, "num_threads": 1, "swanlab_mode": "disabled",
+             "data_path": str(ROOT / "dataset" / "demo_tools_train.jsonl"), "tools": str(ROOT / "dataset" / "demo_tools.py"),
+             "eval_data_path": str(ROOT / "dataset" / "demo_tools_eval.jsonl"), **over}
+    return [x for k, v in flags.items() for x in (f"--{k}", str(v))]
+
+
+@pytest.mark.slow  # three short runs of the tool demo's policy, ~1 min on 2 cores
+def test_tool_run_logs_tool_use_and_resumes_exactly(tmp_path):
+    common = dict(advantage_estimator="gae", num_generations=1, batch_size=8)  # the critic's path
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_train(tool_flags(a, **common), cwd=tmp_path)
+    rows = read_metrics(a / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert sum(r["reward/tool_calls"] for r in rows) > 0 and all(r["reward/tool_failures"] == 0 for r in rows)
+    assert 0 < rows[-1]["eval/tool_call_rate"] <= 1 and "eval/tool_ok_rate" in rows[-1]
+    p = spawn_train(tool_flags(b, **common), tmp_path, tmp_path / "b1.log")
+    sigkill_after(p, b / "ckpt" / "ppo_tools_128_resume_step00000001.pth", delay=0.0)
+    run_train(tool_flags(b, **common, from_resume=1), cwd=tmp_path)
+    last = lambda d: torch.load(d / "ckpt" / "ppo_tools_128_resume_step00000003.pth", weights_only=True)  # noqa: E731
+    sa, sb = last(a), last(b)
+    for key in ("actor", "critic"):
+        assert all(torch.equal(sa[key][k], sb[key][k]) for k in sa[key]), key
+
+
+@pytest.mark.slow  # two torchrun processes, ~40 s on 2 cores
+def test_tool_run_under_ddp_with_minimind_agent_rows(tmp_path):
+    """MiniMind's agent_rl.jsonl rows (tools in the system message, "gt"), two ranks whose episodes take different
+    numbers of turns: the same collectives on both, and the run ends."""
+    schema = json.dumps([load_tools(TOOLS).schemas["calculator"]], ensure_ascii=False)
+    rows = [json.loads(line) for line in (ROOT / "dataset" / "demo_tools_train.jsonl").read_text().splitlines()[:32]]
+    agent = [{"conversations": [{"role": "system", "content": "You can use tools.", "tools": schema},
+                                r["conversations"][0], {"role": "assistant", "content": ""}],
+              "gt": [r["conversations"][1]["content"]]} for r in rows]
+    data = tmp_path / "agent_rl.jsonl"
+    data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in agent), encoding="utf-8")
+    r = run_train(tool_flags(tmp_path, data_path=data, eval_data_path=data, max_steps=2, eval_interval=1), cwd=tmp_path,
+                  torchrun_procs=2, timeout=400)
+    assert "device cpu x2" in r.stdout
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(0 <= m["accuracy"] <= 1 for m in metrics) and "eval/accuracy" in metrics[-1]
+
+
+def test_rows_offering_tools_need_a_module_that_has_them(tmp_path):
+    row = {"conversations": [{"role": "system", "content": "s", "tools": [{"type": "function", "function": {"name": "weather"}}]},
+                             {"role": "user", "content": "Weather in Paris?"}], "gt": ["sunny"]}
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    base = ["--data_path", str(data), "--eval_data_path", "none", "--max_steps", "1", "--batch_size", "1",
+            "--mini_batch_size", "0", "--checkpoint_dir", str(tmp_path / "c"), "--run_dir", str(tmp_path / "r"),
+            "--save_dir", str(ROOT / "out"), "--reward_model_path", "none"]
+    r = run_train(base, cwd=tmp_path, check=False)
+    assert r.returncode != 0 and "rows.jsonl:1: the row offers tools (weather); give --tools MODULE.py" in r.stderr
+    r = run_train(base + ["--tools", str(TOOLS), "--max_seq_len", "256"], cwd=tmp_path, check=False)
+    assert r.returncode != 0 and "the row offers weather, which --tools" in r.stderr and "Traceback" not in r.stderr

@@ -9,6 +9,7 @@ stderr, so it cannot garble the replies.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import os
@@ -20,7 +21,14 @@ def main(path: str) -> None:
     out = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")  # the reply channel
     os.dup2(2, 1)  # a tool's print() lands on stderr
     sys.stdout = sys.stderr
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it stops us
+    # Ctrl-C and a scheduler's SIGTERM reach the whole process group: they are the trainer's to handle (it finishes
+    # its step, whose tool calls must still run, then stops us). Should the trainer die instead, so do we (Linux).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
     def reply(**kw) -> None:
         out.write(json.dumps(kw, ensure_ascii=False) + "\n")

@@ -163,20 +163,20 @@ class ToolRunner:
                                 stdout=subprocess.PIPE, text=True, encoding="utf-8", bufsize=1,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         ready = self._read(proc, max(30.0, self.timeout))  # the import may take a while
-        if ready is None or not ready.get("ready"):
+        if not isinstance(ready, dict) or not ready.get("ready"):
             self._kill(proc)
-            why = (ready or {}).get("error", "no answer")
+            why = ready.get("error") if isinstance(ready, dict) else f"it {ready}"
             raise ToolError(f"--tools {self.toolbox.path}: the tool process did not start ({why})")
         return proc
 
     @staticmethod
-    def _read(proc: subprocess.Popen, timeout: float) -> dict | None:
-        """One JSON line from the child within `timeout` seconds; None if it hung or died."""
+    def _read(proc: subprocess.Popen, timeout: float) -> dict | str:
+        """One JSON line from the child within `timeout` seconds, else "hung" or "died"."""
         ready, _, _ = select.select([proc.stdout], [], [], timeout)
         if not ready:
-            return None
+            return "hung"
         line = proc.stdout.readline()
-        return json.loads(line) if line else None
+        return json.loads(line) if line else "died"
 
     @staticmethod
     def _kill(proc: subprocess.Popen) -> None:
@@ -212,10 +212,9 @@ class ToolRunner:
             self._proc.stdin.flush()
             reply = self._read(self._proc, self.timeout)
         except (BrokenPipeError, OSError, ValueError):
-            reply = None
-        if reply is None:  # hung, or the tool took the process with it: start a fresh one next time
-            hung = self._proc.poll() is None
+            reply = "died"
+        if not isinstance(reply, dict):  # hung, or the tool took the process with it: start a fresh one next time
             self.close()
-            why = f"timed out after {self.timeout:g} s" if hung else "crashed the tool process"
+            why = f"timed out after {self.timeout:g} s" if reply == "hung" else "crashed the tool process"
             return tool_message(call.name, f"{err}{call.name} {why}")
         return tool_message(call.name, reply["content"] if reply["ok"] else err + reply["content"])
