@@ -224,7 +224,7 @@ def test_observation_refuses_a_template_that_rewrites_history(tok):
 def tool_flags(tmp: Path, **over) -> list[str]:
     """configs/demo_tools.yaml, shrunk to seconds: the shipped tool policy (it calls the calculator on some prompts)."""
     out = tmp / "out"
-    out.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     shutil.copy(ROOT / "out" / "tool_sft_128.pth", out / "tool_sft_128.pth")
     flags = {"config": str(ROOT / "configs" / "demo_tools.yaml"), "save_dir": str(out), "checkpoint_dir": str(tmp / "ckpt"),
              "run_dir": str(tmp / "run"), "max_steps": 3, "batch_size": 4, "num_generations": 2, "mini_batch_size": 8,
@@ -240,9 +240,11 @@ def test_tool_run_logs_tool_use_and_resumes_exactly(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     run_train(tool_flags(a, **common), cwd=tmp_path)
     rows = read_metrics(a / "run")
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert sum(r["reward/tool_calls"] for r in rows) > 0 and all(r["reward/tool_failures"] == 0 for r in rows)
-    assert 0 < rows[-1]["eval/tool_call_rate"] <= 1 and "eval/tool_ok_rate" in rows[-1]
+    steps = [r for r in rows if "reward/tool_calls" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert sum(r["reward/tool_calls"] for r in steps) > 0 and sum(r["reward/tool_ok"] for r in steps) > 0  # calls that ran
+    evals = [r for r in rows if "eval/tool_call_rate" in r]
+    assert len(evals) >= 2 and all(0 <= r["eval/tool_ok_rate"] <= r["eval/tool_call_rate"] <= 1 for r in evals)
     p = spawn_train(tool_flags(b, **common), tmp_path, tmp_path / "b1.log")
     sigkill_after(p, b / "ckpt" / "ppo_tools_128_resume_step00000001.pth", delay=0.0)
     run_train(tool_flags(b, **common, from_resume=1), cwd=tmp_path)
@@ -266,7 +268,7 @@ def test_tool_run_under_ddp_with_minimind_agent_rows(tmp_path):
     r = run_train(tool_flags(tmp_path, data_path=data, eval_data_path=data, max_steps=2, eval_interval=1), cwd=tmp_path,
                   torchrun_procs=2, timeout=400)
     assert "device cpu x2" in r.stdout
-    metrics = read_metrics(tmp_path / "run")
+    metrics = [m for m in read_metrics(tmp_path / "run") if "accuracy" in m]
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(0 <= m["accuracy"] <= 1 for m in metrics) and "eval/accuracy" in metrics[-1]
 
