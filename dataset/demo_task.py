@@ -516,8 +516,10 @@ def make_pairs(rng: random.Random, n: int, want_eval: bool) -> list[dict]:
 #   turn 1  "<think>\n{why}\n</think>\n<tool_call>\n{call json}\n</tool_call>"   (then the tool's reply)
 #   turn 2  "<think>\n{read}\n</think>\n<answer>\n{product}\n</answer>"
 TOOL_TASK = "mul"
-_TOOL_WORDS = {"en": ("Use the calculator for {a} × {b}.", "The calculator says {p}."),
-               "zh": ("用计算器算 {a} × {b}。", "计算器得出 {p}。")}
+# The result stands on a line of its own, as in the tool reply: "\n132" is one token there and here, while " 132"
+# would be two others, a mapping a 1.7M-parameter policy copies badly.
+_TOOL_WORDS = {"en": ("Use the calculator for {a} × {b}.", "The calculator says:\n{p}"),
+               "zh": ("用计算器算 {a} × {b}。", "计算器得出：\n{p}")}
 
 
 def tool_call_turn(problem: Problem) -> str:

@@ -44,6 +44,7 @@ import torch.nn.functional as F  # noqa: E402
 from dataset.rlaif import render_prompt  # noqa: E402
 from trainer.multiturn import observation  # noqa: E402
 from trainer.tools import ToolError, load_tools  # noqa: E402
+from trainer.config import cpu_native_bf16  # noqa: E402
 from model.loader import build_minimind, load_tokenizer  # noqa: E402
 from model.weights import WeightsError, load_native_weights, native_weight_path, save_native_weights  # noqa: E402
 
@@ -226,7 +227,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_seq_len", type=int, default=128)
     p.add_argument("--micro_batches", type=int, default=2,
                    help="split each batch by length into this many forward/backward passes (less padding)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="autocast dtype on CPU")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="autocast dtype on CPU; auto = bfloat16 where the CPU computes it natively (AVX512-BF16/AMX), "
+                        "else float32, which is then many times faster")
     p.add_argument("--num_threads", type=int, default=0, help="torch threads (0 = all cores)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--log_interval", type=int, default=50)
@@ -277,9 +280,10 @@ def main(argv: list[str] | None = None) -> None:
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = adamw(model, args.learning_rate, args.weight_decay)
-    amp_dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cpu_native_bf16() else "float32")
+    amp_dtype = torch.bfloat16 if dtype == "bfloat16" else None
     print(f"SFT: {n} conversations, {n_params / 1e6:.2f}M parameters, {total_steps} steps of {args.batch_size} "
-          f"({total_steps * args.batch_size / n:.2f} epochs), lr {args.learning_rate}, {torch.get_num_threads()} threads")
+          f"({total_steps * args.batch_size / n:.2f} epochs), lr {args.learning_rate}, {dtype}, {torch.get_num_threads()} threads")
 
     path = native_weight_path(args.save_dir, args.save_weight, args.hidden_size, bool(args.use_moe))
     step, running, t_train = 0, 0.0, time.time()

@@ -27,7 +27,7 @@ from trainer.tools import ToolRunner, load_tools
 
 TOOLS = ROOT / "dataset" / "demo_tools.py"
 CALL = '用计算器算 37 × 8。\n</think>\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "37 * 8"}}\n</tool_call>'
-ANSWER = "计算器得出 296。\n</think>\n<answer>\n296\n</answer>"
+ANSWER = "计算器得出：\n296\n</think>\n<answer>\n296\n</answer>"
 # What the template puts between the policy's two turns: the rest of the assistant's line, the tool's reply in a
 # user turn, and the next assistant header with the think prefix (open thinking).
 OBSERVATION = "\n<|im_start|>user\n<tool_response>\n296\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n"

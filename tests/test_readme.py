@@ -42,7 +42,7 @@ README_MAX_LINES = 260
 PENDING: set[str] = set()
 
 # Paths in the pages that name another project's files (MiniMind's trainer), not this repository's.
-EXTERNAL = {"trainer/train_ppo.py"}
+EXTERNAL = {"trainer/train_ppo.py", "trainer/train_agent.py"}
 REPO_PATH = re.compile(r"(?:trainer|model|dataset|scripts|tests|configs|docs)/[\w/.-]+\.(?:py|md|yaml|yml|json|jsonl|jinja|txt)")
 
 SHELL_LANGS = {"", "bash", "sh", "shell", "console", "zsh"}
