@@ -535,15 +535,22 @@ def tool_answer_turn(problem: Problem) -> str:
     return format_full(_TOOL_WORDS[problem.lang][1].format(p=problem.answer), problem.answer)
 
 
-def make_tool_sft(rng: random.Random, n: int, tool_share: float = 0.2) -> list[dict]:
-    """SFT conversations for the tool task, train side only: `tool_share` of them a calculator episode (user,
-    assistant call, tool reply, assistant answer), the rest answered directly (half full, half plain), so the
-    policy starts out calling the tool on some prompts and PPO can find that it pays."""
+def make_tool_sft(rng: random.Random, n: int, tool_share: float = 0.2, wide_share: float = 0.5) -> list[dict]:
+    """SFT conversations for the tool task, train side only. `tool_share` of the demo's products (b one digit) are a
+    calculator episode (user, assistant call, tool reply, assistant answer), the rest answered directly (half full,
+    half plain), so the policy starts out calling the tool on some prompts and PPO can find that it pays.
+    `wide_share` of all rows are calculator episodes on products with a two-digit b: there are too many of them to
+    memorise, so the answer turn learns to copy the tool's reply (on the demo's products alone it learned their
+    results from the question instead, and a held-out product's tool reply went unread)."""
     rows = []
     for (lang,) in _balanced(n, LANGS):
-        problem = _sample(rng, TOOL_TASK, lang, want_eval=False)
+        if rng.random() < wide_share:
+            demo = make_problem(rng, TOOL_TASK, lang)
+            problem, tool = Problem(TOOL_TASK, lang, (rng.randint(10, 99), rng.randint(10, 99)), demo.template), True
+        else:
+            problem, tool = _sample(rng, TOOL_TASK, lang, want_eval=False), rng.random() < tool_share
         user = {"role": "user", "content": problem.prompt}
-        if rng.random() < tool_share:
+        if tool:
             conv = [user, {"role": "assistant", "content": tool_call_turn(problem)},
                     {"role": "tool", "name": "calculator", "content": problem.answer},
                     {"role": "assistant", "content": tool_answer_turn(problem)}]

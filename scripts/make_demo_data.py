@@ -13,7 +13,7 @@ Writes into --out_dir:
     demo_pairs_eval.jsonl   1,000 preference pairs (eval side) for held-out RM accuracy
     demo_tools_train.jsonl  2,000 multiplication prompts for the tool demo (shipped; configs/demo_tools.yaml)
     demo_tools_eval.jsonl     200 held-out multiplication prompts for the tool demo (shipped)
-    demo_tools_sft.jsonl    8,000 SFT conversations of the tool demo, 20% calculator episodes (multi-turn)
+    demo_tools_sft.jsonl    8,000 SFT conversations of the tool demo, 60% calculator episodes (multi-turn)
 Rows also carry "task" and "lang" (and "style" / "kind"); MiniMind loaders ignore extra keys.
 The task itself lives in dataset/demo_task.py.
 """

@@ -13,8 +13,8 @@ Arithmetic is learned late: at this size held-out accuracy stayed under 15% for 
 
 The tool demo's starting policy (configs/demo_tools.yaml) continues from that file on calculator episodes:
 
-    python scripts/train_sft.py --num_threads 1 --data_path dataset/demo_tools_sft.jsonl --tools dataset/demo_tools.py \
-        --init_from out/full_sft_128.pth --save_weight tool_sft --max_seq_len 320 --max_steps 500 \
+    python scripts/train_sft.py --num_threads 2 --data_path dataset/demo_tools_sft.jsonl --tools dataset/demo_tools.py \
+        --init_from out/full_sft_128.pth --save_weight tool_sft --max_seq_len 320 --max_steps 1000 \
         --learning_rate 5e-4 --warmup_steps 20    # -> out/tool_sft_128.pth
 
 Tokenisation matches PPO's generation prompts exactly: the prompt part is the chat template with

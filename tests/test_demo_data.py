@@ -216,3 +216,30 @@ def test_shipped_files_match_the_generator():
         expected = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in files[name])
         assert (ROOT / "dataset" / f"{name}.jsonl").read_text(encoding="utf-8") == expected, (
             f"dataset/{name}.jsonl is stale: run python scripts/make_demo_data.py")
+
+
+# ---------------------------------------------------------------- the tool task
+
+def test_tool_sft_episodes_call_the_calculator_and_answer_with_its_reply():
+    from dataset.demo_tools import calculator
+
+    rows = dt.make_tool_sft(random.Random(0), 2000)
+    tool, direct = [r for r in rows if r["style"] == "tool"], [r for r in rows if r["style"] != "tool"]
+    wide = 0
+    for r in tool:
+        user, call, reply, answer = r["conversations"]
+        assert [m["role"] for m in r["conversations"]] == ["user", "assistant", "tool", "assistant"]
+        body = json.loads(re.search(r"<tool_call>\n(.*)\n</tool_call>$", call["content"]).group(1))
+        a, b = map(int, body["arguments"]["expression"].split(" * "))
+        assert body["name"] == "calculator" and f"{a}" in user["content"] and f"{b}" in user["content"]
+        assert reply["content"] == calculator(body["arguments"]["expression"]) == str(a * b)
+        # The result on a line of its own in the thought, as in the tool reply, then as the answer.
+        assert f"\n{a * b}\n</think>" in answer["content"] and dt.extract_answer(answer["content"]) == str(a * b)
+        assert dt.format_ok(answer["content"])
+        wide += b >= 10
+        if b < 10:  # the demo's own products: never a held-out one
+            assert not dt.is_eval_key(dt.problem_key("mul", (a, b)))
+    assert all(len(r["conversations"]) == 2 for r in direct)
+    # ~50% copy-forcing episodes (two-digit b), ~20% of the demo's products through the calculator
+    assert abs(wide / len(rows) - 0.5) < 0.04
+    assert abs((len(tool) - wide) / (len(rows) - wide) - 0.2) < 0.04
