@@ -255,7 +255,6 @@ def check_logprob_gap(c: Context) -> tuple[str, str]:
 def check_two_processes(c: Context) -> tuple[str, str]:
     import torch
 
-    sz = c.sz
     n_gpus = torch.cuda.device_count() if not c.smoke else 0
     env = dict(c.env, OMP_NUM_THREADS="1")
 

@@ -11,7 +11,8 @@ from dataset.demo_task import Problem
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL_RE = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", re.DOTALL)
-SMALL = dict(n_train=200, n_eval=100, n_sft=400, n_pairs=400, n_pairs_eval=100)
+SMALL = dict(n_train=200, n_eval=100, n_sft=400, n_pairs=400, n_pairs_eval=100, n_tool_train=40, n_tool_eval=20,
+             n_tool_sft=40)
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +126,12 @@ def test_generation_is_deterministic(small):
 
 def test_counts_and_balance(small):
     assert {k: len(v) for k, v in small.items()} == {
-        "demo_train": 200, "demo_eval": 100, "demo_sft": 400, "demo_pairs": 400, "demo_pairs_eval": 100}
+        "demo_train": 200, "demo_eval": 100, "demo_sft": 400, "demo_pairs": 400, "demo_pairs_eval": 100,
+        "demo_tools_train": 40, "demo_tools_eval": 20, "demo_tools_sft": 40}
     for name, rows in small.items():
+        if name.startswith("demo_tools"):  # the tool task is products only
+            assert {r["task"] for r in rows} == {"mul"} and Counter(r["lang"] for r in rows)["zh"] == len(rows) // 2
+            continue
         tasks = Counter(r["task"] for r in rows)
         assert set(tasks) == set(dt.TASKS) and max(tasks.values()) - min(tasks.values()) <= 1, name
         assert Counter(r["lang"] for r in rows)["zh"] == len(rows) // 2, name
