@@ -337,7 +337,9 @@ def test_two_gloo_procs_with_lora_equal_one_proc_with_the_doubled_batch(world, t
     assert moved > 1e-3, "adapters barely moved: the comparison would prove nothing"
     for part in ("actor", "critic"):
         diffs = [(a[part][k] - b[part][k]).abs() for k in a[part]]
-        assert max(d.max().item() for d in diffs) < 5e-5, part
+        # At lr 1e-2 Adam turns fp noise in near-zero gradients into steps on a few elements (5.6e-5 seen on an
+        # AVX2 CPU, one Adam step being up to 1e-2); a DDP error would move every adapter, which the mean catches.
+        assert max(d.max().item() for d in diffs) < 2e-4, part
         assert max(d.mean().item() for d in diffs) < 1e-6, part
     for ra, rb in zip(read_metrics(two / "run"), read_metrics(one / "run")):
         for key in ("reward/total", "kl_ref", "ppo/approx_kl", "value/explained_var"):
