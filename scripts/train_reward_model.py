@@ -43,10 +43,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from transformers import LlamaForSequenceClassification, Qwen3Config, Qwen3ForSequenceClassification  # noqa: E402
 
-from trainer.config import cpu_native_bf16  # noqa: E402
 from model.loader import load_policy, load_reward_model, load_tokenizer  # noqa: E402
 from model.weights import WeightsError, read_state_dict  # noqa: E402
-from scripts.train_sft import adamw, lr_at  # noqa: E402
+from scripts.train_sft import add_dtype_flag, adamw, lr_at, resolve_dtype  # noqa: E402
 from trainer.rewards import RewardModelScorer, pad_ids  # noqa: E402
 
 
@@ -239,9 +238,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--center_coef", type=float, default=0.01, help="weight of the (r_chosen + r_rejected)^2 term")
     p.add_argument("--clip", type=float, default=3.0, help="PPO's RM score clip: scores are scaled to fit inside it")
     p.add_argument("--max_length", type=int, default=512, help="tokens per scored conversation (end kept)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
-                   help="autocast dtype on CPU; auto = bfloat16 where the CPU computes it natively (AVX512-BF16/AMX), "
-                        "else float32, which is then many times faster")
+    add_dtype_flag(p)
     p.add_argument("--num_threads", type=int, default=0, help="torch threads (0 = all cores)")
     p.add_argument("--malloc_trim_interval", type=int, default=1,
                    help="every N steps give freed heap memory back to the OS (glibc malloc_trim; 0 = never). Peak RSS "
@@ -287,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = adamw(model, args.learning_rate, args.weight_decay)
-    use_amp = args.dtype == "bfloat16" or (args.dtype == "auto" and cpu_native_bf16())
+    use_amp = resolve_dtype(args.dtype) == "bfloat16"
     print(f"RM: {n} train pairs, {len(ev_chosen)} eval pairs, {n_params / 1e6:.2f}M parameters, {total_steps} steps "
           f"of {args.batch_size} pairs ({total_steps * args.batch_size / n:.2f} epochs), lr {args.learning_rate}")
 

@@ -199,6 +199,17 @@ def sft_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tens
     return F.cross_entropy(logits.float(), targets[keep], reduction="sum") / tokens_per_batch
 
 
+def add_dtype_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="autocast dtype on CPU; auto = bfloat16 where the CPU computes it natively (AVX512-BF16/AMX), "
+                        "else float32, which is then many times faster")
+
+
+def resolve_dtype(flag: str) -> str:
+    """--dtype auto -> bfloat16 on a CPU with native bf16, else float32."""
+    return flag if flag != "auto" else ("bfloat16" if cpu_native_bf16() else "float32")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Full SFT of a MiniMind model on the demo data (CPU, bf16 autocast).")
     p.add_argument("--data_path", default="dataset/demo_sft.jsonl")
@@ -227,9 +238,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_seq_len", type=int, default=128)
     p.add_argument("--micro_batches", type=int, default=2,
                    help="split each batch by length into this many forward/backward passes (less padding)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
-                   help="autocast dtype on CPU; auto = bfloat16 where the CPU computes it natively (AVX512-BF16/AMX), "
-                        "else float32, which is then many times faster")
+    add_dtype_flag(p)
     p.add_argument("--num_threads", type=int, default=0, help="torch threads (0 = all cores)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--log_interval", type=int, default=50)
@@ -280,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = adamw(model, args.learning_rate, args.weight_decay)
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cpu_native_bf16() else "float32")
+    dtype = resolve_dtype(args.dtype)
     amp_dtype = torch.bfloat16 if dtype == "bfloat16" else None
     print(f"SFT: {n} conversations, {n_params / 1e6:.2f}M parameters, {total_steps} steps of {args.batch_size} "
           f"({total_steps * args.batch_size / n:.2f} epochs), lr {args.learning_rate}, {dtype}, {torch.get_num_threads()} threads")
