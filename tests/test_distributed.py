@@ -172,6 +172,40 @@ def test_every_distributed_exit_leaves_by_os_exit(monkeypatch, capsys, ending, c
             D.exit_after(main)
 
 
+@pytest.mark.parametrize("ending", ["error line", "crash", "ctrl-c"])
+def test_an_exit_by_exception_frees_nothing_before_os_exit(monkeypatch, ending):
+    """What main's frames hold (the DDP models, whose reducer owns the gloo group) must outlive the exception:
+    freeing them joins a gloo worker thread that waits for the GIL the exiting thread holds (a hang seen in CI)."""
+    import weakref
+
+    class Model:
+        pass
+
+    ref: list = []
+
+    def main():
+        model = Model()
+        ref.append(weakref.ref(model))
+        if ending == "error line":
+            raise SystemExit("error: rank 1: a bad file")
+        if ending == "crash":
+            raise RuntimeError("boom")
+        raise KeyboardInterrupt
+
+    alive_at_exit = []
+
+    def fake_exit(c):
+        alive_at_exit.append(ref[0]() is not None)
+        raise _Exited(c)
+
+    monkeypatch.setattr(D.os, "_exit", fake_exit)
+    monkeypatch.setattr(D, "_KEPT", [])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(_Exited):
+        D.exit_after(main)
+    assert alive_at_exit == [True]
+
+
 def test_shard_batches_interleaves_one_global_stream():
     shard_batches = D.shard_batches
     n, seed, batch = 23, 42, 3

@@ -83,13 +83,26 @@ def init_distributed(device_flag: str = "auto", timeout_s: int = 1800, cpu_colle
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
 
 
+_KEPT: list = []  # freed by os._exit, never by Python: see exit_after
+
+
+def keep_until_exit(obj: object) -> None:
+    """Keep `obj` (the built models, an exception's traceback) alive until a torchrun process leaves
+    through exit_after's os._exit. Freeing a DDP module frees its reducer's gloo group, whose destructor
+    joins a worker thread that needs the GIL the freeing thread holds: a hang at exit."""
+    _KEPT.append(obj)
+
+
 def exit_after(main: Callable[[], None]) -> None:
     """The script's entry point. A run under torchrun leaves with os._exit once its own clean-up has run
     (the final barrier, the process group destroyed, logs closed), however it ends: finished, stopped (an
     error agreed by every rank, a non-finite stop, a signal) or crashed. Interpreter shutdown is where
     torch's gloo group can hang or abort: the DDP reducer's destructor joins a worker thread, holding
     the GIL that thread needs to free the last collective's tensors ("terminate called without an
-    active exception", or a hang about 1 run in 10 seen here). One process exits normally."""
+    active exception", or a hang about 1 run in 10 seen here). The same deadlock waits for any rank that
+    frees a DDP module before os._exit (its reducer owns the group): so an exception, whose traceback holds
+    the frames that hold the models, is kept to the end, and so is what `keep_until_exit` was given.
+    One process exits normally."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         main()
         return
@@ -97,13 +110,16 @@ def exit_after(main: Callable[[], None]) -> None:
     try:
         main()
     except SystemExit as e:
+        keep_until_exit(e)
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
-    except KeyboardInterrupt:  # a second Ctrl-C: the run has marked itself interrupted on the way out
+    except KeyboardInterrupt as e:  # a second Ctrl-C: the run has marked itself interrupted on the way out
+        keep_until_exit(e)
         traceback.print_exc()
         code = 130
-    except BaseException:  # noqa: BLE001 - a crash: its traceback, then the same way out
+    except BaseException as e:  # noqa: BLE001 - a crash: its traceback, then the same way out
+        keep_until_exit(e)
         traceback.print_exc()
         code = 1
     sys.stdout.flush()

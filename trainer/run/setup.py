@@ -31,7 +31,7 @@ from trainer.rewards import RewardModelScorer, load_reward_fn
 from trainer.tools import Toolbox, ToolRunner, load_tools
 from trainer.run.checkpoint import seed_everything
 from trainer.run.sharding import shard_models
-from trainer.run.distributed import DistInfo, all_gather_objects, failing_together, gpu_identity, init_distributed, stop_all
+from trainer.run.distributed import DistInfo, all_gather_objects, failing_together, gpu_identity, init_distributed, keep_until_exit, stop_all
 from trainer.types import DTYPES, Models, Optim, Runtime, on  # noqa: F401 - re-exported for scripts
 
 # torch 2.13 renamed DDP's broadcast_buffers (deprecated, a warning on every rank) to forward_sync_buffers.
@@ -275,6 +275,8 @@ def setup(raw: Config, info: DistInfo | None = None) -> Setup:
         shard_models(cfg, built.models, info)
         built.optim = build_optim(cfg, built.models, rt.total_steps, DTYPES[cfg.dtype], info.device)
     wrap_for_training(cfg, built.models, info)  # DDP's constructor broadcasts rank 0's weights
+    if info.enabled:
+        keep_until_exit(built)  # freed by the process's exit, not by returning from main (a gloo hang)
     return built
 
 
