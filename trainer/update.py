@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import numpy as np
 import torch
@@ -54,8 +55,10 @@ def ppo_update(cfg: Config, ro: Rollout, m: Models, opt: Optim, step: int, rt: R
                         break
             if stopped_early or nonfinite:
                 break
-    for sched in opt.scheds.values():
-        sched.step()
+    with warnings.catch_warnings():  # the schedule counts PPO steps, skipped updates too (critic warm-up, non-finite)
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
+        for sched in opt.scheds.values():
+            sched.step()
     as_t = lambda x: torch.as_tensor(x, dtype=torch.float64, device=rt.device)  # noqa: E731
     means = torch.stack([torch.stack([as_t(x) for x in v]).mean() for v in stats.values()])
     out = dict(zip(stats, means.tolist()))  # the step's stats, read from the device once
