@@ -109,19 +109,15 @@ def exit_after(main: Callable[[], None]) -> None:
     code: int = 0
     try:
         main()
-    except SystemExit as e:
+    except BaseException as e:  # noqa: BLE001 - every way out leaves by os._exit
         keep_until_exit(e)
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if isinstance(e.code, str):
-            print(e.code, file=sys.stderr)
-    except KeyboardInterrupt as e:  # a second Ctrl-C: the run has marked itself interrupted on the way out
-        keep_until_exit(e)
-        traceback.print_exc()
-        code = 130
-    except BaseException as e:  # noqa: BLE001 - a crash: its traceback, then the same way out
-        keep_until_exit(e)
-        traceback.print_exc()
-        code = 1
+        if isinstance(e, SystemExit):
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+        else:  # a crash, or a second Ctrl-C (the run has marked itself interrupted on the way out): its traceback
+            traceback.print_exc()
+            code = 130 if isinstance(e, KeyboardInterrupt) else 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
