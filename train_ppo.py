@@ -50,7 +50,7 @@ from trainer.run.phases import phases  # noqa: E402
 from trainer.run.setup import setup  # noqa: E402
 from trainer.run.timing import PhaseTimer  # noqa: E402
 from trainer.tools import ToolRunner  # noqa: E402
-from trainer.types import Models, Phase, Runtime, on  # noqa: E402
+from trainer.runtime import Models, Phase, Runtime, on  # noqa: E402
 from trainer.update import ppo_update  # noqa: E402
 
 __all__ = ["parse_args", "main", "make_experience", "ppo_update"]

@@ -11,7 +11,7 @@ import pytest
 
 from trainer import config as C
 from trainer.registry import ADVANTAGE_ESTIMATORS
-from trainer.types import DistInfo
+from trainer.runtime import DistInfo
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS_V1 = json.loads((ROOT / "tests" / "fixtures" / "flags_v1.json").read_text())

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from unittest import mock
@@ -77,7 +78,7 @@ def test_folder_lock_refuses_a_second_holder_and_dies_with_its_process(tmp_path)
     lock.release()
     FolderLock(tmp_path, "--checkpoint_dir").acquire().release()
     # A holder killed with SIGKILL leaves the file but not the lock: the next run starts.
-    holder = subprocess.Popen(["python", "-c", "import sys; sys.path.insert(0, '.'); from trainer.run.lock import FolderLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.path.insert(0, '.'); from trainer.run.lock import FolderLock; "
                                f"FolderLock({str(tmp_path)!r}, 'x').acquire(); print('held', flush=True); import time; time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
     assert holder.stdout.readline().strip() == "held"
@@ -149,7 +150,7 @@ def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_file(world, t
 
 
 def test_disk_full_while_writing_metrics_is_one_line(world, tmp_path):
-    from trainer.run.logging import RunLogger
+    from trainer.run.run_logger import RunLogger
 
     with mock.patch.object(RunLogger, "log", side_effect=OSError(errno.ENOSPC, "No space left on device")):
         code, out = run_main(tiny_flags(world, tmp_path, max_steps=2))

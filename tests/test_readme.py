@@ -385,3 +385,22 @@ def test_readme_links_every_docs_page() -> None:
 def test_readme_is_a_front_door() -> None:
     n = len(README.read_text(encoding="utf-8").splitlines())
     assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}: move details to docs/)"
+
+
+def _readme_setup_lines() -> list[str]:
+    blocks, _ = split_fences(README.read_text(encoding="utf-8"))
+    setup = next(lines for _, lang, lines in blocks if any("pip install -r requirements.txt" in ln for ln in lines))
+    return [ln.split("#", 1)[0].strip() for ln in setup if ln.strip()]
+
+
+def test_ci_installs_as_the_readme_says_and_runs_its_test_commands() -> None:
+    """.ci/run makes a fresh venv (no system site-packages), installs requirements.txt into it and runs the
+    README's test commands, the same ones, in the same order."""
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    setup = _readme_setup_lines()
+    assert setup[0].startswith("python3 -m venv "), "the README's set-up starts with a fresh virtualenv"
+    assert re.search(r"^python3 -m venv \"\$venv\"$", ci, re.M) and "--system-site-packages" not in ci
+    assert re.search(r"^python -m pip install -r requirements\.txt$", ci, re.M)
+    readme_tests = [ln.split("&&", 1)[1].strip() for ln in setup if "pytest" in ln]
+    ci_tests = re.findall(r'^\s+"(python -m pytest[^"]*)"$', ci, re.M)
+    assert readme_tests and ci_tests == readme_tests, (ci_tests, readme_tests)

@@ -18,7 +18,7 @@ from trainer import config as C
 from trainer.run import setup as S
 from trainer.run import setup as setup_mod
 from trainer.run.distributed import DistInfo
-from trainer.types import Runtime
+from trainer.runtime import Runtime
 
 
 def _args(*flags: str):

@@ -16,7 +16,7 @@ from model.critic import CriticModel
 from model.loader import build_minimind
 from trainer.run import checkpoint as ckpt
 from trainer.run import sharding
-from trainer.types import DistInfo
+from trainer.runtime import DistInfo
 
 # DCP in one process without a process group says so once per call; that is the point here.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -111,3 +111,29 @@ def test_one_process_without_torchrun_runs_sharded(tmp_path):
     world = make_tiny_world(tmp_path / "w")
     run_train(tiny_flags(world, tmp_path, max_steps=1, strategy="fsdp2"), cwd=tmp_path)
     assert list((tmp_path / "ckpt").glob("*.dcp"))
+
+
+def test_a_bf16_parameter_policy_keeps_the_critic_head_in_fp32(tmp_path):
+    """fsdp2 with bf16 parameters (GPUs with --dtype bfloat16): the critic's value head reads fp32 hidden
+    states, so its own parameters must stay fp32 (it failed with a dtype mismatch on an H200, 2026-11-26).
+    The same policy on a CPU process group of one stands in for the GPU's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        critic = CriticModel.from_policy(build_minimind(64, 2))
+        torch.nn.init.normal_(critic.value_head.weight)
+        whole = CriticModel.from_policy(build_minimind(64, 2))
+        whole.load_state_dict(critic.state_dict())
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        sharding.shard(critic, init_device_mesh("cpu", (1,)), mp)
+        ids = torch.randint(5, 100, (2, 7))
+        values = critic(ids, attention_mask=torch.ones_like(ids))
+        assert values.dtype == torch.float32 and values.shape == (2, 7)
+        ref = whole(ids, attention_mask=torch.ones_like(ids))
+        assert (values - ref).abs().max() < 0.1 * ref.abs().max()  # bf16 trunk, fp32 head
+    finally:
+        dist.destroy_process_group()

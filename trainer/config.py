@@ -36,7 +36,7 @@ import trainer.estimators  # noqa: F401 - registers the advantage estimators
 import trainer.losses  # noqa: F401 - registers the policy losses
 from trainer.ppo import LOSS_AGG_MODES
 from trainer.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, estimator_spec, policy_loss_spec
-from trainer.types import DTYPES, DistInfo
+from trainer.runtime import DTYPES, DistInfo
 Flag = Literal[0, 1]
 
 

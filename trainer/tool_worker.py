@@ -1,6 +1,6 @@
 """The child process of trainer/tools.py's ToolRunner: imports a tool module, then answers one JSON line per call.
 
-    python trainer/tool_worker.py TOOLS.py    # stdin: {"name": ..., "arguments": {...}} per line
+    python -m trainer.tool_worker TOOLS.py    # stdin: {"name": ..., "arguments": {...}} per line
                                               # stdout: {"ready": true} once, then {"ok": bool, "content": str} per call
 
 Imports nothing of the trainer (no torch): it starts in a fraction of a second. What a tool prints goes to

@@ -33,7 +33,10 @@ from typing import Any
 # A tool's reply is cut to this many characters: a runaway result must not fill the context.
 MAX_RESULT_CHARS = 2000
 _CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_WORKER = Path(__file__).with_name("tool_worker.py")
+# The worker runs as a module with the repository root on its path: run as a script, its own folder (trainer/)
+# would come first on sys.path, where a module could shadow the standard library's for the child alone.
+_WORKER_MODULE = "trainer.tool_worker"
+_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 class ToolError(ValueError):
@@ -159,9 +162,10 @@ class ToolRunner:
 
     # ---- the child
     def _start(self) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, str(_WORKER), self.toolbox.path], stdin=subprocess.PIPE,
+        path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)
+        proc = subprocess.Popen([sys.executable, "-m", _WORKER_MODULE, self.toolbox.path], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True, encoding="utf-8", bufsize=1,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path})
         ready = self._read(proc, max(30.0, self.timeout))  # the import may take a while
         if not isinstance(ready, dict) or not ready.get("ready"):
             self._kill(proc)

@@ -20,7 +20,7 @@ from trainer.parallel import run_side_by_side
 from trainer.ppo import aggregate_loss, explained_variance, kl_penalty, value_loss
 from trainer.registry import policy_loss_spec
 from trainer.rollout import Rollout, attention_implementation, critic_forward, policy_forward
-from trainer.types import Models, Optim, Phase, Runtime, on
+from trainer.runtime import Models, Optim, Phase, Runtime, on
 
 
 def ppo_update(cfg: Config, ro: Rollout, m: Models, opt: Optim, step: int, rt: Runtime, kl_coef: float,

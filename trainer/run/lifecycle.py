@@ -34,7 +34,7 @@ from trainer.run import sharding
 from trainer.run import checkpoint as ckpt
 from trainer.run import distributed as D
 from trainer.run.lock import FolderBusy, FolderLock
-from trainer.run.logging import RunLogger
+from trainer.run.run_logger import RunLogger
 from trainer.run.provenance import append_resume_record, mark_run_end, rehash_inputs, write_run_json
 from trainer.config import Config
 from trainer.run.setup import Setup, actor_weights_path

@@ -1,4 +1,4 @@
-"""The `phase(...)` context the PPO steps run their work in (trainer/types.py `Phase`): one `with` for the
+"""The `phase(...)` context the PPO steps run their work in (trainer/runtime.py `Phase`): one `with` for the
 phase's timer, its autocast and, for rank-local work, the agreement on a failure that happened on some
 ranks only."""
 
@@ -11,7 +11,7 @@ import torch
 
 from trainer.run.distributed import failing_together
 from trainer.run.timing import PhaseTimer
-from trainer.types import Phase, Runtime
+from trainer.runtime import Phase, Runtime
 
 
 def phases(timer: PhaseTimer, rt: Runtime) -> Phase:

@@ -33,7 +33,7 @@ from trainer.run.checkpoint import seed_everything
 from trainer.run.sharding import shard_models
 from trainer.run.distributed import (DistInfo, all_gather_objects, failing_together, gpu_identity, init_distributed,
                                       keep_until_exit, stop_all)
-from trainer.types import DTYPES, Models, Optim, Runtime, on  # noqa: F401 - re-exported for scripts
+from trainer.runtime import DTYPES, Models, Optim, Runtime, on  # noqa: F401 - re-exported for scripts
 
 # torch 2.13 renamed DDP's broadcast_buffers (deprecated, a warning on every rank) to forward_sync_buffers.
 NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters

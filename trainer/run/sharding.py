@@ -33,7 +33,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from trainer.config import Config
 from trainer.dist import DistInfo, fsdp_modules
 from trainer.run.distributed import barrier
-from trainer.types import Models
+from trainer.runtime import Models
 
 SHARDS_SUFFIX = ".dcp"
 
@@ -63,6 +63,13 @@ def shard(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy | None = 
     kw = {"mesh": mesh, "mp_policy": mp or MixedPrecisionPolicy(), "offload_policy": offload or OffloadPolicy()}
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=True, **kw)
+    head = getattr(model, "value_head", None)
+    if isinstance(head, nn.Linear) and mp is not None:
+        # The critic's head reads fp32 hidden states (model/critic.py): under a bf16 parameter policy it would
+        # get bf16 weights and fail ("mat1 and mat2 must have the same dtype"), seen on an H200. Its own group
+        # keeps it in fp32.
+        fully_shard(head, reshard_after_forward=False,
+                    **{**kw, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)})
     fully_shard(model, reshard_after_forward=False, **kw)
     return model
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.run.logging import RunLogger, _postfix, format_sample, to_json_safe, truncate_jsonl
+from trainer.run.run_logger import RunLogger, _postfix, format_sample, to_json_safe, truncate_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -193,7 +193,7 @@ CHILD = textwrap.dedent(
     socket.socket.connect, socket.socket.connect_ex = guard(real_connect), guard(real_connect_ex)
     builtins.input = no_input
 
-    from trainer.run.logging import RunLogger
+    from trainer.run.run_logger import RunLogger
     logger = RunLogger(run_dir="run", enabled=True, swanlab_mode={mode!r}, project="minippo-test",
                        experiment_name="t", config={{"lr": 1e-6}}, total_steps=3, swanlab_logdir="swanlog")
     for step in (1, 2, 3):
