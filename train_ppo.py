@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from model.fast_decode import reuse_decoder  # noqa: E402
-from trainer.config import Config, parse_args  # noqa: E402
+from trainer.config import Config  # noqa: E402
+from trainer.run.cli import parse_args  # noqa: E402
 from trainer.evaluate import evaluate_policy  # noqa: E402
 from trainer.multiturn import Episode, episode_components, generate_episodes  # noqa: E402
 from trainer.ppo import RewardNormalizer, kl_penalty, masked_whiten  # noqa: E402

@@ -102,7 +102,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from trainer.config import cpu_native_bf16  # noqa: E402
+from trainer.run.hardware import cpu_native_bf16  # noqa: E402
 from trainer.run.timing import PhaseTimer  # noqa: E402
 
 MB = 1024 * 1024
@@ -427,7 +427,7 @@ class ConfigRun:
         }
         flops["step_analytic"] = flops["update_analytic"] + flops["score_analytic"] + gen
         upd_rate = flops["update_analytic"] / med["update"] / 1e12 if med else float("nan")
-        from trainer.config import layer_matmul_params
+        from trainer.run.hardware import layer_matmul_params
         from trainer.runtime import DTYPES
 
         # Weights one decode step streams: every layer matmul and the LM head, in the compute dtype.

@@ -1,7 +1,9 @@
-"""trainer/config.py: the typed config, its generated command line, presets and resolve()."""
+"""trainer/config.py (the typed config) and trainer/run/cli.py (its generated command line, presets, MiniMind's
+names, validation and resolve())."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -9,15 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from trainer import config as C
-from trainer.registry import ADVANTAGE_ESTIMATORS
+from trainer import config as config_mod
+from trainer.run import cli as C
+from trainer.registry import ADVANTAGE_ESTIMATORS, policy_loss_spec
 from trainer.runtime import DistInfo
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS_V1 = json.loads((ROOT / "tests" / "fixtures" / "flags_v1.json").read_text())
 
 
-def _flat(cfg: C.Config) -> dict:
+def _flat(cfg: config_mod.Config) -> dict:
     out = cfg.flat()
     out.pop("config")
     return out
@@ -26,7 +29,7 @@ def _flat(cfg: C.Config) -> dict:
 def _as_before(flat: dict) -> dict:
     """Settings that became `auto` since flags_v1, as resolve() fills them (the value the old parser gave)."""
     if flat["loss_agg_mode"] == "auto":
-        flat = {**flat, "loss_agg_mode": C.policy_loss_spec(flat["policy_loss"]).loss_agg}
+        flat = {**flat, "loss_agg_mode": policy_loss_spec(flat["policy_loss"]).loss_agg}
     return flat
 
 
@@ -60,9 +63,9 @@ def test_new_settings_default_to_the_previous_behaviour():
 
 def test_each_field_has_a_docstring_and_names_are_unique():
     seen = set()
-    for cls, _ in C.GROUPS.values():
+    for cls, _ in config_mod.GROUPS.values():
         docs = C.field_docs(cls)
-        for f in C.fields(cls):
+        for f in dataclasses.fields(cls):
             assert docs.get(f.name), f"{cls.__name__}.{f.name} has no docstring"
             assert f.name not in seen
             seen.add(f.name)
@@ -71,20 +74,29 @@ def test_each_field_has_a_docstring_and_names_are_unique():
 def test_help_says_what_flags_do_without_figures():
     """Help strings say what a flag does and when to use it; measurements live in docs/."""
     import re
-    for cls, _ in C.GROUPS.values():
+    for cls, _ in config_mod.GROUPS.values():
         for name, doc in C.field_docs(cls).items():
             assert not re.search(r"\b\d+(\.\d+)?\s*(s|ms|MB|GB)\b|\d\s*->\s*\d", doc), f"--{name}: {doc}"
 
 
-def test_flat_access_and_replace_keep_the_groups():
+def test_settings_are_attributes_of_one_flat_frozen_dataclass():
     cfg = C.parse_args(["--clip_epsilon", "0.1", "--use_wandb"])
-    assert cfg.clip_epsilon == cfg.ppo.clip_epsilon == 0.1 and cfg.use_wandb == 1
+    assert cfg.clip_epsilon == 0.1 and cfg.use_wandb == 1
+    assert "clip_epsilon" in {f.name for f in dataclasses.fields(cfg)}  # a field, not a lookup a type checker cannot see
+    assert not hasattr(config_mod.Config, "__getattr__")
+    for cls, _ in config_mod.GROUPS.values():
+        assert isinstance(cfg, cls)  # every group is a base: its fields are the config's own
+    # The flat field order is the groups' order (what run.json and --help list).
+    group_order = [f.name for cls, _ in config_mod.GROUPS.values() for f in dataclasses.fields(cls)]
+    assert [f.name for f in dataclasses.fields(cfg)] == [*group_order, "config", "resolved"]
     other = cfg.replace(clip_epsilon=0.3)
-    assert other.ppo.clip_epsilon == 0.3 and cfg.ppo.clip_epsilon == 0.1
+    assert other.clip_epsilon == 0.3 and cfg.clip_epsilon == 0.1
     with pytest.raises(AttributeError):
         cfg.no_such_setting
-    with pytest.raises(Exception):
-        cfg.ppo.clip_epsilon = 1.0  # frozen
+    with pytest.raises(AttributeError, match="no setting 'clip_epslon'"):
+        cfg.replace(clip_epslon=0.3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.clip_epsilon = 1.0  # type: ignore[misc]
 
 
 def test_yaml_preset_is_overridden_by_flags(tmp_path):
@@ -119,6 +131,7 @@ def test_bad_presets_are_one_line(tmp_path, text, msg):
     assert str(e.value).startswith(f"error: --config {p}: ") and msg in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_missing_preset_is_one_line_from_the_command_line(tmp_path):
     r = subprocess.run([sys.executable, "train_ppo.py", "--config", "nope.yaml"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode != 0 and r.stderr.strip() == "error: --config nope.yaml: file not found"
@@ -208,3 +221,16 @@ def test_fsdp2_turns_the_side_by_side_update_off():
     info = DistInfo(device=torch.device("cpu"))
     assert C.resolve(C.parse_args(["--dtype", "bfloat16", "--num_threads", "2"]), info, None).parallel_update == 1
     assert C.resolve(C.parse_args(["--dtype", "bfloat16", "--num_threads", "2", "--strategy", "fsdp2"]), info, None).parallel_update == 0
+
+
+def test_minimind_flags_not_acted_on_say_so_in_one_line(capsys):
+    """MiniMind's --num_workers and --debug_log_ratio are accepted so its command lines run; set to anything but a
+    value that changes nothing (ours or MiniMind's default), each prints one line saying it is not acted on."""
+    for argv in ([], ["--num_workers", "8"], ["--num_workers", "0"]):
+        assert C.warn_unused(C.parse_args(argv)) == []
+    assert capsys.readouterr().err == ""
+    lines = C.warn_unused(C.parse_args(["--num_workers", "4", "--debug_log_ratio"]))
+    assert len(lines) == 2 and "--num_workers 4 is accepted for MiniMind's command lines and not acted on" in lines[0]
+    assert "--debug_log_ratio 1" in lines[1] and "ppo/ratio" in lines[1]
+    err = capsys.readouterr().err.splitlines()
+    assert err.count(lines[0]) == 2 and err.count(lines[1]) == 2  # printed by parse_args, then by the call

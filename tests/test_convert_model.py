@@ -115,6 +115,7 @@ def test_fresh_process_loads_it_without_our_code(tmp_path):
     assert r.stdout.split() == ["Qwen3ForCausalLM", "6400", "<|im_end|>", "True"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["qwen3", "llama", "moe"])
 def test_critic_export_gives_equal_values(tmp_path, variant):
     src = _native(tmp_path, variant)

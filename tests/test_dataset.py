@@ -493,6 +493,7 @@ def test_json_array_is_named_with_a_conversion(tmp_path, text, lineno, skip):
     assert f"jq -c '.[]' {path} > {tmp_path / 'data.jsonl'}" in msg
 
 
+@pytest.mark.slow
 def test_json_array_conversion_command_works(tmp_path):
     """The python command the message suggests turns the array into a file the reader accepts."""
     import subprocess
@@ -527,6 +528,7 @@ def test_rows_carry_their_ifeval_constraints_to_the_batch(tmp_path):
         read_rlaif_jsonl(bad)
 
 
+@pytest.mark.slow
 def test_the_shipped_ifeval_files_are_what_the_script_writes(tmp_path):
     import subprocess
     import sys

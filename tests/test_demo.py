@@ -63,6 +63,7 @@ def test_short_default_ppo_improves_format_and_accuracy_beyond_noise(tmp_path):
     assert [r["step"] for r in evals] == [0, 50] and evals[-1]["eval/format_rate"] > evals[0]["eval/format_rate"] + 0.3
 
 
+@pytest.mark.slow
 def test_shipped_reward_model_meets_its_held_out_pair_accuracy():
     """The README's figure for out/demo_rm, through the exact scorer PPO uses, on the held-out pairs
     regenerated from the seeded generator (the same rows scripts/make_demo_data.py writes)."""

@@ -121,6 +121,7 @@ def test_single_process_collectives_are_identities():
     D.cleanup(SINGLE)
 
 
+@pytest.mark.slow
 def test_init_distributed_without_torchrun_is_one_process(monkeypatch):
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
@@ -139,6 +140,7 @@ class _Exited(Exception):
     pass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ending, code", [("finish", 0), ("stop", 2), ("error line", 1), ("crash", 1), ("ctrl-c", 130)])
 def test_every_distributed_exit_leaves_by_os_exit(monkeypatch, capsys, ending, code):
     """Under torchrun every way out skips interpreter shutdown (where gloo's group can abort or hang):

@@ -74,6 +74,7 @@ def test_allow_cpu_smoke_run_prints_every_row(tmp_path):
     assert (work / "det_a" / "out" / "ppo_actor_64.pth").is_file() and (work / "ddp_gloo" / "out" / "ppo_actor_64.pth").is_file()
 
 
+@pytest.mark.slow
 def test_minimind_child_runs_minimind_on_the_given_device(tmp_path):
     """time_minimind.py starts MiniMind's trainer with --device cpu; the check's child swaps in its --device
     (the stand-in trainer records its arguments and never touches a GPU)."""

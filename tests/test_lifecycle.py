@@ -35,6 +35,7 @@ def _run_json(run_dir: Path) -> dict:
 
 
 # ------------------------------------------------------------------ one run per folder
+@pytest.mark.slow
 def test_fresh_run_refuses_a_folder_with_another_runs_resume_files(world, tmp_path):
     code, out = run_main(tiny_flags(world, tmp_path, max_steps=2))
     assert code is None, out[-2000:]
@@ -55,6 +56,7 @@ def test_fresh_run_refuses_a_folder_with_another_runs_resume_files(world, tmp_pa
     assert ckpt.read_resume(tmp_path / "ckpt" / _name(3))["run_id"] == first_id
 
 
+@pytest.mark.slow
 def test_resume_with_nothing_to_resume_is_an_error_and_wipes_nothing(world, tmp_path):
     code, out = run_main(tiny_flags(world, tmp_path, max_steps=1))
     assert code is None, out[-2000:]
@@ -71,6 +73,7 @@ def test_resume_with_nothing_to_resume_is_an_error_and_wipes_nothing(world, tmp_
     assert code is None and "resumed from" in out
 
 
+@pytest.mark.slow
 def test_folder_lock_refuses_a_second_holder_and_dies_with_its_process(tmp_path):
     lock = FolderLock(tmp_path, "--checkpoint_dir").acquire()
     with pytest.raises(FolderBusy, match=rf"--checkpoint_dir {tmp_path} is in use by another run \(pid {os.getpid()} on "):
@@ -112,6 +115,7 @@ def test_nonfinite_gradient_with_finite_loss_skips_the_step():
     assert all(torch.equal(p, world.critic.state_dict()[n]) for n, p in critic0.items())
 
 
+@pytest.mark.slow
 def test_diverged_run_never_saves_nonfinite_weights(world, tmp_path):
     code, out = run_main(tiny_flags(world, tmp_path, max_steps=6, max_nonfinite=3, learning_rate=1e4,
                                     critic_learning_rate=1e4))
@@ -131,6 +135,7 @@ def test_diverged_run_never_saves_nonfinite_weights(world, tmp_path):
 
 
 # ------------------------------------------------------------------ disk full
+@pytest.mark.slow
 def test_disk_full_while_saving_is_one_line_and_keeps_the_previous_file(world, tmp_path):
     code, out = run_main(tiny_flags(world, tmp_path, max_steps=1))
     assert code is None
@@ -221,6 +226,7 @@ def test_second_ctrl_c_stops_at_once_and_loses_nothing(world, tmp_path):
     assert _run_json(tmp_path / "run")["status"] == "interrupted"
 
 
+@pytest.mark.slow
 def test_sigkill_leaves_no_lock_behind(world, tmp_path):
     log = tmp_path / "log.txt"
     p = spawn_train(tiny_flags(world, tmp_path, max_steps=50, save_interval=1), tmp_path, log)

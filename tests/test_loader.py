@@ -260,6 +260,7 @@ def _assert_payload_is_live(path: Path, marker: Path) -> None:
     assert marker.exists()
 
 
+@pytest.mark.slow
 def test_reward_model_bin_with_pickled_code_is_refused_and_never_runs(tmp_path):
     d, marker = tmp_path / "rm", tmp_path / "ran"
     model = _save_tiny_rm(d)

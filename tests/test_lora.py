@@ -129,6 +129,7 @@ def test_fast_decoder_is_built_once_per_rollout_and_its_probe_folds_nothing(monk
     assert len(builds) == 4  # outside reuse_decoder each sample() builds its own, as before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bf16", [False, True])
 def test_fast_decode_with_lora_gives_peft_logits(bf16):
     """The fast decode step of a LoRA policy against peft's own forward. fp32: the adapters folded into
@@ -150,6 +151,7 @@ def test_fast_decode_with_lora_gives_peft_logits(bf16):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_old_actor_is_an_adapter_snapshot():
     w = build_update_world([*LORA, "--update_old_actor_freq", "2", "--learning_rate", "1e-2"])
     m = w.models

@@ -13,7 +13,7 @@ import torch
 
 from tests.helpers import spawn_ranks
 from trainer.run import distributed as D
-from trainer.config import parse_args, resolve
+from trainer.run.cli import parse_args, resolve
 from trainer.ppo import kl_penalty
 from trainer.registry import POLICY_LOSSES, policy_loss_spec
 

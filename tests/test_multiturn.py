@@ -20,7 +20,7 @@ from trainer import multiturn
 from trainer.ppo import compute_gae, compute_token_rewards
 import trainer.estimators  # noqa: F401 - registers the estimators
 import trainer.losses  # noqa: F401 - registers the losses
-from trainer.config import parse_args, resolve
+from trainer.run.cli import parse_args, resolve
 from trainer.dist import DistInfo
 from trainer.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from trainer.tools import ToolRunner, load_tools
@@ -273,6 +273,7 @@ def test_tool_run_under_ddp_with_minimind_agent_rows(tmp_path):
     assert all(0 <= m["accuracy"] <= 1 for m in metrics) and "eval/accuracy" in metrics[-1]
 
 
+@pytest.mark.slow
 def test_rows_offering_tools_need_a_module_that_has_them(tmp_path):
     row = {"conversations": [{"role": "system", "content": "s", "tools": [{"type": "function", "function": {"name": "weather"}}]},
                              {"role": "user", "content": "Weather in Paris?"}], "gt": ["sunny"]}

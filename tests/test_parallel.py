@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import build_update_world, run_experience, run_update
-from trainer.config import use_parallel_update
+from trainer.run.hardware import use_parallel_update
 from trainer.parallel import run_side_by_side
 
 
@@ -83,6 +83,7 @@ def _assert_moved(before: dict, after: dict) -> None:
         assert not all(torch.equal(a, b) for a, b in zip(before[name], after[name])), f"no {name} parameter moved"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_parallel_update_matches_the_sequential_one(dtype):
     threads = torch.get_num_threads()
@@ -102,6 +103,7 @@ def test_parallel_update_matches_the_sequential_one(dtype):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_parallel_update_is_deterministic():
     first = _one_update(1)
     second = _one_update(1)

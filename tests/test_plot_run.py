@@ -80,6 +80,7 @@ def test_figure_specs_choose_panels_by_key():
     assert figure_specs({"time/step"}) == []
 
 
+@pytest.mark.slow
 def test_plot_run_writes_every_family_and_an_overview(tmp_path):
     write_metrics(tmp_path / "run", full_rows(), tail='{"step": 41, "reward/tot')
     paths = plot_run(tmp_path / "run")
@@ -106,6 +107,7 @@ def test_plot_run_without_metrics_is_a_clear_error(tmp_path):
         plot_run(tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_cli_prints_written_paths(tmp_path):
     rows = [{"step": s, "reward/total": s / 10, "kl_ref": 0.1 * s} for s in range(1, 11)]
     write_metrics(tmp_path / "run", rows)

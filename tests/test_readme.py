@@ -309,6 +309,7 @@ def test_script_exists(cmd: Command) -> None:
     assert (ROOT / script).is_file(), f"{cmd.id}: {script} does not exist\n  {cmd.text}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", sorted({c.argv[0].removeprefix("./") for c in SCRIPTS}))
 def test_script_help_and_flags(script: str) -> None:
     """`--help` once per script (and subcommand); every flag the pages give it is listed there."""

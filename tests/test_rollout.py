@@ -106,6 +106,7 @@ def _reference_logprobs(logits, tokens, T, chunk_rows, with_entropy):
     return torch.cat([p[0] for p in parts]), (torch.cat([p[1] for p in parts]) if with_entropy else None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1.0, 0.7])
 @pytest.mark.parametrize("loss_of", ["lp", "lp+ent", "ent"])
@@ -458,7 +459,8 @@ def test_bench_quick_smoke_writes_documented_json(tmp_path):
     assert res["config"]["parallel_update"] == 1 and rep["minimind_here_s"] == 8.8
     assert "gen t/s" in r.stdout and "64x2" in r.stdout  # the table was printed
     # Generation against the weight-streaming limit: 64x2 bf16 streams its layer matmuls + LM head (2 bytes each) per token.
-    from trainer.config import Config, layer_matmul_params, policy_layer_params
+    from trainer.config import Config
+    from trainer.run.hardware import layer_matmul_params, policy_layer_params
 
     n = policy_layer_params(Config().replace(hidden_size=64, num_hidden_layers=2))
     assert n == layer_matmul_params(argparse.Namespace(hidden_size=64, num_hidden_layers=2, num_attention_heads=8,

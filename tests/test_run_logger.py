@@ -215,6 +215,7 @@ def run_child(tmp_path, mode):
     return json.loads(line[len("RESULT "):]), proc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["local", "offline"])
 def test_swanlab_run_is_written_without_network_or_prompt(tmp_path, mode):
     result, proc = run_child(tmp_path, mode)

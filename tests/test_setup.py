@@ -14,7 +14,8 @@ from torch import nn
 import train_ppo as T
 from tests.helpers import UPDATE_BASE_FLAGS, build_update_world, fake_cuda, run_experience
 from trainer.rollout import attention_implementation, policy_forward
-from trainer import config as C
+from trainer.run import cli as C
+from trainer.run import hardware as H
 from trainer.run import setup as S
 from trainer.run import setup as setup_mod
 from trainer.run.distributed import DistInfo
@@ -28,11 +29,11 @@ def _args(*flags: str):
 @fake_cuda(1, capability=(8, 0))
 def test_precision_rules_have_one_home():
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert C.resolve_precision(_args(), cpu) == ("float32", torch.float32)
-    assert C.resolve_precision(_args(), cuda) == ("bfloat16", torch.bfloat16)
-    assert C.resolve_precision(_args("--dtype", "bfloat16"), cpu) == ("bfloat16", torch.float32)  # -1: CUDA only
-    assert C.resolve_precision(_args("--dtype", "bfloat16", "--frozen_low_precision", "1"), cpu) == ("bfloat16", torch.bfloat16)
-    assert C.resolve_precision(_args("--frozen_low_precision", "0"), cuda) == ("bfloat16", torch.float32)
+    assert H.resolve_precision(_args(), cpu) == ("float32", torch.float32)
+    assert H.resolve_precision(_args(), cuda) == ("bfloat16", torch.bfloat16)
+    assert H.resolve_precision(_args("--dtype", "bfloat16"), cpu) == ("bfloat16", torch.float32)  # -1: CUDA only
+    assert H.resolve_precision(_args("--dtype", "bfloat16", "--frozen_low_precision", "1"), cpu) == ("bfloat16", torch.bfloat16)
+    assert H.resolve_precision(_args("--frozen_low_precision", "0"), cuda) == ("bfloat16", torch.float32)
 
 
 def test_cpu_native_bf16_reads_the_cpu_flags(tmp_path, monkeypatch):
@@ -40,31 +41,31 @@ def test_cpu_native_bf16_reads_the_cpu_flags(tmp_path, monkeypatch):
     for flags, native in (("fpu avx2 avx512f avx512_bf16", True), ("fpu amx_bf16 amx_tile", True),
                           ("fpu avx2 avx512f avx512_vnni", False)):
         info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
-        assert C.cpu_native_bf16(info) is native, flags
+        assert H.cpu_native_bf16(info) is native, flags
     # No flags to read (not Linux): torch's own capability checks decide.
     for avx512_bf16, amx in ((True, False), (False, True), (False, False)):
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
-        assert C.cpu_native_bf16(tmp_path / "missing") is (avx512_bf16 or amx)
+        assert H.cpu_native_bf16(tmp_path / "missing") is (avx512_bf16 or amx)
 
 
 @fake_cuda(1, capability=(8, 0))
 def test_auto_precision_picks_bf16_on_a_cpu_only_for_large_models_with_native_bf16(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    demo, big = C.policy_layer_params(T.parse_args([])), C.policy_layer_params(_args("--hidden_size", "768", "--num_hidden_layers", "16"))
-    assert demo < C.BF16_CPU_MIN_LAYER_PARAMS <= big
+    demo, big = H.policy_layer_params(T.parse_args([])), H.policy_layer_params(_args("--hidden_size", "768", "--num_hidden_layers", "16"))
+    assert demo < H.BF16_CPU_MIN_LAYER_PARAMS <= big
     for native in (True, False):
-        monkeypatch.setattr(C, "cpu_native_bf16", lambda native=native: native)
+        monkeypatch.setattr(H, "cpu_native_bf16", lambda native=native: native)
         # The demo's 128x4 model keeps fp32 everywhere: its output stays byte-identical.
-        assert C.resolve_precision(_args(), cpu, demo) == ("float32", torch.float32)
+        assert H.resolve_precision(_args(), cpu, demo) == ("float32", torch.float32)
         want = ("bfloat16", torch.bfloat16) if native else ("float32", torch.float32)
-        assert C.resolve_precision(_args(), cpu, big) == want  # --frozen_low_precision -1 follows the same rule
+        assert H.resolve_precision(_args(), cpu, big) == want  # --frozen_low_precision -1 follows the same rule
         # An explicit --dtype wins; the frozen models follow the rule unless the flag says otherwise.
-        assert C.resolve_precision(_args("--dtype", "float32"), cpu, big) == ("float32", torch.float32)
-        assert C.resolve_precision(_args("--dtype", "bfloat16"), cpu, big) == ("bfloat16", want[1])
-        assert C.resolve_precision(_args("--frozen_low_precision", "0"), cpu, big) == (want[0], torch.float32)
-        assert C.resolve_precision(_args(), cpu, None) == ("float32", torch.float32)  # size unknown
-        assert C.resolve_precision(_args(), cuda, demo) == ("bfloat16", torch.bfloat16)  # CUDA: always
+        assert H.resolve_precision(_args("--dtype", "float32"), cpu, big) == ("float32", torch.float32)
+        assert H.resolve_precision(_args("--dtype", "bfloat16"), cpu, big) == ("bfloat16", want[1])
+        assert H.resolve_precision(_args("--frozen_low_precision", "0"), cpu, big) == (want[0], torch.float32)
+        assert H.resolve_precision(_args(), cpu, None) == ("float32", torch.float32)  # size unknown
+        assert H.resolve_precision(_args(), cuda, demo) == ("bfloat16", torch.bfloat16)  # CUDA: always
 
 
 def test_auto_precision_sizes_the_model_from_its_config(tmp_path, monkeypatch):
@@ -73,12 +74,12 @@ def test_auto_precision_sizes_the_model_from_its_config(tmp_path, monkeypatch):
 
     m, _ = save_tiny_causal_lm(tmp_path / "hf", hidden=32, layers=2)
     n = sum(p.numel() for name, p in m.named_parameters() if ".layers." in name and p.dim() == 2)
-    assert C.policy_layer_params(_args("--actor_path", str(tmp_path / "hf"))) == n
-    assert C.policy_layer_params(_args("--actor_path", str(tmp_path / "nowhere"))) is None
+    assert H.policy_layer_params(_args("--actor_path", str(tmp_path / "hf"))) == n
+    assert H.policy_layer_params(_args("--actor_path", str(tmp_path / "nowhere"))) is None
     # 512x8 MiniMind: 8 x (q,o 512x512; k,v 256x512; gate/up/down 1664x512)
-    assert C.policy_layer_params(_args("--hidden_size", "512", "--num_hidden_layers", "8")) == 8 * 512 * (2 * 512 + 2 * 256 + 3 * 1664)
-    monkeypatch.setattr(C, "cpu_native_bf16", lambda: True)
-    monkeypatch.setattr(C, "BF16_CPU_MIN_LAYER_PARAMS", n)  # the tiny model counts as large
+    assert H.policy_layer_params(_args("--hidden_size", "512", "--num_hidden_layers", "8")) == 8 * 512 * (2 * 512 + 2 * 256 + 3 * 1664)
+    monkeypatch.setattr(H, "cpu_native_bf16", lambda: True)
+    monkeypatch.setattr(H, "BF16_CPU_MIN_LAYER_PARAMS", n)  # the tiny model counts as large
     world = build_update_world(["--actor_path", str(tmp_path / "hf"), "--dtype", "auto"])
     cfg = world.cfg
     assert cfg.dtype == "bfloat16" and cfg.flat()["dtype"] == "bfloat16" and cfg.frozen_dtype == torch.bfloat16
@@ -96,6 +97,7 @@ def test_the_run_is_built_from_the_resolved_config():
     assert auto.cfg.dtype == "float32" and auto.runtime.precisions == {"cpu": ("float32", torch.float32)}
 
 
+@pytest.mark.slow
 def test_old_actor_scores_with_the_actors_numerics():
     """The reference may be held in bf16; the old actor never is: the PPO ratio is exactly 1 before any update."""
     world = build_update_world(["--update_old_actor_freq", "1", "--frozen_low_precision", "1"], dtype="bfloat16")
@@ -110,6 +112,7 @@ def test_old_actor_scores_with_the_actors_numerics():
     assert metrics["kl_ref"] != 0.0  # the bf16 reference: its rounding gap shows up as kl_ref at step 0
 
 
+@pytest.mark.slow
 def test_random_init_is_the_same_on_every_rank_and_sampling_is_not():
     """--from_weight none under torchrun: every rank builds the same models (the reference must be one
     model), then samples with its own stream; rank 0 keeps the single-process stream."""
@@ -210,6 +213,7 @@ def test_gpu_identity_is_the_uuid_or_the_physical_index(monkeypatch):
         assert D.gpu_identity(torch.device("cuda", 1)).endswith(":5")
 
 
+@pytest.mark.slow
 def test_model_device_flags_per_rank(monkeypatch):
     """--ref_device/--critic_device/--reward_device under torchrun: cuda:+K counts from the rank's own GPU,
     so ranks on cuda:0-3 put their models on cuda:4-7; what cannot work is one line."""
@@ -239,12 +243,12 @@ def test_model_device_flags_per_rank(monkeypatch):
 def test_frozen_models_on_a_cpu_beside_a_gpu_actor_keep_cpu_precision(monkeypatch):
     """A --ref_device cpu reference of a bf16 GPU run is held and run as a CPU would (fp32 for a model
     below the CPU's bf16 threshold), not in the GPU's bf16."""
-    monkeypatch.setattr(C, "cpu_native_bf16", lambda: False)
+    monkeypatch.setattr(H, "cpu_native_bf16", lambda: False)
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     with fake_cuda(2, capability=(8, 0)):
-        assert C.resolve_precision(_args(), cuda) == ("bfloat16", torch.bfloat16)
-        assert C.resolve_precision(_args(), cpu) == ("float32", torch.float32)
-        assert C.resolve_precision(_args("--dtype", "float16"), cpu) == ("float32", torch.float32)  # no fp16 on a CPU
+        assert H.resolve_precision(_args(), cuda) == ("bfloat16", torch.bfloat16)
+        assert H.resolve_precision(_args(), cpu) == ("float32", torch.float32)
+        assert H.resolve_precision(_args("--dtype", "float16"), cpu) == ("float32", torch.float32)  # no fp16 on a CPU
     cuda0 = torch.device("cuda", 0)
     s = Runtime(info=DistInfo(device=cuda0), ref_device=cpu, critic_device=cuda0, reward_device=cuda0, total_steps=1,
                 precisions={"cuda": ("bfloat16", torch.bfloat16), "cpu": ("float32", torch.float32)})
@@ -261,8 +265,8 @@ def test_auto_precision_on_gpus_follows_native_bf16():
     cuda = torch.device("cuda", 0)
     for cap, want in (((9, 0), "bfloat16"), ((8, 0), "bfloat16"), ((7, 5), "float16"), ((7, 0), "float16"), ((6, 1), "float32")):
         with fake_cuda(1, capability=cap):
-            assert C.resolve_precision(_args(), cuda) == (want, S.DTYPES[want]), cap
-            assert C.resolve_precision(_args("--dtype", "float32"), cuda) == ("float32", torch.float32)
+            assert H.resolve_precision(_args(), cuda) == (want, S.DTYPES[want]), cap
+            assert H.resolve_precision(_args("--dtype", "float32"), cuda) == ("float32", torch.float32)
     with fake_cuda(1, capability=(7, 0)):
         world = build_update_world()  # the scaler is what fp16 turns on (built on the CPU here)
         optim = S.build_optim(world.args, world.models, 5, torch.float16, cuda)

@@ -113,6 +113,7 @@ def test_one_process_without_torchrun_runs_sharded(tmp_path):
     assert list((tmp_path / "ckpt").glob("*.dcp"))
 
 
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")  # the trainer filters it too (trainer/run/sharding.py)
 def test_a_bf16_parameter_policy_keeps_the_critic_head_in_fp32(tmp_path):
     """fsdp2 with bf16 parameters (GPUs with --dtype bfloat16): the critic's value head reads fp32 hidden
     states, so its own parameters must stay fp32 (it failed with a dtype mismatch on an H200, 2026-11-26).

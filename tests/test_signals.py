@@ -16,6 +16,7 @@ def _request(monkeypatch) -> tuple[S.StopRequest, list[float]]:
     return S.StopRequest(grace_s=1.0), clock
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
 def test_a_repeat_within_the_grace_window_is_absorbed(monkeypatch, sig):
     req, clock = _request(monkeypatch)

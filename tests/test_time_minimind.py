@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+
+import pytest
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +42,7 @@ def _fake_minimind(root: Path) -> None:
         "        self.w = torch.nn.Linear(cfg.h, 2)\n")
 
 
+@pytest.mark.slow
 def test_times_steps_after_two_warmups_with_a_zero_reward_model(tmp_path):
     mm = tmp_path / "minimind"
     _fake_minimind(mm)
@@ -59,6 +62,7 @@ def test_times_steps_after_two_warmups_with_a_zero_reward_model(tmp_path):
     assert "--hidden_size 16 --num_hidden_layers 2 --batch_size 8 --max_seq_len 64 --max_gen_len 64" in args
 
 
+@pytest.mark.slow
 def test_a_folder_without_minimind_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "time_minimind.py"), "--minimind_dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=60)

@@ -51,6 +51,7 @@ def test_smoke_three_steps_writes_weights_and_logs(world, tmp_path):
     assert list((tmp_path / "ckpt").glob("smoke_*_resume_step*.pth"))
 
 
+@pytest.mark.slow
 def test_bad_flags_fail_with_one_line(world, tmp_path):
     r = run_train(tiny_flags(world, tmp_path, mini_batch_size=3), cwd=tmp_path, check=False)
     assert r.returncode != 0 and "--mini_batch_size 3 must divide" in r.stderr and "Traceback" not in r.stderr
@@ -69,6 +70,7 @@ def test_bad_flags_fail_with_one_line(world, tmp_path):
     assert "--data_path" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_nonfinite_reward_skips_steps_and_stops(world, tmp_path):
     flags = tiny_flags(world, tmp_path, reward_fn=[f"{FIXTURE}:always_nan"], max_steps=10, max_nonfinite=2,
                        save_weight="nan")
@@ -98,6 +100,7 @@ def test_toy_reward_rises(world, tmp_path):
     assert last > first + max(0.15, 4 * noise), (first, last, noise)
 
 
+@pytest.mark.slow
 def test_several_generations_per_prompt(world, tmp_path):
     """--num_generations N: each prompt is sampled N times in one batch and the spread is logged.
     2 prompts x 2 samples = 4 rows, all in samples.jsonl: group_std is recomputed from their rewards."""
@@ -267,6 +270,7 @@ def test_grad_clip_reports_the_pre_clip_norm_computed_by_hand():
     assert reported["1e9"] == reported["1e-12"]
 
 
+@pytest.mark.slow
 def test_kl_placement_loss_adds_the_kl_term_to_the_policy_loss():
     # In the loss, the KL is not in the reward: advantages are GAE of the bare scores.
     world = _world("--kl_placement", "loss", "--kl_coef", "0.5", "--whiten_advantages", "0", "--mini_batch_size", "4")
@@ -291,6 +295,7 @@ def test_kl_placement_loss_adds_the_kl_term_to_the_policy_loss():
     assert _differs(after["0.5", "reward"].actor, after["0.5", "loss"].actor)
 
 
+@pytest.mark.slow
 def test_entropy_bonus_is_in_the_actor_loss():
     """At random init the policy is near-uniform (entropy near its maximum, small entropy gradient), so a
     large coefficient makes the bonus visible; it then dominates the loss and raises the entropy."""
@@ -498,6 +503,7 @@ def remote_marker(tmp_path, monkeypatch) -> Path:
     return tmp_path / "REMOTE_CODE_RAN"
 
 
+@pytest.mark.slow
 def test_remote_code_runs_only_with_trust_remote_code(world, tmp_path, remote_marker):
     from model.loader import load_policy, load_reward_model
     from tests.tiny_hf import save_tiny_causal_lm
@@ -523,6 +529,7 @@ def test_remote_code_runs_only_with_trust_remote_code(world, tmp_path, remote_ma
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_train_ppo_refuses_a_remote_code_reward_model_in_one_line(world, tmp_path, remote_marker):
     """The same remote-code RM as above (whose remote.py demonstrably runs when trusted) through train_ppo
     without --trust_remote_code: one line, exit != 0, remote.py never imported."""
@@ -541,7 +548,7 @@ def test_train_ppo_refuses_a_remote_code_reward_model_in_one_line(world, tmp_pat
 def _validate(world, tmp_path, **over) -> str | None:
     """validate_flags on flags parsed as train_ppo.py parses them: the SystemExit message, or None."""
     from train_ppo import parse_args
-    from trainer.config import validate as validate_flags
+    from trainer.run.cli import validate as validate_flags
 
     try:
         validate_flags(parse_args(tiny_flags(world, tmp_path, **over)))
@@ -594,7 +601,7 @@ def test_output_dir_that_is_a_file_is_one_line_at_start_up(world, tmp_path, flag
 def test_default_run_dir_under_a_file_named_runs(world, tmp_path, monkeypatch):
     """No --run_dir means runs/<save_weight>_<hidden>: a file called runs in the working directory blocks it."""
     from train_ppo import parse_args
-    from trainer.config import validate as validate_flags
+    from trainer.run.cli import validate as validate_flags
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs").write_text("x")
@@ -605,6 +612,7 @@ def test_default_run_dir_under_a_file_named_runs(world, tmp_path, monkeypatch):
         validate_flags(parse_args(flags))
 
 
+@pytest.mark.slow
 def test_checkpoint_dir_file_fails_before_any_work(world, tmp_path):
     """Found at start-up: before, the run trained a step and then crashed at its first save."""
     (tmp_path / "ckpt").write_text("not a directory")
@@ -614,12 +622,14 @@ def test_checkpoint_dir_file_fails_before_any_work(world, tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_unknown_device_end_to_end_is_one_line(world, tmp_path):
     r = run_train(tiny_flags(world, tmp_path, device="tpu"), cwd=tmp_path, check=False)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "--device tpu: expected one of auto, cpu, cuda, cuda:N" in r.stderr
 
 
+@pytest.mark.slow
 def test_reward_model_bin_with_pickled_code_end_to_end(world, tmp_path):
     """A reward model whose pytorch_model.bin would run code: one line naming the file; the code never runs."""
     import shutil
@@ -664,6 +674,7 @@ def boom_run(world, tmp_path_factory):
                      check=False)
 
 
+@pytest.mark.slow
 def test_raising_reward_fn_names_function_exception_and_prompt(boom_run):
     r = boom_run
     assert r.returncode != 0
@@ -676,6 +687,7 @@ def test_raising_reward_fn_is_one_line_without_traceback(boom_run):
     assert [line for line in boom_run.stderr.splitlines() if "--reward_fn boom" in line][0].startswith("error: ")
 
 
+@pytest.mark.slow
 def test_reward_fn_calling_exit_zero_fails_the_run(world, tmp_path):
     """SystemExit(0) inside a reward function must not end training looking like a success."""
     (tmp_path / "bad_rewards.py").write_text(BAD_REWARDS)
@@ -689,6 +701,7 @@ def test_reward_fn_calling_exit_zero_fails_the_run(world, tmp_path):
 CRITIC_FREE = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("est", CRITIC_FREE)
 def test_critic_free_estimator_builds_no_critic_and_updates_the_actor(est):
     world, ro, stats, actor0, _ = _critic_free_step(est)
@@ -753,6 +766,7 @@ def _ragged_step(*flags: str):
     return world, ro, run_update(world, ro), actor0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"])
 def test_per_sequence_loss_modes_take_the_same_step_in_micro_batches(mode):
     """Row-normalised losses are scaled by each micro-batch's share of rows, so --accumulation_steps 2
@@ -861,6 +875,7 @@ def grpo_run(world, tmp_path_factory):
     return {"tmp": tmp, "r": r}
 
 
+@pytest.mark.slow
 def test_critic_free_run_saves_no_critic_and_logs_no_critic_metrics(grpo_run):
     tmp = grpo_run["tmp"]
     rows = read_metrics(tmp / "run")
@@ -923,6 +938,7 @@ def test_evaluation_runs_before_the_first_step_every_interval_and_at_the_end(grp
 
 
 # ------------------------------------------------------------------ the policy losses, ReMax, --mask_truncated
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["dual_clip", "cispo", "gspo", "gmpo", "clip_cov", "kl_cov", "sapo"])
 def test_every_policy_loss_trains_the_actor_through_the_update(loss):
     world, ro, stats, actor0, _ = _critic_free_step("grpo", "--policy_loss", loss, "--clip_cov_lb", "-1", "--ppo_update_iters", "2")

@@ -147,6 +147,7 @@ def _run_script(name: str, *flags: str, cwd: Path) -> str:
     return r.stdout
 
 
+@pytest.mark.slow
 def test_rebuild_commands_make_loadable_deterministic_artifacts(tmp_path):
     """The README's rebuild chain on a slice of the demo data: SFT policy; the RM's digit-split
     tokenizer, its SFT base and the RM from that trunk. The same seed gives byte-identical policy

@@ -278,7 +278,7 @@ def value_loss(
     returns: Tensor,
     response_mask: Tensor,
     clip_range: float | None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """0.5 * masked mean of max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clamp(V - V_old, -c, c).
     clip_range None or 0 disables clipping."""
     m = _as_bool(response_mask)

@@ -7,7 +7,7 @@ if-statements). Adding one is one function in trainer/estimators.py or trainer/l
     def rloo(scores, kl, values, response_mask, kl_coef, cfg, baseline=None): ...
 
 Nothing outside this file compares an estimator's or a loss's name as a string: callers ask the spec.
-A leaf module: it imports nothing from the project.
+A leaf module: it imports nothing from the project but, on first use, the two modules that register the built-ins.
 """
 
 from __future__ import annotations
@@ -72,7 +72,25 @@ def register_policy_loss(name: str, *, paper: str, estimators: tuple[str, ...] |
     return deco
 
 
+def _builtins() -> None:
+    """Register the built-in estimators and losses on first use: their modules import this one, so a config or
+    a parser that asks for a spec or the names need not import them for their side effect."""
+    import trainer.estimators  # noqa: F401
+    import trainer.losses  # noqa: F401
+
+
+def estimator_names() -> list[str]:
+    _builtins()
+    return list(ADVANTAGE_ESTIMATORS)
+
+
+def policy_loss_names() -> list[str]:
+    _builtins()
+    return list(POLICY_LOSSES)
+
+
 def estimator_spec(name: str) -> EstimatorSpec:
+    _builtins()
     try:
         return ADVANTAGE_ESTIMATORS[name]
     except KeyError:
@@ -80,6 +98,7 @@ def estimator_spec(name: str) -> EstimatorSpec:
 
 
 def policy_loss_spec(name: str) -> PolicyLossSpec:
+    _builtins()
     try:
         return POLICY_LOSSES[name]
     except KeyError:

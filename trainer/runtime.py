@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import ContextManager, Protocol
+from typing import Any, ContextManager, Protocol
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ class Models:
     ref: nn.Module
     old_actor: nn.Module | None  # MiniMind's frozen copy (--update_old_actor_freq N), else None
     rm_scorer: object | None  # trainer.rewards.RewardModelScorer
-    tok: object
+    tok: Any  # a transformers tokenizer
     eos_ids: list[int]  # HF chat models may stop on several ids (tokenizer EOS + generation_config)
     actor_train: nn.Module | None = None
     critic_train: nn.Module | None = None

@@ -25,7 +25,9 @@ from model.critic import CriticModel
 from model.loader import eos_token_ids, load_policy, load_reward_model
 from model.lora import AdapterSnapshot, AdaptersOff, add_lora
 from model.weights import WeightsError, native_weight_path
-from trainer.config import Config, layer_matmul_params, model_config, resolve, resolve_precision, validate
+from trainer.config import Config
+from trainer.run.cli import resolve, validate
+from trainer.run.hardware import layer_matmul_params, model_config, resolve_precision
 from trainer.ppo import AdaptiveKLController, FixedKLController, RewardNormalizer
 from trainer.rewards import RewardModelScorer, load_reward_fn
 from trainer.tools import Toolbox, ToolRunner, load_tools

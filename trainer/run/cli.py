@@ -1,0 +1,433 @@
+"""The command line of train_ppo.py: the parser generated from trainer/config.py's fields, --config presets,
+MiniMind's flag names (one table), validation, and `resolve` (every `auto` filled in for this rank's device).
+
+    raw = parse_args(argv)        # flags, over an optional --config preset (YAML or Python, nanoGPT's idea)
+    cfg = resolve(raw, info)      # validated, every `auto` filled in for this rank's device: frozen
+
+Nothing downstream reads a raw flag: the run is built from `cfg`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import math
+import os
+import re
+import runpy
+import sys
+import textwrap
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+import torch
+
+from trainer.config import GAE_ONLY_FLAGS, GROUPS, Config
+from trainer.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, estimator_spec, policy_loss_spec
+from trainer.run.hardware import layer_matmul_params, model_config, resolve_precision, use_parallel_update
+from trainer.runtime import DistInfo
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass (read from its source, as CleanRL's tyro does)."""
+    cls_def = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    assert isinstance(cls_def, ast.ClassDef)
+    body = cls_def.body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _kind(hint: Any) -> tuple[type, list | None, bool]:
+    """(value type, choices, is a list) of a field's type hint."""
+    origin, targs = get_origin(hint), get_args(hint)
+    if origin is Literal:
+        return type(targs[0]), list(targs), False
+    if origin is tuple:
+        return targs[0], None, True
+    if targs and type(None) in targs:  # X | None
+        inner = next(a for a in targs if a is not type(None))
+        return (type(get_args(inner)[0]), list(get_args(inner)), False) if get_origin(inner) is Literal else (inner, None, False)
+    return hint, None, False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="train_ppo.py", description="minippo: PPO for small causal LMs (MiniMind flag names)",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a preset (YAML or Python file, e.g. configs/grpo_demo.yaml) whose settings become the defaults; "
+                        "flags on the command line override it")
+    for _, (cls, title) in GROUPS.items():
+        g = p.add_argument_group(title)
+        docs, hints = field_docs(cls), _hints(cls)
+        for f in fields(cls):
+            typ, choices, is_list = _kind(hints[f.name])
+            meta = f.metadata
+            if "choices" in meta:
+                choices = meta["choices"]()
+            helptext = argparse.SUPPRESS if meta.get("hidden") else docs[f.name].replace("%", "%%")
+            kw: dict[str, Any] = {"default": f.default, "help": helptext, "dest": f.name}
+            if is_list:
+                kw.update(action="append", default=[], type=typ, metavar="MODULE:FN")
+            else:
+                kw.update(type=typ, choices=choices)
+                if "const" in meta:
+                    kw.update(nargs="?", const=meta["const"])
+            g.add_argument(f"--{f.name}", **kw)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """The command line (over a --config preset) as a Config, not yet resolved. Bad flags exit with argparse's
+    one-line usage error; a bad preset with one line naming the file and setting."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = build_parser()
+    preset_path = p.parse_known_args(argv)[0].config
+    preset = load_preset(preset_path, p) if preset_path else {}
+    p.set_defaults(**preset)
+    ns = vars(p.parse_args(argv))
+    if any(ns[k] is not None for k in MINIMIND_GRPO_FLAGS):  # MiniMind's train_grpo.py command line: its defaults
+        p.set_defaults(**{k: v for k, v in minimind_grpo(ns, given_flags(argv)).items() if k not in preset})
+        ns = vars(p.parse_args(argv))
+    cfg = Config(config=ns.pop("config")).replace(**{k: tuple(v) if isinstance(v, list) else v for k, v in ns.items()})
+    warn_unused(cfg)
+    return cfg
+
+
+# ---- MiniMind's names, in one table each
+# train_grpo.py's names for our settings: (its flag, ours, its default).
+MINIMIND_ALIASES = (("beta", "kl_coef", 0.1), ("epsilon", "clip_epsilon", 0.2), ("epsilon_high", "cispo_max_weight", 5.0))
+MINIMIND_GRPO_FLAGS = ("loss_type", *(theirs for theirs, _, _ in MINIMIND_ALIASES))
+MINIMIND_LOSS_TYPES = {"grpo": "vanilla", "cispo": "cispo"}  # MiniMind's --loss_type -> our --policy_loss
+# MiniMind flags accepted and not acted on: the values that change nothing (ours, MiniMind's default), and why.
+MINIMIND_NOT_ACTED_ON = {
+    "num_workers": ((0, 8), "prompts are tokenised in-process, no DataLoader workers are started"),
+    "debug_log_ratio": ((0,), "ppo/ratio and ppo/approx_kl are logged every step anyway"),
+}
+_UNSET = object()
+
+
+def given_flags(argv: list[str]) -> set[str]:
+    """The settings given on the command line itself (not defaults, not a preset's)."""
+    p = build_parser()
+    p.set_defaults(**{a.dest: None if isinstance(a, argparse._AppendAction) else _UNSET
+                      for a in p._actions if a.option_strings and a.dest != "help"})
+    return {k for k, v in vars(p.parse_args(argv)).items() if v is not _UNSET and v is not None}
+
+
+def minimind_grpo(ns: dict[str, Any], given: set[str]) -> dict[str, Any]:
+    """MiniMind's trainer/train_grpo.py as settings: GRPO advantages with its population std + 1e-4, the k3 KL in
+    the loss at --beta, each response's token mean then the batch mean, one update over the whole batch, 6
+    responses per prompt, its output name (grpo); --loss_type cispo (its default) = --policy_loss cispo capped at
+    --epsilon_high, grpo = the clipped surrogate at --epsilon (symmetric). A flag given beside its MiniMind name is
+    refused."""
+    ours: dict[str, Any] = {}
+    for theirs, name, default in MINIMIND_ALIASES:
+        if name in given and theirs in given:
+            raise SystemExit(f"error: --{theirs} is MiniMind's name for --{name}: give one of them")
+        ours[name] = default if ns[theirs] is None else ns[theirs]
+    return dict(advantage_estimator="grpo", policy_loss=MINIMIND_LOSS_TYPES[ns["loss_type"] or "cispo"],
+                num_generations=6, kl_placement="loss", kl_estimator="k3", **ours, clip_epsilon_high=ours["clip_epsilon"],
+                loss_agg_mode="seq_mean_token_mean", adv_std_unbiased=0, adv_eps=1e-4, ppo_update_iters=1, mini_batch_size=0,
+                save_weight="grpo")
+
+
+def warn_unused(cfg: Config) -> list[str]:
+    """One line each, not an error, for settings given and not acted on: critic settings a critic-free estimator
+    ignores (a command line may switch estimators), and MiniMind flags set to a value that changes nothing here.
+    Printed on rank 0; returned."""
+    lines = []
+    defaults = Config()
+    unused = [f"--{k}" for k in GAE_ONLY_FLAGS if getattr(cfg, k) != getattr(defaults, k)] if cfg.critic_free else []
+    if unused:
+        lines.append(f"warning: --advantage_estimator {cfg.advantage_estimator} builds no critic: {', '.join(unused)} "
+                     f"{'is' if len(unused) == 1 else 'are'} ignored")
+    for flag, (inert, why) in MINIMIND_NOT_ACTED_ON.items():
+        if getattr(cfg, flag) not in inert:
+            lines.append(f"warning: --{flag} {getattr(cfg, flag)} is accepted for MiniMind's command lines and not acted on: {why}")
+    if os.environ.get("RANK", "0") == "0":
+        for line in lines:
+            print(line, file=sys.stderr)
+    return lines
+
+
+def load_preset(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """A preset's settings, checked as flags are: a YAML mapping (flat, or by group: `ppo: {clip_epsilon: 0.1}`)
+    or a Python file whose top-level names are settings (nanoGPT's config/*.py)."""
+    where = f"--config {path}"
+    if not Path(path).is_file():
+        raise SystemExit(f"error: {where}: file not found")
+    try:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+        elif path.endswith(".py"):
+            raw = {k: v for k, v in runpy.run_path(path).items()
+                   if not k.startswith("_") and not inspect.ismodule(v) and not callable(v)}
+        else:
+            raise SystemExit(f"error: {where}: expected a .yaml, .yml or .py file")
+    except SystemExit:
+        raise
+    except Exception as e:  # noqa: BLE001 - a syntax error in the user's file: one line naming it
+        raise SystemExit(f"error: {where}: cannot read it: {type(e).__name__}: {' '.join(str(e).split())}") from None
+    if not isinstance(raw, dict):
+        raise SystemExit(f"error: {where}: expected a mapping of settings (name: value)")
+    flat: dict[str, Any] = {}
+    for k, v in raw.items():
+        if k in GROUPS and isinstance(v, dict):
+            flat.update(v)
+        else:
+            flat[k] = v
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    out = {}
+    for k, v in flat.items():
+        a = actions.get(k)
+        if a is None or k in ("config", "help"):
+            near = difflib.get_close_matches(str(k), list(actions), n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            raise SystemExit(f"error: {where}: unknown setting {k!r}{hint}; settings are the flags of train_ppo.py --help")
+        out[k] = _preset_value(where, k, v, a)
+    return out
+
+
+def _preset_value(where: str, name: str, v: Any, a: argparse.Action) -> Any:
+    """A preset value as the flag's type (YAML booleans for 0/1 flags), in its choices; a list for a repeatable flag."""
+    if isinstance(a, argparse._AppendAction):
+        return [_coerce(where, name, x, a.type, None) for x in (v if isinstance(v, list) else [v])]
+    return None if v is None else _coerce(where, name, v, a.type, a.choices)
+
+
+def _coerce(where: str, name: str, v: Any, typ: type | None, choices: list | None) -> Any:
+    if isinstance(v, bool):
+        v = int(v)
+    try:
+        if typ is int and isinstance(v, float) and not v.is_integer():
+            raise ValueError
+        v = typ(v) if typ is not None else v
+    except (TypeError, ValueError):
+        raise SystemExit(f"error: {where}: {name}: {v!r} is not a valid {getattr(typ, '__name__', 'value')}") from None
+    if choices is not None and v not in choices:
+        raise SystemExit(f"error: {where}: {name}: {v!r} is not one of {', '.join(map(str, choices))}")
+    return v
+
+
+# --------------------------------------------------------------------------------------- resolve
+def eval_data_path(cfg: Config) -> str | None:
+    """--eval_data_path resolved: auto = the demo's held-out file beside the demo's training prompts."""
+    if cfg.eval_data_path in (None, "none"):
+        return None
+    if cfg.eval_data_path != "auto":
+        return cfg.eval_data_path
+    held_out = Path(cfg.data_path).with_name("demo_eval.jsonl")
+    return str(held_out) if Path(cfg.data_path).name == "demo_train.jsonl" and held_out.is_file() else None
+
+
+_UNREAD = object()
+
+
+def resolve(raw: Config, info: DistInfo, mc: object | None = _UNREAD) -> Config:
+    """`raw` validated and every `auto` filled in for this rank's device: --device, --dtype, --frozen_low_precision,
+    --kl_placement / --kl_estimator (the estimator's own), --clip_epsilon_high, --loss_agg_mode (the loss's own),
+    --mini_batch_size 0 (every row), --eval_data_path,
+    --train_attn_implementation, --parallel_update, --save_merged, --hidden_size (an --actor_path model's
+    own), --sample_interval (MiniMind's --debug_mode uses --debug_interval), --swanlab_mode (--use_wandb 0)."""
+    if raw.resolved:
+        return raw
+    validate(raw)
+    device = info.device
+    if mc is _UNREAD:  # the actor's transformers config (None: unreadable), if the caller has not read it
+        mc = model_config(raw)
+    dtype, frozen = resolve_precision(raw, device, None if mc is None else layer_matmul_params(mc))
+    est = estimator_spec(raw.advantage_estimator)
+    cpu_bf16 = device.type == "cpu" and dtype == "bfloat16" and not raw.use_compile
+    attn = raw.train_attn_implementation
+    if attn == "auto":  # torch's CPU flash-attention backward under bf16 is slow at PPO's short sequences
+        attn = "eager" if cpu_bf16 else "model"
+    hidden = getattr(mc, "hidden_size", None) if raw.actor_path else None
+    reuse = raw.can_reuse_values if raw.reuse_values == -1 else raw.reuse_values
+    return raw.replace(
+        device=device.type if raw.device == "auto" else raw.device, reuse_values=int(reuse),
+        dtype=dtype, frozen_low_precision=int(frozen != torch.float32),
+        kl_placement=est.kl_placement if raw.kl_placement == "auto" else raw.kl_placement,
+        kl_estimator=est.kl_estimator if raw.kl_estimator == "auto" else raw.kl_estimator,
+        clip_epsilon_high=raw.clip_epsilon if raw.clip_epsilon_high is None else raw.clip_epsilon_high,
+        loss_agg_mode=policy_loss_spec(raw.policy_loss).loss_agg if raw.loss_agg_mode == "auto" else raw.loss_agg_mode,
+        mini_batch_size=raw.minibatch_rows,
+        eval_data_path=eval_data_path(raw), train_attn_implementation=attn,
+        parallel_update=int(use_parallel_update(raw.parallel_update, device, info.enabled or raw.strategy == "fsdp2", cpu_bf16, bool(reuse),
+                                                    raw.num_threads or None)),
+        save_merged=raw.save_merged if raw.save_merged >= 0 else int(not raw.actor_path),
+        hidden_size=hidden or raw.hidden_size, sample_interval=raw.debug_interval if raw.debug_mode else raw.sample_interval,
+        swanlab_mode=raw.swanlab_mode if raw.use_wandb else "disabled",
+    )._resolved()
+
+
+DEVICE_FLAG = re.compile(r"cpu|cuda(:\+?\d+)?|")  # --ref_device / --critic_device / --reward_device
+
+
+def fsdp2_checks(cfg: Config) -> list[tuple[bool, str]]:
+    """What --strategy fsdp2 does not combine with, as validate's (ok, message) pairs."""
+    if cfg.strategy != "fsdp2":
+        return [(not cfg.cpu_offload, "--cpu_offload 1 offloads FSDP2's shards: it needs --strategy fsdp2")]
+    why = "under --strategy fsdp2"
+    return [
+        (cfg.lora_r == 0, f"--lora_r {cfg.lora_r} {why}: LoRA adapters are small enough for --strategy ddp; use that"),
+        (not cfg.use_moe, f"--use_moe 1 {why} is not supported (experts a rank does not route to have no gradient "
+                          f"there); use --strategy ddp"),
+        (not cfg.use_compile, f"--use_compile 1 {why} is not supported yet; drop it"),
+        (cfg.parallel_update != 1, f"--parallel_update 1 {why}: the sharded backward all-gathers and reduce-scatters "
+                                   f"per layer, which two threads would issue in different orders on different ranks"),
+        (not (cfg.ref_device or cfg.critic_device or cfg.reward_device),
+         f"--ref_device / --critic_device / --reward_device {why}: every model is sharded over the ranks' own devices; "
+         f"drop them (--shard_frozen 1 shards the frozen models instead of moving them)"),
+        (not cfg.cpu_offload or cfg.device != "cpu",
+         "--cpu_offload 1 moves a GPU run's shards to host memory; a CPU run has nothing to offload: drop it"),
+    ]
+
+
+def validate(cfg: Config) -> None:
+    """One-line errors for settings that would otherwise fail deep inside the run."""
+    rows = cfg.rows
+    est = ADVANTAGE_ESTIMATORS.get(cfg.advantage_estimator)
+    loss = POLICY_LOSSES.get(cfg.policy_loss)
+    mb = cfg.minibatch_rows
+    checks = [
+        (est is not None, f"--advantage_estimator {cfg.advantage_estimator}: expected one of {', '.join(ADVANTAGE_ESTIMATORS)}"),
+        (loss is not None, f"--policy_loss {cfg.policy_loss}: expected one of {', '.join(POLICY_LOSSES)}"),
+        (cfg.batch_size >= 1, "--batch_size must be >= 1"),
+        (cfg.num_generations >= 1, "--num_generations must be >= 1"),
+        (mb >= 1 and rows % mb == 0,
+         f"--mini_batch_size {cfg.mini_batch_size} must divide --batch_size x --num_generations = {rows} (or be 0: all)"),
+        (cfg.accumulation_steps >= 1 and mb % cfg.accumulation_steps == 0,
+         f"--accumulation_steps {cfg.accumulation_steps} must divide --mini_batch_size {mb}"),
+        (cfg.max_gen_len >= 1, "--max_gen_len must be >= 1"),
+        (cfg.max_seq_len >= 8, "--max_seq_len must be >= 8"),
+        (cfg.temperature > 0 or cfg.greedy, "--temperature must be > 0 (or use --greedy 1)"),
+        (0 < cfg.top_p <= 1, "--top_p must be in (0, 1]"),
+        (cfg.ppo_update_iters >= 1, "--ppo_update_iters must be >= 1"),
+        (0 <= cfg.thinking_ratio <= 1, "--thinking_ratio must be in [0, 1]"),
+        (cfg.epochs >= 1, "--epochs must be >= 1"),
+        (cfg.save_interval >= 1, "--save_interval must be >= 1"),
+        (Path(cfg.data_path).is_file(), f"--data_path {cfg.data_path}: file not found"),
+        (cfg.reward_model_path in (None, "none") or Path(cfg.reward_model_path).is_dir() or cfg.rm_weight == 0,
+         f"--reward_model_path {cfg.reward_model_path}: not a directory (use 'none' or --rm_weight 0 to run without a reward model)"),
+        (cfg.actor_path is None or Path(cfg.actor_path).is_dir(), f"--actor_path {cfg.actor_path}: not a directory"),
+        (cfg.rollout_engine == "torch", "--rollout_engine sglang is not supported: minippo samples with the policy "
+                                        "in-process (--rollout_engine torch, the default); drop the --sglang_* flags"),
+        (cfg.ddp_timeout > 0, "--ddp_timeout must be > 0 seconds"),
+        (cfg.num_generations >= 2 or est is None or not est.needs_groups,
+         f"--advantage_estimator {cfg.advantage_estimator} compares the --num_generations responses to each prompt: "
+         f"give --num_generations >= 2 (e.g. 4)"),
+        (cfg.num_generations >= 2 or loss is None or not loss.needs_groups,
+         f"--policy_loss {cfg.policy_loss} compares the --num_generations responses to each prompt: give --num_generations >= 2"),
+        (loss is None or loss.estimators is None or cfg.advantage_estimator in loss.estimators,
+         f"--policy_loss {cfg.policy_loss} pairs with --advantage_estimator {' / '.join(loss.estimators or ())} only "
+         f"(it needs one advantage per response, compared within its group)"),
+        (loss is None or not loss.agg_fixed or cfg.loss_agg_mode in ("auto", loss.loss_agg),
+         f"--loss_agg_mode {cfg.loss_agg_mode}: --policy_loss {cfg.policy_loss} is defined per response "
+         f"({loss.loss_agg if loss else ''}); drop --loss_agg_mode"),
+        (cfg.clip_epsilon_high is None or not cfg.clip_epsilon_high < cfg.clip_epsilon,
+         f"--clip_epsilon_high {cfg.clip_epsilon_high} is below --clip_epsilon {cfg.clip_epsilon}: the upper clip is "
+         f"1 + --clip_epsilon_high (clip-higher raises it)"),
+        (not cfg.gspo_clip_high < cfg.gspo_clip_low,
+         f"--gspo_clip_high {cfg.gspo_clip_high} is below --gspo_clip_low {cfg.gspo_clip_low}"),
+        (not cfg.clip_ratio_c <= 1, f"--clip_ratio_c {cfg.clip_ratio_c} must be > 1 (the dual clip bounds -A x c above PPO's clip)"),
+        (not cfg.cispo_max_weight < 1, f"--cispo_max_weight {cfg.cispo_max_weight} must be >= 1 (an on-policy token's weight is 1)"),
+        (cfg.clip_cov_lb < cfg.clip_cov_ub, f"--clip_cov_lb {cfg.clip_cov_lb} must be below --clip_cov_ub {cfg.clip_cov_ub}"),
+        (0 < cfg.clip_cov_ratio <= 1 and 0 < cfg.kl_cov_ratio <= 1, "--clip_cov_ratio and --kl_cov_ratio must be in (0, 1]"),
+        (cfg.num_generations >= 2 or not cfg.filter_groups,
+         "--filter_groups 1 drops groups of --num_generations responses with equal rewards: give --num_generations >= 2"),
+        (cfg.filter_max_rounds >= 1, "--filter_max_rounds must be >= 1"),
+        (cfg.max_turns >= 1, "--max_turns must be >= 1"),
+        (cfg.max_total_len > cfg.max_seq_len or not cfg.tools,
+         f"--max_total_len {cfg.max_total_len} must exceed --max_seq_len {cfg.max_seq_len} (the prompt) to leave room for turns"),
+        (math.isfinite(cfg.tool_timeout) and cfg.tool_timeout > 0, f"--tool_timeout {cfg.tool_timeout} must be a number of seconds > 0"),
+        (not cfg.tools or Path(cfg.tools).is_file(), f"--tools {cfg.tools}: file not found; give a .py module of tool functions"),
+        (cfg.reuse_values != 1 or cfg.can_reuse_values,
+         "--reuse_values 1 needs --advantage_estimator gae with one PPO epoch (--ppo_update_iters 1) of one minibatch "
+         "(--mini_batch_size = --batch_size x --num_generations, --accumulation_steps 1)"),
+        (cfg.critic_warmup_steps == 0 or est is None or est.needs_critic,
+         f"--critic_warmup_steps trains the critic, but --advantage_estimator {cfg.advantage_estimator} has none: drop it"),
+        (0 <= cfg.overlong_buffer_len < cfg.max_gen_len,
+         f"--overlong_buffer_len {cfg.overlong_buffer_len} must be in [0, --max_gen_len {cfg.max_gen_len})"),
+        (cfg.eval_interval >= 1 and cfg.eval_samples >= 1, "--eval_interval and --eval_samples must be >= 1"),
+        (cfg.eval_data_path in ("auto", "none", None) or Path(cfg.eval_data_path).is_file(),
+         f"--eval_data_path {cfg.eval_data_path}: file not found (or 'none' to train without evaluation)"),
+        (cfg.lora_r >= 0, f"--lora_r {cfg.lora_r} must be >= 0 (0 = no LoRA, full fine-tuning)"),
+        (math.isfinite(cfg.lora_alpha) and cfg.lora_alpha > 0, f"--lora_alpha {cfg.lora_alpha} must be a finite number > 0"),
+        (0 <= cfg.lora_dropout < 1, f"--lora_dropout {cfg.lora_dropout} must be in [0, 1)"),
+        (cfg.lora_r == 0 or not cfg.ref_device,
+         f"--ref_device {cfg.ref_device}: with --lora_r > 0 the reference is the actor with its adapters off, on the "
+         f"actor's device; drop --ref_device"),
+        # torch.device() would take "tpu"/"mps" and fail later with a traceback.
+        (re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.device) is not None,
+         f"--device {cfg.device}: expected one of auto, cpu, cuda, cuda:N"),
+        *[(DEVICE_FLAG.fullmatch(getattr(cfg, f)) is not None,
+           f"--{f} {getattr(cfg, f)}: expected cpu, cuda, cuda:N or cuda:+K (K GPUs after the rank's own), "
+           f"or nothing (the actor's device)")
+          for f in ("ref_device", "critic_device", "reward_device")],
+        *fsdp2_checks(cfg),
+    ]
+    # nan compares False with everything, so "x > 0" alone would let it through.
+    for flag, lowest in (("beta", ">= 0"), ("epsilon", "> 0"), ("epsilon_high", "> 0"), ("learning_rate", "> 0"),
+                         ("critic_learning_rate", "> 0"), ("grad_clip", "> 0"),
+                         ("clip_epsilon", "> 0"), ("kl_coef", ">= 0"), ("clip_epsilon_high", "> 0"), ("overlong_penalty", ">= 0"),
+                         ("gspo_clip_low", "> 0"), ("gspo_clip_high", "> 0"), ("gmpo_clip", "> 0"), ("kl_cov_coef", ">= 0"),
+                         ("sapo_tau_pos", "> 0"), ("sapo_tau_neg", "> 0"), ("adv_eps", ">= 0"), ("reward_clip", ">= 0"),
+                         ("tool_error_penalty", ">= 0")):
+        v = getattr(cfg, flag)
+        if v is None:  # --clip_epsilon_high or a MiniMind name not given
+            continue
+        checks.append((math.isfinite(v) and (v > 0 if lowest == "> 0" else v >= 0),
+                       f"--{flag} {v} must be a finite number {lowest}"))
+
+    def blocking_file(path: str) -> Path | None:
+        """The file standing where `path` or one of its parents must be a directory (found here, not
+        at the first save after a step of work)."""
+        for p in (Path(path), *Path(path).parents):
+            if p.exists():
+                return None if p.is_dir() else p
+        return None
+
+    # No --run_dir means runs/<save_weight>_<hidden>: "runs" must then be a directory.
+    for label, value in ((f"--checkpoint_dir {cfg.checkpoint_dir}", cfg.checkpoint_dir),
+                         (f"--save_dir {cfg.save_dir}", cfg.save_dir),
+                         (f"--run_dir {cfg.run_dir}" if cfg.run_dir else "--run_dir (default runs/...)",
+                          cfg.run_dir or "runs")):
+        f = blocking_file(value)
+        where = "is a file" if f == Path(value) else f"{f} is a file"
+        checks.append((f is None, f"{label}: {where}, not a directory; give a directory path (created if missing)"))
+    for ok, msg in checks:
+        if not ok:
+            raise SystemExit(f"error: {msg}")
+
+
+def reference_markdown() -> str:
+    """Every setting by group, as docs/configuration.md lists it (tests/test_config.py keeps the two equal)."""
+    out = []
+    for _, (cls, title) in GROUPS.items():
+        docs, hints = field_docs(cls), _hints(cls)
+        out += [f"### {title}", "", "| flag | default | what it does |", "|---|---|---|"]
+        for f in fields(cls):
+            if f.metadata.get("hidden"):
+                continue
+            choices = f.metadata["choices"]() if "choices" in f.metadata else _kind(hints[f.name])[1]
+            default = f"`{f.default!r}`" + (f" ({' / '.join(map(str, choices))})" if choices else "")
+            out.append(f"| `--{f.name}` | {default} | {docs[f.name].replace('|', '/')} |")
+        out.append("")
+    return "\n".join(out)
