@@ -313,6 +313,14 @@ def test_script_exists(cmd: Command) -> None:
     assert (ROOT / script).is_file(), f"{cmd.id}: {script} does not exist\n  {cmd.text}"
 
 
+def test_every_script_is_run_by_a_page() -> None:
+    """Each script in scripts/, builders/ and benchmarks/ has a command in the pages, so its `--help` is run below
+    (examples/ holds plug-ins the trainer loads, not scripts)."""
+    run = {c.argv[0].removeprefix("./") for c in SCRIPTS}
+    files = {rel(p) for d in ("scripts", "builders", "benchmarks") for p in (ROOT / d).glob("*.py")}
+    assert not files - run, f"no page runs: {sorted(files - run)}"
+
+
 @pytest.mark.parametrize("script", sorted({c.argv[0].removeprefix("./") for c in SCRIPTS}))
 def test_script_help_and_flags(script: str) -> None:
     """`--help` once per script (and subcommand); every flag the pages give it is listed there."""
