@@ -3,7 +3,7 @@ checks them (Zhou et al. 2023, "Instruction-Following Evaluation for Large Langu
 the strict check of its instructions.py, written here from its definitions), and the sentence each adds to a prompt.
 
 A constraint is a dict {"type": ..., parameters}; a prompt row of the RLAIF jsonl carries its list under
-"constraints" (scripts/make_ifeval_data.py writes such files). `check(c, reply)` says whether `reply` meets it;
+"constraints" (builders/make_ifeval_data.py writes such files). `check(c, reply)` says whether `reply` meets it;
 `reward(constraints, reply)` is the fraction met, what the ifeval reward component gives.
 
 | type | parameters | met when (IFEval's strict check) |

@@ -122,7 +122,7 @@ def parse_conversation(obj: Any, where: str) -> PromptRecord:
         raise DataError(f"{where}: the turn before the final assistant slot must be a user turn, "
                         f"got {messages[-1]['role']!r}; {_SKIP_HINT}")
     constraints = None
-    if "constraints" in obj:  # an instruction-following row (scripts/make_ifeval_data.py)
+    if "constraints" in obj:  # an instruction-following row (builders/make_ifeval_data.py)
         try:
             constraints = ifeval.validate(obj["constraints"], where)
         except ValueError as e:

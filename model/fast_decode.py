@@ -9,7 +9,7 @@ transformers' own, the norms read their weight and eps off transformers' modules
 autocast the weights are cast once per `sample()` call instead of on every matmul, and on a CPU
 they are also reordered once into oneDNN's blocked layout (`onednn_prepack`) and the grouped K/V
 heads are packed for SDPA (`pack_gqa_heads`).
-scripts/bench_ppo.py at 512x8, batch 8, bf16, 2 threads: generating 64 tokens 1.91 -> 1.66 s on a
+benchmarks/bench_ppo.py at 512x8, batch 8, bf16, 2 threads: generating 64 tokens 1.91 -> 1.66 s on a
 Xeon (the fused matmuls); on an EPYC 1.05-1.16 -> 0.74-0.81 s from prepacking and packed heads.
 In fp32 the matmuls are weight-bandwidth bound and it gains little.
 
@@ -122,7 +122,7 @@ class FastDecoder:
         self.weights, self.adapters = [], []
         # LoRA layers: in fp32 each adapter is folded into its weight (W + B A s agrees with peft to ~1e-6).
         # In a low precision the folded weight rounds differently from peft's x W + s (x A) B by more than
-        # one PPO step moves a LoRA policy (scripts/measure_logprob_gap.py), so the adapters stay apart
+        # one PPO step moves a LoRA policy (benchmarks/measure_logprob_gap.py), so the adapters stay apart
         # and are applied as peft does.
         unfold = compute_dtype is not None and compute_dtype != torch.float32
 

@@ -1,4 +1,5 @@
-"""One loader for policies, tokenizers and reward models, shared by train_ppo.py, scripts/ and notebooks.
+"""One loader for policies, tokenizers and reward models, shared by train_ppo.py, scripts/, builders/,
+benchmarks/ and notebooks.
 
     from model.loader import load_policy
     policy, tok = load_policy(weights="out/full_sft_128.pth", hidden_size=128, num_hidden_layers=4)

@@ -104,7 +104,8 @@ def test_fresh_process_loads_it_without_our_code(tmp_path):
         exp = torch.load({str(tmp_path / "expected.pt")!r}, weights_only=True)
         with torch.no_grad():
             logits = model(exp["ids"]).logits
-        ours = [m for m in sys.modules if m.split(".")[0] in ("model", "trainer", "dataset", "scripts")]
+        ours = [m for m in sys.modules
+                if m.split(".")[0] in ("model", "trainer", "dataset", "scripts", "builders", "benchmarks", "examples")]
         assert not ours, ours
         print(type(model).__name__, len(tok), tok.eos_token, bool(torch.equal(logits, exp["logits"])))
     """)

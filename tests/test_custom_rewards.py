@@ -1,4 +1,4 @@
-"""scripts/custom_rewards.py: the worked --reward_fn examples (rule-based and reference-based)."""
+"""examples/custom_rewards.py: the worked --reward_fn examples (rule-based and reference-based)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from scripts import custom_rewards as cr
+from examples import custom_rewards as cr
 from trainer.rewards import compute_rewards, load_reward_fn
 
 ZH_PROMPT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
@@ -71,7 +71,7 @@ def test_numeric_closeness_needs_a_reference_and_a_finished_reply():
 
 
 def test_loaded_by_flag_syntax_and_weighted_one():
-    fns = {name: load_reward_fn(f"scripts/custom_rewards.py:{name}") for name in ("numeric_closeness", "same_language")}
+    fns = {name: load_reward_fn(f"examples/custom_rewards.py:{name}") for name in ("numeric_closeness", "same_language")}
     replies = [_reply("158"), _reply("74 is larger")]
     total, comps = compute_rewards(
         prompts=[EN_PROMPT, ZH_PROMPT], messages=[[], []], replies=replies, references=["159", None],

@@ -534,13 +534,13 @@ def test_the_shipped_ifeval_files_are_what_the_script_writes(tmp_path):
     import sys
 
     root = Path(__file__).resolve().parent.parent
-    subprocess.run([sys.executable, "scripts/make_ifeval_data.py", "--out_dir", str(tmp_path)], cwd=root, check=True,
+    subprocess.run([sys.executable, "builders/make_ifeval_data.py", "--out_dir", str(tmp_path)], cwd=root, check=True,
                    capture_output=True)
     for name in ("ifeval_train.jsonl", "ifeval_eval.jsonl"):
         assert (tmp_path / name).read_bytes() == (root / "dataset" / name).read_bytes(), name
     train, _ = read_rlaif_jsonl(root / "dataset" / "ifeval_train.jsonl")
     held, _ = read_rlaif_jsonl(root / "dataset" / "ifeval_eval.jsonl")
-    from scripts.make_ifeval_data import EVAL_TOPICS, REQUESTS, TRAIN_TOPICS
+    from builders.make_ifeval_data import EVAL_TOPICS, REQUESTS, TRAIN_TOPICS
 
     def topic(r) -> str:  # the request is the prompt's first sentence: "... about {topic}."
         first = r.messages[-1]["content"].split(". ")[0].rstrip(".")

@@ -220,7 +220,7 @@ def test_shipped_files_match_the_generator():
     for name in ("demo_train", "demo_eval"):
         expected = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in files[name])
         assert (ROOT / "dataset" / f"{name}.jsonl").read_text(encoding="utf-8") == expected, (
-            f"dataset/{name}.jsonl is stale: run python scripts/make_demo_data.py")
+            f"dataset/{name}.jsonl is stale: run python builders/make_demo_data.py")
 
 
 # ---------------------------------------------------------------- the tool task

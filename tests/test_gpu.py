@@ -1,6 +1,6 @@
 """CUDA-only checks (the `gpu` marker): skipped where torch.cuda.is_available() is False (tests/conftest.py).
 
-    python -m pytest -q -m gpu          # on a GPU machine; scripts/gpu_check.py runs them too
+    python -m pytest -q -m gpu          # on a GPU machine; benchmarks/gpu_check.py runs them too
 
 They run what the CPU suite can only stand in for: the fast decode path's CUDA layout under bf16 autocast,
 train_ppo.py end to end on a GPU in bf16, --deterministic 1 repeating bit for bit on CUDA, and the sampler's

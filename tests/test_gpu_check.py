@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py: one line and exit 2 without CUDA; --allow_cpu runs every check on the CPU (smoke)."""
+"""benchmarks/gpu_check.py: one line and exit 2 without CUDA; --allow_cpu runs every check on the CPU (smoke)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from tests.helpers import ROOT
 from tests.test_time_minimind import _fake_minimind
 
-SCRIPT = ROOT / "scripts" / "gpu_check.py"
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 ROWS = ["gpu tests", "bench", "deterministic", "fast decode", "logprob gap", "2 processes", "fsdp2", "minimind"]
 
 
@@ -68,8 +68,8 @@ def test_allow_cpu_smoke_run_prints_every_row(tmp_path):
     assert "x as long" in table["minimind"][1]  # MiniMind's s/step against the bench row's
     # Each check's command was printed before it ran, and the runs wrote where they were told.
     commands = [l for l in r.stdout.splitlines() if l.startswith("$ ")]
-    for part in ("-m pytest -q -m gpu", "scripts/bench_ppo.py", "train_ppo.py --device cpu --dtype bfloat16 --deterministic 1",
-                 "--_child fast_decode", "scripts/measure_logprob_gap.py", "torch.distributed.run", "--_child minimind"):
+    for part in ("-m pytest -q -m gpu", "benchmarks/bench_ppo.py", "train_ppo.py --device cpu --dtype bfloat16 --deterministic 1",
+                 "--_child fast_decode", "benchmarks/measure_logprob_gap.py", "torch.distributed.run", "--_child minimind"):
         assert any(part in c for c in commands), part
     assert (work / "det_a" / "out" / "ppo_actor_64.pth").is_file() and (work / "ddp_gloo" / "out" / "ppo_actor_64.pth").is_file()
 

@@ -15,7 +15,7 @@ from tests.helpers import ROOT, make_tiny_world, read_metrics, run_train, tiny_f
 from tests.tiny_hf import TINY_CHAT_TEMPLATE, save_tiny_causal_lm
 from trainer.rewards import RewardModelScorer, compute_rewards
 
-CUSTOM = str(ROOT / "scripts" / "custom_rewards.py")
+CUSTOM = str(ROOT / "examples" / "custom_rewards.py")
 
 
 @pytest.fixture(scope="module")

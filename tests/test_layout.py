@@ -2,10 +2,10 @@
 the way the user ran it.
 
 A file run as a script puts its folder first on sys.path (train_ppo.py: the repository root; a script in
-scripts/: that folder), and `python -m` puts the working directory there. A module of ours named like a
-standard-library module or an installed dependency's top-level package would then be imported in its place
-(trainer/types.py once broke the tool worker this way in every fresh virtualenv). So no module or package of
-ours, wherever it sits, may have such a name.
+scripts/, builders/, benchmarks/ or examples/: that folder), and `python -m` puts the working directory
+there. A module of ours named like a standard-library module or an installed dependency's top-level package
+would then be imported in its place (trainer/types.py once broke the tool worker this way in every fresh
+virtualenv). So no module or package of ours, wherever it sits, may have such a name.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ SKIP_DIRS = {".git", "out", "checkpoints", "runs", "swanlog", "__pycache__", ".p
 # A subprocess started as "python ..." runs whatever interpreter the PATH finds first (the machine's, not the
 # venv's); torchrun and pytest are the same: use sys.executable (-m torch.distributed.run, -m pytest).
 PATH_PROGRAMS = {"python", "python3", "torchrun", "pytest"}
+# The top-level folders of our code (docs/layout.md): the library, the tests, and the runnable files by audience.
+OUR_FOLDERS = {"tests", "trainer", "model", "dataset", "scripts", "builders", "benchmarks", "examples"}
 
 
 def _python_files() -> list[Path]:
@@ -65,7 +67,7 @@ def _path_programs(tree: ast.AST) -> list[int]:
 def test_every_subprocess_starts_python_as_sys_executable():
     bad = []
     for rel in _python_files():
-        if rel.parts[0] not in {"tests", "trainer", "model", "dataset", "scripts"} and rel.name != "train_ppo.py":
+        if rel.parts[0] not in OUR_FOLDERS and rel.name != "train_ppo.py":
             continue
         if rel == Path("tests/test_readme.py"):  # holds the README's program names, not a command to run
             continue

@@ -135,7 +135,7 @@ def test_fast_decode_with_lora_gives_peft_logits(bf16):
     """The fast decode step of a LoRA policy against peft's own forward. fp32: the adapters folded into
     the weights agree to ~1e-5. bf16 (the CUDA default): the adapters are applied apart, x W + s (x A) B as
     peft does, so the logits agree to one bf16 step, as for a policy without LoRA; a folded bf16 weight
-    rounded further (scripts/measure_logprob_gap.py)."""
+    rounded further (benchmarks/measure_logprob_gap.py)."""
     from tests.test_generation import PROMPTS, _decode_logits, _left_pad
 
     w = build_update_world([*LORA, "--temperature", "1.0"])

@@ -1,4 +1,4 @@
-"""scripts/measure_logprob_gap.py: the LoRA rows (perturbed adapters) on a tiny random model."""
+"""benchmarks/measure_logprob_gap.py: the LoRA rows (perturbed adapters) on a tiny random model."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tests.helpers import ROOT, build_update_world
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("measure_logprob_gap", ROOT / "scripts" / "measure_logprob_gap.py")
+    spec = importlib.util.spec_from_file_location("measure_logprob_gap", ROOT / "benchmarks" / "measure_logprob_gap.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

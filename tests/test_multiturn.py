@@ -111,7 +111,7 @@ def test_two_turn_episode_token_by_token(tok, runner, monkeypatch):
     assert eps[0].final_reply == "<think>\n" + ANSWER and eps[1].calls == 0 and eps[1].finished
     assert fake.calls == [2, 1]  # the second turn samples only the row that is still going
     # The whole conversation is the one the template renders (and the SFT script trains on), token for token.
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "builders"))
     from train_sft import encode_sft_example
     conv = [{"role": "user", "content": "37乘以8等于多少？"}, {"role": "assistant", "content": "<think>\n" + CALL},
             {"role": "tool", "name": "calculator", "content": "296"}, {"role": "assistant", "content": "<think>\n" + ANSWER}]

@@ -3,8 +3,9 @@
 - Every `python train_ppo.py ...` / `torchrun ... train_ppo.py ...` command in a shell code block or an
   inline code span parses with the trainer's own flags (`train_ppo.parse_args`, in-process), and every
   `--flag` it names is one of the trainer's flags by its full name (argparse would accept a prefix).
-- Every `python scripts/X.py ...` command names an existing script whose `--help` exits 0, and every
-  `--flag` it names is listed by that `--help` (of its subcommand, for convert_model.py to_hf / to_native).
+- Every `python scripts/X.py ...` command (and `builders/`, `benchmarks/`, `examples/X.py`) names an existing
+  script whose `--help` exits 0, and every `--flag` it names is listed by that `--help` (of its subcommand,
+  for convert_model.py to_hf / to_native).
 - Every relative link (`[text](path)` or `![alt](path)`) points to an existing file, and an anchor
   (`path#heading`) to an existing heading.
 - Every repository file named in an inline code span (`trainer/ppo.py`, `tests/test_lora.py`, ...) exists.
@@ -43,11 +44,14 @@ PENDING: set[str] = set()
 
 # Paths in the pages that name another project's files (MiniMind's trainer), not this repository's.
 EXTERNAL = {"trainer/train_ppo.py", "trainer/train_agent.py"}
-REPO_PATH = re.compile(r"(?:trainer|model|dataset|scripts|tests|configs|docs)/[\w/.-]+\.(?:py|md|yaml|yml|json|jsonl|jinja|txt)")
+REPO_PATH = re.compile(r"(?:trainer|model|dataset|scripts|builders|benchmarks|examples|tests|configs|docs)/"
+                       r"[\w/.-]+\.(?:py|md|yaml|yml|json|jsonl|jinja|txt)")
 
 SHELL_LANGS = {"", "bash", "sh", "shell", "console", "zsh"}
 WRAPPERS = {"srun", "env", "nohup", "time", "exec"}  # may precede the command itself
 PROGRAMS = {"python", "python3", "torchrun"}
+# The folders whose files the pages run as `python <folder>/X.py` (docs/layout.md: one per audience).
+SCRIPT_DIRS = ("scripts/", "builders/", "benchmarks/", "examples/")
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_]\w*=")
 FENCE = re.compile(r"^\s*(```|~~~)\s*([\w+-]*)")
 FLAG = re.compile(r"^(--[A-Za-z][\w-]*)(=.*)?$")
@@ -151,7 +155,7 @@ def parse_command(page: str, line: int, cmd: str) -> list[Command]:
         elif words[0] in ("python", "python3") and len(words) > 1:
             if words[1] in ("train_ppo.py", "./train_ppo.py"):
                 found.append(Command(page, line, "trainer", tuple(words[2:]), cmd))
-            elif words[1].startswith(("scripts/", "./scripts/")):
+            elif words[1].removeprefix("./").startswith(SCRIPT_DIRS):
                 found.append(Command(page, line, "script", tuple(words[1:]), cmd))
     return found
 
@@ -253,7 +257,7 @@ def script_parts(cmd: Command) -> tuple[str, str | None]:
 
 
 # Runs `<script> [sub] --help` for many scripts in one interpreter: torch and transformers are imported
-# once, not once per script (each script as __main__, as `python scripts/X.py --help` runs it).
+# once, not once per script (each script as __main__, as `python scripts/X.py --help` runs it, or builders/...).
 HELP_RUNNER = r"""
 import contextlib, io, json, runpy, sys, traceback
 out = {}
@@ -307,6 +311,14 @@ def script_help(script: str, sub: str | None) -> str:
 def test_script_exists(cmd: Command) -> None:
     script = cmd.argv[0].removeprefix("./")
     assert (ROOT / script).is_file(), f"{cmd.id}: {script} does not exist\n  {cmd.text}"
+
+
+def test_every_script_is_run_by_a_page() -> None:
+    """Each script in scripts/, builders/ and benchmarks/ has a command in the pages, so its `--help` is run below
+    (examples/ holds plug-ins the trainer loads, not scripts)."""
+    run = {c.argv[0].removeprefix("./") for c in SCRIPTS}
+    files = {rel(p) for d in ("scripts", "builders", "benchmarks") for p in (ROOT / d).glob("*.py")}
+    assert not files - run, f"no page runs: {sorted(files - run)}"
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """trainer/rollout.py: the optimised log-prob / value paths equal the plain ones, padding invariance,
-num_generations layout; plus a smoke run of scripts/bench_ppo.py."""
+num_generations layout; plus a smoke run of benchmarks/bench_ppo.py."""
 
 from __future__ import annotations
 
@@ -433,12 +433,12 @@ def test_sample_from_logits_rejects_nonfinite():
 
 @pytest.mark.slow
 def test_bench_quick_smoke_writes_documented_json(tmp_path):
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_ppo
 
     out = tmp_path / "bench.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_ppo.py"), "--quick", "--sizes", "64x2", "--steps", "1",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_ppo.py"), "--quick", "--sizes", "64x2", "--steps", "1",
            "--batch_size", "2", "--prompt_len", "8", "--gen_len", "4", "--num_threads", "1", "--json", str(out),
            "--parallel_update", "1", "--minimind_s_per_step", "8.8", "--minimind_size", "64x2"]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -484,7 +484,7 @@ def test_bench_takes_a_local_hf_model_with_its_own_tokenizer(tmp_path):
     save_tiny_causal_lm(hf)
     out = tmp_path / "bench.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_ppo.py"), "--actor_path", str(hf), "--dtypes", "float32",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_ppo.py"), "--actor_path", str(hf), "--dtypes", "float32",
            "--update_old_actor_freq", "0", "--lora_r", "0,4", "--steps", "1", "--batch_size", "2", "--prompt_len", "8",
            "--gen_len", "4", "--num_threads", "1", "--reward_model", "none", "--interleave", "1", "--count_flops", "0",
            "--extra", "--advantage_estimator grpo --num_generations 2 --mini_batch_size 4", "--json", str(out)]
@@ -502,7 +502,7 @@ def test_bench_takes_a_local_hf_model_with_its_own_tokenizer(tmp_path):
 
 def test_bench_groups_configs_of_one_size_for_interleaving():
     """--interleave 1: every dtype of one size (and thread count) in one process, so an A/B pair sees the same load."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_ppo
 
     o = bench_ppo.build_parser().parse_args(["--sizes", "64x2,128x4", "--dtypes", "float32,bfloat16",

@@ -1,4 +1,4 @@
-"""scripts/time_minimind.py against a stand-in MiniMind checkout (the real one is not shipped)."""
+"""benchmarks/time_minimind.py against a stand-in MiniMind checkout (the real one is not shipped)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_times_steps_after_two_warmups_with_a_zero_reward_model(tmp_path):
     mm = tmp_path / "minimind"
     _fake_minimind(mm)
     out = tmp_path / "mm.json"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "time_minimind.py"), "--minimind_dir", str(mm),
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "time_minimind.py"), "--minimind_dir", str(mm),
                         "--size", "16x2", "--steps", "3", "--json", str(out)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
@@ -64,7 +64,7 @@ def test_times_steps_after_two_warmups_with_a_zero_reward_model(tmp_path):
 
 @pytest.mark.slow
 def test_a_folder_without_minimind_is_one_line(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "time_minimind.py"), "--minimind_dir", str(tmp_path)],
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "time_minimind.py"), "--minimind_dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and r.stderr.strip().count("\n") == 0
     assert "no trainer/train_ppo.py there" in r.stderr

@@ -15,7 +15,7 @@ def tok():
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("train_tokenizer", ROOT / "scripts" / "train_tokenizer.py")
+    spec = importlib.util.spec_from_file_location("train_tokenizer", ROOT / "builders" / "train_tokenizer.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

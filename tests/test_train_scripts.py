@@ -1,4 +1,4 @@
-"""scripts/train_sft.py and scripts/train_reward_model.py: their pure parts, and the rebuild chain end to end on a slice."""
+"""builders/train_sft.py and builders/train_reward_model.py: their pure parts, and the rebuild chain end to end on a slice."""
 
 import importlib.util
 import json
@@ -15,7 +15,7 @@ from dataset.rlaif import PromptRecord, RLAIFDataset
 from model.loader import load_tokenizer
 from trainer.rewards import RewardModelScorer
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "builders"
 
 
 def _load(name: str):

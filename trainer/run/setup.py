@@ -1,5 +1,5 @@
 """Everything a PPO run is built from, in one call: the resolved config, threads, seeds, the five
-models, prompt data, optimizers, KL controller, DDP/compile. Shared by train_ppo.py and scripts/bench_ppo.py.
+models, prompt data, optimizers, KL controller, DDP/compile. Shared by train_ppo.py and benchmarks/bench_ppo.py.
 
 `setup(raw, info)` resolves the flags once (trainer/config.py `resolve`): everything downstream reads
 the frozen `Config` it returns; where this rank computes lands in a `Runtime`.
@@ -331,7 +331,7 @@ def _build(raw: Config, info: DistInfo) -> Setup:
     if cfg.ifeval_weight and not ds.has_constraints and not _rewards_beside_ifeval(cfg, custom_fns):
         raise SystemExit(f"error: {cfg.data_path} has no row with \"constraints\", and the ifeval reward is the only one on "
                          f"(--ifeval_weight): every reward would be 0. Use a prompt file written by "
-                         f"scripts/make_ifeval_data.py (docs/models.md), or turn on another reward.")
+                         f"builders/make_ifeval_data.py (docs/models.md), or turn on another reward.")
     steps_per_epoch = len(ds) // (cfg.batch_size * info.world_size)
     if steps_per_epoch == 0:
         raise SystemExit(f"error: --data_path has {len(ds)} prompts, fewer than one global batch "

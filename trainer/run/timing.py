@@ -1,4 +1,4 @@
-"""Phase timers for one PPO step: the trainer logs them as time/<phase>, scripts/bench_ppo.py subclasses
+"""Phase timers for one PPO step: the trainer logs them as time/<phase>, benchmarks/bench_ppo.py subclasses
 them to add CPU time and FLOP counts. The step functions take a timer instead of being monkeypatched."""
 
 from __future__ import annotations

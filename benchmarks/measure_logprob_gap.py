@@ -1,10 +1,10 @@
 """How far the sampler's log-probs (--rollout_logprobs 1) are from a second forward, and what that
 does to the PPO ratio on the first update minibatch, before any optimizer step.
 
-    python scripts/measure_logprob_gap.py          # 512x8 random init + 128x4 demo policy, fp32 + bf16,
+    python benchmarks/measure_logprob_gap.py          # 512x8 random init + 128x4 demo policy, fp32 + bf16,
                                                    # without LoRA and with LoRA r16, seeds 0,1,2
-    python scripts/measure_logprob_gap.py --sizes 128x4:full_sft --dtypes bfloat16 --lora_r 0 --seeds 0 --warmup_steps 5
-    python scripts/measure_logprob_gap.py --device cuda --sizes 512x8:none --dtypes bfloat16 --seeds 0,1   # on a GPU
+    python benchmarks/measure_logprob_gap.py --sizes 128x4:full_sft --dtypes bfloat16 --lora_r 0 --seeds 0 --warmup_steps 5
+    python benchmarks/measure_logprob_gap.py --device cuda --sizes 512x8:none --dtypes bfloat16 --seeds 0,1   # on a GPU
 
 What is measured. Each (size, dtype, LoRA rank, seed) builds a run with the trainer's own set-up
 (`train_ppo.parse_args` + `trainer.run.setup.setup`; `:none` = random init, `:full_sft` = the shipped

@@ -1,7 +1,7 @@
 """Write verifiable instruction-following prompts (IFEval's constraint types, dataset/ifeval.py) as RLAIF jsonl:
 a short writing request on a topic plus one or two constraints, each row carrying its constraints for the reward.
 
-    python scripts/make_ifeval_data.py       # dataset/ifeval_train.jsonl (2000 rows), dataset/ifeval_eval.jsonl (300 rows)
+    python builders/make_ifeval_data.py       # dataset/ifeval_train.jsonl (2000 rows), dataset/ifeval_eval.jsonl (300 rows)
 
 Train and held-out rows draw their topics from disjoint lists, so a held-out gain is not a memorised topic.
 Two constraints in one row never contradict each other (e.g. quotation marks around the whole reply and a

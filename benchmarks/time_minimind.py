@@ -1,9 +1,9 @@
 """Time MiniMind's own PPO trainer (its trainer/train_ppo.py, unmodified) on this machine, at the work
-scripts/bench_ppo.py measures, so the two can be alternated in one run (README "Speed and memory").
+benchmarks/bench_ppo.py measures, so the two can be alternated in one run (README "Speed and memory").
 
     git clone https://github.com/jingyaogong/minimind /path/to/minimind   # not shipped here
-    python scripts/time_minimind.py --minimind_dir /path/to/minimind --size 512x8 --json mm.json
-    python scripts/bench_ppo.py --sizes 512x8 --minimind_s <the median it printed>
+    python benchmarks/time_minimind.py --minimind_dir /path/to/minimind --size 512x8 --json mm.json
+    python benchmarks/bench_ppo.py --sizes 512x8 --minimind_s <the median it printed>
 
 What it sets up (MiniMind's trainer loads fixed paths): random-init HIDDENxLAYERS weights (seeded)
 saved as <minimind_dir>/out/full_sft_<hidden>.pth if that file is absent, and 200 prompts of ~64

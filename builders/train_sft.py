@@ -2,7 +2,7 @@
 
 Rebuild the shipped artifact (from the repository root; ~17 minutes on one core of a 2-core CPU):
 
-    python scripts/train_sft.py --num_threads 1    # -> out/full_sft_128.pth (MiniMind native format, fp16)
+    python builders/train_sft.py --num_threads 1    # -> out/full_sft_128.pth (MiniMind native format, fp16)
 
 The defaults are the shipped recipe (hidden 128 x 4 layers, 4 heads / 2 kv heads, batch 32, 3000 steps,
 lr 1e-3 with cosine decay, seed 42; the shipped file was trained with `--num_threads 1`, which makes it
@@ -13,7 +13,7 @@ Arithmetic is learned late: at this size held-out accuracy stayed under 15% for 
 
 The tool demo's starting policy (configs/demo_tools.yaml) continues from that file on calculator episodes:
 
-    python scripts/train_sft.py --num_threads 2 --data_path dataset/demo_tools_sft.jsonl --tools dataset/demo_tools.py \
+    python builders/train_sft.py --num_threads 2 --data_path dataset/demo_tools_sft.jsonl --tools dataset/demo_tools.py \
         --init_from out/full_sft_128.pth --save_weight tool_sft --max_seq_len 320 --max_steps 1000 \
         --learning_rate 5e-4 --warmup_steps 20    # -> out/tool_sft_128.pth
 
@@ -79,7 +79,7 @@ def encode_sft_example(tokenizer: Any, conversations: list[dict], where: str = "
             if not isinstance(reply, str) or not reply.startswith(THINK_PREFIX):
                 raise ValueError(
                     f"{where}: the assistant content must start with {THINK_PREFIX!r} (the prefix the chat "
-                    "template forces with open_thinking); regenerate the data with scripts/make_demo_data.py"
+                    "template forces with open_thinking); regenerate the data with builders/make_demo_data.py"
                 )
             target = list(tokenizer.encode(reply[len(THINK_PREFIX):], add_special_tokens=False)) + [tokenizer.eos_token_id]
             ids, labels = ids + target, labels + target
@@ -106,7 +106,7 @@ def read_sft_jsonl(path: str | Path, tokenizer: Any, max_seq_len: int,
     """Encode every line of an SFT jsonl ({"conversations": [...]}); too-long rows are an error."""
     path = Path(path)
     if not path.is_file():
-        raise SystemExit(f"--data_path {path}: no such file (build it with: python scripts/make_demo_data.py)")
+        raise SystemExit(f"--data_path {path}: no such file (build it with: python builders/make_demo_data.py)")
     inputs, labels = [], []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):

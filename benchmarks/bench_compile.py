@@ -1,7 +1,7 @@
 """torch.compile (inductor) on the rollout's decode step, against the eager one, in one process.
 
-    python scripts/bench_compile.py --size 512x8 --dtype bfloat16 --variant default
-    python scripts/bench_compile.py --size 128x4 --dtype float32 --variant freeze_cpp --cache_dir /tmp/inductor
+    python benchmarks/bench_compile.py --size 512x8 --dtype bfloat16 --variant default
+    python benchmarks/bench_compile.py --size 128x4 --dtype float32 --variant freeze_cpp --cache_dir /tmp/inductor
 
 What runs. A random-init MiniMind model of --size (seeded) prefills --batch_size prompts of
 --prompt_len random tokens with transformers' forward and a preallocated KV cache, as

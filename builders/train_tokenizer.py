@@ -2,10 +2,10 @@
 
 Rebuild (from the repository root; nothing is downloaded):
 
-    python scripts/make_demo_data.py        # the demo data (the tokenizer regenerates its text too)
-    python scripts/train_tokenizer.py       # writes model/tokenizer.json, model/tokenizer_config.json,
+    python builders/make_demo_data.py        # the demo data (the tokenizer regenerates its text too)
+    python builders/train_tokenizer.py       # writes model/tokenizer.json, model/tokenizer_config.json,
                                             # model/chat_template.jinja  (~15-25 s on 2 cores)
-    python scripts/train_tokenizer.py --split_digits --out_dir out/rm_tokenizer
+    python builders/train_tokenizer.py --split_digits --out_dir out/rm_tokenizer
                                             # the reward model's copy: numbers split into single digits
 
 Layout: <|endoftext|> = 0 (pad, unk), <|im_start|> = 1 (bos), <|im_end|> = 2 (eos), and the
@@ -20,7 +20,7 @@ Training text, all local:
     chatterbot-corpus package (BSD licence); the Chinese part is repeated --zh_weight times
     because it is small. The file was made once with
         pip download --no-deps chatterbot-corpus==1.3.3 && unzip chatterbot_corpus-*.whl
-        python scripts/train_tokenizer.py --extract_chatterbot chatterbot_corpus/data
+        python builders/train_tokenizer.py --extract_chatterbot chatterbot_corpus/data
     (needs PyYAML). The stdlib docstrings differ between Python versions: a byte-identical
     rebuild of the shipped tokenizer needs Python 3.11 (it was built with 3.11.7).
 """
@@ -248,7 +248,7 @@ def split_digits_copy(src_dir: Path, out_dir: Path) -> None:
                   if p.get("type") == "Split" and NUMBER_CHUNK in p["pattern"].get("Regex", "")), None)
     if split is None:
         raise SystemExit(f"train_tokenizer: {src_dir / 'tokenizer.json'} has no {NUMBER_CHUNK!r} rule to change; "
-                         "--split_digits works on the project's own tokenizer (python scripts/train_tokenizer.py)")
+                         "--split_digits works on the project's own tokenizer (python builders/train_tokenizer.py)")
     split["pattern"]["Regex"] = split["pattern"]["Regex"].replace(NUMBER_CHUNK, r" ?\p{N}")
     tokenizer = Tokenizer.from_str(json.dumps(spec))
     hf_tokenizer = wrap_and_save(tokenizer, out_dir)
@@ -290,7 +290,7 @@ def extract_chatterbot(data_dir: Path, out_path: Path) -> None:
     except ImportError:
         raise SystemExit("train_tokenizer: --extract_chatterbot needs PyYAML (pip install pyyaml)")
     header = [
-        "# Training text for scripts/train_tokenizer.py (the tokenizer only; not a model data set).",
+        "# Training text for builders/train_tokenizer.py (the tokenizer only; not a model data set).",
         "# Source: the chatterbot-corpus package, version 1.3.3 (PyPI, https://github.com/gunthercox/",
         "# chatterbot-corpus), BSD licence, community-contributed conversations by Gunther Cox and",
         "# contributors. Taken: every utterance of data/chinese/*.yml (simplified Chinese) and",

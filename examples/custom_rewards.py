@@ -1,7 +1,7 @@
 """Worked examples of custom rewards for `train_ppo.py --reward_fn FILE.py:NAME`.
 
-    python train_ppo.py --reward_fn scripts/custom_rewards.py:same_language \\
-                        --reward_fn scripts/custom_rewards.py:numeric_closeness
+    python train_ppo.py --reward_fn examples/custom_rewards.py:same_language \\
+                        --reward_fn examples/custom_rewards.py:numeric_closeness
 
 How the reward of one response is built (trainer/rewards.py, `compute_rewards`)
 --------------------------------------------------------------------------------

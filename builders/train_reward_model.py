@@ -7,10 +7,10 @@ arithmetic it scores. Its tokenizer is a copy of the project's with numbers spli
 digits (same vocabulary), and its trunk starts from a 256-wide SFT model trained by the project's
 SFT script on the same data with that tokenizer (~35 minutes):
 
-    python scripts/train_tokenizer.py --split_digits --out_dir out/rm_tokenizer   # -> out/rm_tokenizer/
-    python scripts/train_sft.py --num_threads 1 --hidden_size 256 --num_attention_heads 8 \
+    python builders/train_tokenizer.py --split_digits --out_dir out/rm_tokenizer   # -> out/rm_tokenizer/
+    python builders/train_sft.py --num_threads 1 --hidden_size 256 --num_attention_heads 8 \
         --num_key_value_heads 4 --tokenizer_path out/rm_tokenizer --save_weight rm_base   # -> out/rm_base_256.pth (not shipped)
-    python scripts/train_reward_model.py --num_threads 1                # -> out/demo_rm/ (config.json, model.safetensors, tokenizer)
+    python builders/train_reward_model.py --num_threads 1                # -> out/demo_rm/ (config.json, model.safetensors, tokenizer)
 
 Starting from an SFT model (--init_from) is InstructGPT's recipe; a random init learns far slower.
 
@@ -45,7 +45,7 @@ from transformers import LlamaForSequenceClassification, Qwen3Config, Qwen3ForSe
 
 from model.loader import load_policy, load_reward_model, load_tokenizer  # noqa: E402
 from model.weights import WeightsError, read_state_dict  # noqa: E402
-from scripts.train_sft import add_dtype_flag, adamw, lr_at, resolve_dtype  # noqa: E402
+from builders.train_sft import add_dtype_flag, adamw, lr_at, resolve_dtype  # noqa: E402
 from trainer.rewards import RewardModelScorer, pad_ids  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def read_pairs(path: str | Path, tokenizer: Any, max_length: int) -> tuple[list[
     """(chosen ids, rejected ids, kind) per line of a pairs jsonl."""
     path = Path(path)
     if not path.is_file():
-        raise SystemExit(f"{path}: no such file (build it with: python scripts/make_demo_data.py)")
+        raise SystemExit(f"{path}: no such file (build it with: python builders/make_demo_data.py)")
     chosen, rejected, kinds = [], [], []  # conversations first, tokenised in one batched call
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -153,7 +153,7 @@ def reward_model_from_policy(weights: str | Path, tokenizer: Any) -> Qwen3ForSeq
     with a fresh score head. As in InstructGPT, the RM starts from the SFT model: it already reads
     the task (here: it can do the arithmetic it has to judge), so pair accuracy climbs far faster."""
     if not Path(weights).is_file():
-        raise SystemExit(f"--init_from {weights}: no such file; build the RM's starting model first: python scripts/train_sft.py "
+        raise SystemExit(f"--init_from {weights}: no such file; build the RM's starting model first: python builders/train_sft.py "
                          f"--num_threads 1 --hidden_size 256 --num_attention_heads 8 --num_key_value_heads 4 "
                          f"--tokenizer_path out/rm_tokenizer --save_weight rm_base "
                          f"(or --init_from none for a randomly initialised RM)")
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         tokenizer = load_tokenizer(args.tokenizer_path)
     except (WeightsError, OSError) as e:
-        raise SystemExit(f"error: {e}; make the RM's digit-split tokenizer with `python scripts/train_tokenizer.py "
+        raise SystemExit(f"error: {e}; make the RM's digit-split tokenizer with `python builders/train_tokenizer.py "
                          f"--split_digits --out_dir {args.tokenizer_path}` (or pass the tokenizer the --init_from model "
                          f"was trained with, e.g. --tokenizer_path model)")
     pad_id = tokenizer.pad_token_id

@@ -1,15 +1,15 @@
 """Everything CUDA-specific in one command, ending in one table to paste into the README.
 
-    python scripts/gpu_check.py                                   # on a CUDA machine (minutes)
-    python scripts/gpu_check.py --minimind_dir /path/to/minimind  # + MiniMind's own trainer at the same work
-    python scripts/gpu_check.py --allow_cpu                       # no GPU: the same checks on the CPU, tiny sizes
+    python benchmarks/gpu_check.py                                   # on a CUDA machine (minutes)
+    python benchmarks/gpu_check.py --minimind_dir /path/to/minimind  # + MiniMind's own trainer at the same work
+    python benchmarks/gpu_check.py --allow_cpu                       # no GPU: the same checks on the CPU, tiny sizes
 
 Each check runs in its own subprocess (one failing never hides the others); its command is printed as it
 starts, so any row can be rerun alone. Sizes below are the GPU run's; --allow_cpu (a smoke test of this
 script, used by tests/test_gpu_check.py) runs 64x2 models, 1-2 steps, a few tokens, everything on the CPU.
 
   gpu tests      python -m pytest -q -m gpu: tests/test_gpu.py and any other `gpu`-marked test.
-  bench          scripts/bench_ppo.py --device cuda at 512x8, bf16, batch 8, 64 prompt + 64 new tokens,
+  bench          benchmarks/bench_ppo.py --device cuda at 512x8, bf16, batch 8, 64 prompt + 64 new tokens,
                  --steps timed steps: median s/step, its generate / score / update split, and the peak
                  allocated CUDA memory (torch.cuda.max_memory_allocated) of the run.
   deterministic  train_ppo.py --deterministic 1 twice (random-init 512x8, bf16, 3 steps): the saved policy
@@ -17,7 +17,7 @@ script, used by tests/test_gpu_check.py) runs 64x2 models, 1-2 steps, a few toke
   fast decode    sample() with the fast decode path on and off, same seed, bf16 autocast on the GPU (the
                  shipped 128x4 demo policy, 8 demo prompts, 64 tokens): rows that come out identical, and
                  the largest |log-prob difference| over each row's common prefix. PASS: <= 0.1 nats.
-  logprob gap    scripts/measure_logprob_gap.py --device cuda --sizes 512x8:none --dtypes bfloat16
+  logprob gap    benchmarks/measure_logprob_gap.py --device cuda --sizes 512x8:none --dtypes bfloat16
                  --lora_r 0,16 --seeds 0,1: the sampler's log-probs against the update's forward without
                  and with LoRA (means over seeds). PASS: no token clipped on rounding alone (A_clipfrac 0).
   2 processes    torchrun --nproc_per_node 2 train_ppo.py. With 2+ GPUs: --device cuda (NCCL, one GPU per
@@ -25,7 +25,7 @@ script, used by tests/test_gpu_check.py) runs 64x2 models, 1-2 steps, a few toke
                  NCCL, which refuses a shared GPU, and rank 1 asks for cuda:1), so the 2 ranks run with
                  --device cpu over gloo, and 2 ranks with --device cuda are checked to stop with rank 1's
                  line naming the cause (only 1 GPU visible).
-  minimind       scripts/time_minimind.py (MiniMind's trainer/train_ppo.py, unmodified) at 512x8 with
+  minimind       benchmarks/time_minimind.py (MiniMind's trainer/train_ppo.py, unmodified) at 512x8 with
                  --steps timed steps, on the GPU (time_minimind.py itself passes --device cpu; this
                  script's child swaps in the GPU), against the bench row's s/step. Needs --minimind_dir.
 """
@@ -161,7 +161,7 @@ def check_gpu_tests(c: Context) -> tuple[str, str]:
 def check_bench(c: Context) -> tuple[str, str]:
     sz, out = c.sz, c.work / "bench.json"
     h, l = sz.model
-    cmd = [c.py, "scripts/bench_ppo.py", "--device", sz.device, "--sizes", f"{h}x{l}", "--dtypes", sz.dtype,
+    cmd = [c.py, "benchmarks/bench_ppo.py", "--device", sz.device, "--sizes", f"{h}x{l}", "--dtypes", sz.dtype,
            "--update_old_actor_freq", "0", "--batch_size", str(sz.batch), "--prompt_len", str(sz.prompt_len),
            "--gen_len", str(sz.gen_len), "--steps", str(sz.steps), "--warmup", "1", "--json", str(out)]
     if c.smoke:
@@ -216,7 +216,7 @@ def check_deterministic(c: Context) -> tuple[str, str]:
 def check_fast_decode(c: Context) -> tuple[str, str]:
     out = c.work / "fast_decode.json"
     gen = 64 if not c.smoke else 16
-    run([c.py, "scripts/gpu_check.py", "--_child", "fast_decode", "--device", c.sz.device, "--gen_len", str(gen),
+    run([c.py, "benchmarks/gpu_check.py", "--_child", "fast_decode", "--device", c.sz.device, "--gen_len", str(gen),
          "--json", str(out)], c.env, c.o.timeout)
     r = json.loads(out.read_text())
     figures = (f"128x4 demo policy, bf16, {r['rows']} rows x {gen} tokens: {r['identical_rows']}/{r['rows']} rows "
@@ -230,7 +230,7 @@ def check_fast_decode(c: Context) -> tuple[str, str]:
 def check_logprob_gap(c: Context) -> tuple[str, str]:
     sz = c.sz
     h, l = sz.model
-    cmd = [c.py, "scripts/measure_logprob_gap.py", "--device", sz.device, "--sizes", f"{h}x{l}:none", "--dtypes", sz.dtype,
+    cmd = [c.py, "benchmarks/measure_logprob_gap.py", "--device", sz.device, "--sizes", f"{h}x{l}:none", "--dtypes", sz.dtype,
            "--lora_r", f"0,{sz.lora_r}", "--seeds", sz.seeds]
     if c.smoke:
         cmd += ["--batch_size", "4", "--gen_len", "8"]
@@ -317,7 +317,7 @@ def check_minimind(c: Context) -> tuple[str, str]:
     h, l = sz.model
     out = c.work / "minimind.json"
     device = "cuda:0" if sz.device == "cuda" else "cpu"
-    run([c.py, "scripts/gpu_check.py", "--_child", "minimind", "--minimind_dir", str(c.o.minimind_dir),
+    run([c.py, "benchmarks/gpu_check.py", "--_child", "minimind", "--minimind_dir", str(c.o.minimind_dir),
          "--size", f"{h}x{l}", "--steps", str(sz.steps), "--device", device, "--json", str(out)], c.env, c.o.timeout)
     med = json.loads(out.read_text())["median_s"]
     figures = (f"MiniMind's trainer/train_ppo.py on {device}, {h}x{l}, batch 8, 64+64 tokens: {med:.3f} s/step "
@@ -372,11 +372,11 @@ def child_fast_decode(o: argparse.Namespace) -> None:
 
 
 def child_minimind(o: argparse.Namespace) -> None:
-    """scripts/time_minimind.py on --device: it starts MiniMind's trainer with --device cpu, which this
+    """benchmarks/time_minimind.py on --device: it starts MiniMind's trainer with --device cpu, which this
     child replaces just before MiniMind's script runs (time_minimind.py has no --device flag)."""
     import runpy
 
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     import time_minimind
 
     real = runpy.run_path

@@ -1,18 +1,18 @@
 """Benchmark PPO steps of the real trainer code (`train_ppo.make_experience` + `train_ppo.ppo_update`).
 
-    python scripts/bench_ppo.py                          # demo 128x4 and 512x8, fp32 vs bf16, old-actor 0 vs 1
-    python scripts/bench_ppo.py --quick                  # 128x4, bf16, 2 steps: a smoke run (~30 s)
-    python scripts/bench_ppo.py --sizes 512x8 --dtypes bfloat16 --num_threads 1,2 --use_compile 0,1 \
+    python benchmarks/bench_ppo.py                          # demo 128x4 and 512x8, fp32 vs bf16, old-actor 0 vs 1
+    python benchmarks/bench_ppo.py --quick                  # 128x4, bf16, 2 steps: a smoke run (~30 s)
+    python benchmarks/bench_ppo.py --sizes 512x8 --dtypes bfloat16 --num_threads 1,2 --use_compile 0,1 \
         --frozen_low_precision 0,1 --json bench.json     # levers: every comma list expands the matrix
-    python scripts/bench_ppo.py --sizes 256x8,512x8 --interleave 1   # fp32 and bf16 of a size in one process,
+    python benchmarks/bench_ppo.py --sizes 256x8,512x8 --interleave 1   # fp32 and bf16 of a size in one process,
                                                          # steps alternated (A/B on a shared machine)
-    python scripts/bench_ppo.py --actor_path out/smollm2_135m_instruct --dtypes float32,bfloat16 --lora_r 0,16 \
+    python benchmarks/bench_ppo.py --actor_path out/smollm2_135m_instruct --dtypes float32,bfloat16 --lora_r 0,16 \
         --batch_size 4 --prompt_len 80 --gen_len 64 --update_old_actor_freq 0 --reward_model none --interleave 1 \
         --extra "--advantage_estimator grpo --num_generations 4 --mini_batch_size 16"   # a pretrained HF model's levers
-    python scripts/bench_ppo.py --actor_path out/smollm2_135m_instruct --dtypes float32 --procs 2 --strategy ddp,fsdp2 \
+    python benchmarks/bench_ppo.py --actor_path out/smollm2_135m_instruct --dtypes float32 --procs 2 --strategy ddp,fsdp2 \
         --num_threads 1 --batch_size 2 --prompt_len 32 --gen_len 32 --reward_model none --update_old_actor_freq 0
                                                          # each config under torchrun: what each rank holds
-    python scripts/bench_ppo.py --sizes 512x8 --dtypes bfloat16 --minimind_s_per_step 8.8
+    python benchmarks/bench_ppo.py --sizes 512x8 --dtypes bfloat16 --minimind_s_per_step 8.8
                                                          # our speed-up against MiniMind measured beside it
 
 What is measured. Every configuration (with --interleave 1: every group of one size) runs in a fresh subprocess (so peak RSS is per config), builds
@@ -534,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
            "(interleaved with this bench; README: how); the summary prints our speed-up against it")
     a("--minimind_size", default="512x8", help="the HIDDENxLAYERS MiniMind's figure was measured at")
     a("--device", default="cpu",
-      help="cpu, cuda or cuda:N: where every config runs (scripts/gpu_check.py runs it on cuda). On a GPU the summary "
+      help="cpu, cuda or cuda:N: where every config runs (benchmarks/gpu_check.py runs it on cuda). On a GPU the summary "
            "adds peak allocated CUDA memory and leaves out the matmul-peak and bandwidth shares, which are the CPU's")
     a("--extra", default="", help="extra train_ppo flags for every config, e.g. \"--temperature 1.0\"")
     a("--_child", default=None, help=argparse.SUPPRESS)
