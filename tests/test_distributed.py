@@ -776,3 +776,21 @@ def test_fsdp2_exports_a_whole_hf_directory(world, tmp_path):
     assert set(saved) <= set(got)
     assert all(torch.equal(got[k], saved[k]) for k in saved)
     assert any(not torch.equal(got[k], start[k]) for k in saved)  # it trained
+
+
+def test_a_group_of_one_on_a_named_gpu_makes_it_the_current_device(monkeypatch):
+    """`--strategy fsdp2 --device cuda:1` without torchrun: FSDP2 shards onto the current device, so it must be
+    cuda:1 before the process group exists (it was left at cuda:0 while sampling ran on cuda:1). CUDA stood in."""
+    import torch.distributed as dist
+
+    calls: list = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", torch.device(d))))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: calls.append(("init", kw["backend"])))
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    info = D.init_distributed("cuda:1", group_of_one=True)
+    assert info.device == torch.device("cuda", 1)
+    assert calls == [("set_device", torch.device("cuda", 1)), ("init", "nccl")]

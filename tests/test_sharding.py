@@ -138,3 +138,99 @@ def test_a_bf16_parameter_policy_keeps_the_critic_head_in_fp32(tmp_path):
         assert (values - ref).abs().max() < 0.1 * ref.abs().max()  # bf16 trunk, fp32 head
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def group_of_one(tmp_path):
+    """A gloo process group of one in this process (what `--strategy fsdp2` without torchrun gets)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _unsharded_grad_bytes(model: torch.nn.Module) -> int:
+    """Bytes of whole (unsharded) gradients FSDP2 holds between micro-batches."""
+    from trainer.dist import fsdp_modules
+
+    total = 0
+    for module in fsdp_modules(model):
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for p in group.fsdp_params:
+                for g in (p.unsharded_accumulated_grad, getattr(getattr(p, "_unsharded_param", None), "grad", None)):
+                    total += 0 if g is None else g.numel() * g.element_size()
+    return total
+
+
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
+def test_accumulating_micro_batches_keeps_no_whole_gradient(group_of_one):
+    """Under fsdp2, gradient accumulation (D.no_sync) still reduce-scatters each micro-batch: no rank holds whole
+    fp32 gradients between micro-batches (with FSDP2's sync off it would, +4 bytes per parameter)."""
+    from trainer.dist import no_sync
+
+    torch.manual_seed(0)
+    model = sharding.shard(build_minimind(64, 2), group_of_one)
+    ids = torch.randint(5, 100, (2, 6))
+    with no_sync(model):
+        model(ids).logits.float().logsumexp(-1).mean().backward()
+    assert _unsharded_grad_bytes(model) == 0
+    assert all(p.grad is not None for p in model.parameters())  # the shard's gradient, accumulated there
+    model(ids).logits.float().logsumexp(-1).mean().backward()  # the synced micro-batch adds to it
+    assert _unsharded_grad_bytes(model) == 0
+
+
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
+def test_a_sharded_save_before_the_first_update_takes_no_hidden_adamw_step(group_of_one):
+    """DCP allocates an unstepped optimizer's state with a real AdamW step at lr 0 (its counter then reads 1): a
+    save inside --critic_warmup_steps must leave the actor's first update bias-corrected as step 1, exactly as a run
+    that never saved."""
+    ids = torch.randint(5, 100, (2, 6))
+
+    def first_update(save_first: bool) -> tuple[list[torch.Tensor], list[float]]:
+        torch.manual_seed(0)
+        model = sharding.shard(build_minimind(64, 2), group_of_one)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        saved_steps = []
+        if save_first:  # what DCP would write now
+            state = sharding.sharded_state({"actor": model}, {"actor": opt})["optim/actor"]["state"]
+            saved_steps = [float(s["step"]) for s in state.values()]
+        model(ids).logits.float().logsumexp(-1).mean().backward()
+        opt.step()
+        return [p.detach().full_tensor().clone() for p in model.parameters()], saved_steps
+
+    plain, _ = first_update(False)
+    after_save, saved_steps = first_update(True)
+    assert saved_steps and set(saved_steps) == {0.0}  # a fresh AdamW state is written
+    assert all(torch.equal(a, b) for a, b in zip(plain, after_save))
+
+
+def test_fsdp2_builds_its_optimizers_over_the_shards_only(tmp_path, group_of_one, monkeypatch):
+    """No optimizer exists while fully_shard replaces the parameters: the whole originals die with sharding (an
+    optimizer built before it would keep them, whole and in fp32, on every GPU)."""
+    import gc
+    import weakref
+
+    from tests.helpers import make_tiny_world, tiny_flags
+    from trainer.run import setup as S
+    from trainer.run.cli import parse_args
+
+    world = make_tiny_world(tmp_path / "w")
+    originals: list = []
+    alive_after_sharding: list[int] = []
+    real_shard = S.shard_models
+
+    def shard_and_count(cfg, models, info):
+        originals.extend(weakref.ref(p) for p in [*models.actor.parameters(), *models.critic.parameters()])
+        real_shard(cfg, models, info)
+        gc.collect()
+        alive_after_sharding.append(sum(r() is not None for r in originals))
+
+    monkeypatch.setattr(S, "shard_models", shard_and_count)
+    built = S.setup(parse_args(tiny_flags(world, tmp_path, strategy="fsdp2")), DistInfo())
+    assert originals and alive_after_sharding == [0]
+    trained = {id(p) for o in built.optim.optims.values() for g in o.param_groups for p in g["params"]}
+    assert trained == {id(p) for p in [*built.models.actor.parameters(), *built.models.critic.parameters()]}

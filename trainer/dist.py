@@ -78,20 +78,15 @@ def reduce_mean(values: dict[str, float], info: DistInfo, weights: dict[str, flo
 
 @contextlib.contextmanager
 def no_sync(*models: torch.nn.Module | None) -> Iterator[None]:
-    """Gradient accumulation without a gradient reduction per micro-batch: DDP's no_sync on every wrapped
-    model; FSDP2's gradient sync off (each rank keeps its unreduced gradients until the synced backward)."""
-    sharded = [m for m in models if isinstance(m, FSDPModule)]
+    """Gradient accumulation without a gradient reduction per micro-batch: DDP's no_sync on every wrapped model.
+    FSDP2-sharded models keep reducing: with their sync off (set_requires_gradient_sync(False)) every rank would
+    hold whole, unsharded fp32 gradients between micro-batches (+4 bytes per parameter per model), what sharding is
+    there to avoid; reduce-scattering each micro-batch keeps only the rank's gradient shard."""
     with contextlib.ExitStack() as stack:
         for model in models:
-            if model is not None and hasattr(model, "no_sync"):
+            if model is not None and hasattr(model, "no_sync") and not isinstance(model, FSDPModule):
                 stack.enter_context(model.no_sync())
-        for model in sharded:
-            model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            for model in sharded:
-                model.set_requires_gradient_sync(True)
+        yield
 
 
 def fsdp_modules(model: torch.nn.Module | None) -> list[FSDPModule]:

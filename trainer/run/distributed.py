@@ -70,10 +70,12 @@ def init_distributed(device_flag: str = "auto", timeout_s: int = 1800, cpu_colle
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(device_flag, local_rank, world_size)
     backend = ""
+    if (world_size > 1 or group_of_one) and device.type == "cuda" and not dist.is_initialized():
+        # FSDP2 and NCCL work on the current device: it must be this process's own (a group of one on --device cuda:1
+        # would otherwise shard onto cuda:0 while sampling on cuda:1).
+        torch.cuda.set_device(device)
     if world_size > 1:
         if not dist.is_initialized():
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
             backend = ("cuda:nccl,cpu:gloo" if cpu_collectives else "nccl") if device.type == "cuda" else "gloo"
             dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
         backend = str(dist.get_backend())

@@ -274,7 +274,7 @@ def setup(raw: Config, info: DistInfo | None = None) -> Setup:
     if info.enabled:
         check_devices_per_rank({"ref": rt.ref_device, "critic": rt.critic_device, "reward": rt.reward_device}, info)
         check_same_precision(cfg.dtype, cfg.frozen_dtype, info)
-    if cfg.strategy == "fsdp2":  # sharding replaces the parameters: the optimizers are built again over the shards
+    if cfg.strategy == "fsdp2":  # sharding replaces the parameters: the optimizers are built over the shards
         shard_models(cfg, built.models, info)
         built.optim = build_optim(cfg, built.models, rt.total_steps, DTYPES[cfg.dtype], info.device)
     wrap_for_training(cfg, built.models, info)  # DDP's constructor broadcasts rank 0's weights
@@ -339,7 +339,11 @@ def _build(raw: Config, info: DistInfo) -> Setup:
     total_steps = steps_per_epoch * cfg.epochs
     if cfg.max_steps > 0:
         total_steps = min(total_steps, cfg.max_steps)
-    optim = build_optim(cfg, models, total_steps, DTYPES[cfg.dtype], info.device)
+    # fsdp2: no optimizer yet. fully_shard replaces each parameter (moving the original to the device in place); an
+    # optimizer built now would hold the whole original parameters, on every GPU, until rebuilt. setup() builds it
+    # over the shards.
+    optim = (Optim({}, {}, torch.amp.GradScaler(enabled=False)) if cfg.strategy == "fsdp2"
+             else build_optim(cfg, models, total_steps, DTYPES[cfg.dtype], info.device))
     runtime = Runtime(info=info, ref_device=info.device if cfg.lora_r > 0 else devices["ref"],  # LoRA: the reference is the actor
                       critic_device=devices["critic"], reward_device=devices["reward"], total_steps=total_steps,
                       precisions=precisions)

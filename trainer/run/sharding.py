@@ -123,7 +123,15 @@ def sharded_state(models: dict[str, nn.Module | None], optims: dict[str, torch.o
     state (keyed by the model it trains) as DTensors."""
     state = {name: get_model_state_dict(model) for name, model in models.items() if model is not None}
     for name, opt in optims.items():
+        fresh = not opt.state
         state[f"optim/{name}"] = get_optimizer_state_dict(models[name], opt)
+        if fresh:
+            # An optimizer that has not stepped (the actor inside --critic_warmup_steps, a resume's fresh one) gets its
+            # state made by a real AdamW step at lr 0; its counter would then read 1, and the first real update would
+            # be bias-corrected as the second. Step 0 with zero moments is exactly a fresh AdamW state.
+            for param_state in opt.state.values():
+                if "step" in param_state:
+                    param_state["step"].zero_() if torch.is_tensor(param_state["step"]) else param_state.update(step=0)
     return state
 
 
