@@ -365,6 +365,7 @@ def test_ddp_wraps_without_broadcasting_buffers(monkeypatch, actor_dev, critic_d
     assert [kw["device_ids"] for kw in _RecordingDDP.calls] == ids
     for kw in _RecordingDDP.calls:
         assert kw["find_unused_parameters"] is False
+        assert kw["gradient_as_bucket_view"] is True  # no second copy of the gradients in the buckets
         assert kw.get("forward_sync_buffers", kw.get("broadcast_buffers")) is False
         assert kw.keys() & {"forward_sync_buffers", "broadcast_buffers"} == setup_mod.NO_FORWARD_BUFFER_SYNC.keys()
     assert models.actor_train.module is models.actor and models.critic_train.module is models.critic

@@ -248,10 +248,12 @@ def wrap_for_training(cfg: Config, models: Models, info: DistInfo) -> None:
         # No buffer sync before each forward: training changes no buffer (the only ones are rotary
         # inv_freq tables, fixed by the config; a dynamic RoPE recomputes them inside each forward from
         # that rank's own lengths), so DDP's broadcast of every buffer from rank 0 is wasted traffic.
+        # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets, not a second copy of them
+        # (4 bytes per parameter per trained model less; the same sums).
         def ddp(model: nn.Module) -> DDP:
             dev = next(model.parameters()).device  # the critic may sit on --critic_device
             return DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None,
-                       find_unused_parameters=bool(cfg.use_moe), **NO_FORWARD_BUFFER_SYNC)
+                       find_unused_parameters=bool(cfg.use_moe), gradient_as_bucket_view=True, **NO_FORWARD_BUFFER_SYNC)
         actor_train, critic_train = ddp(actor_train), None if critic_train is None else ddp(critic_train)
     if cfg.use_compile:
         actor_train = torch.compile(actor_train)
