@@ -8,14 +8,10 @@ tokens in the MiniMind tokenizer, so they survive decoding).
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
 import re
-import sys
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -25,6 +21,7 @@ import torch
 from torch import Tensor
 
 from dataset import ifeval
+from trainer import plugins
 
 __all__ = [
     "FORMAT_PATTERN",
@@ -156,23 +153,21 @@ def eos_reward(has_eos: bool, penalty: float) -> float:
 
 def load_reward_fn(spec: str) -> RewardFn:
     """Load `fn(prompt, reply, reference) -> float` from "package.module:function" or
-    "path/to/file.py:function"."""
+    "path/to/file.py:function" (trainer/plugins.py imports it)."""
     module_part, sep, attr = spec.rpartition(":")
     if not sep or not module_part or not attr:
         raise ValueError(
             f"--reward_fn {spec!r}: expected 'module:function' or 'path/to/file.py:function'"
         )
-    is_file = module_part.endswith(".py") or "/" in module_part or "\\" in module_part
-    if is_file and not Path(module_part).is_file():
+    if plugins.is_file_target(module_part) and not Path(module_part).is_file():
         raise ValueError(f"--reward_fn {spec!r}: file {module_part!r} does not exist")
     try:
-        module = _import_file(Path(module_part)) if is_file else importlib.import_module(module_part)
+        module = plugins.import_target(module_part)
     except ModuleNotFoundError as e:
         raise ValueError(f"--reward_fn {spec!r}: cannot import module {module_part!r} ({e})") from None
-    except Exception as e:  # the user's module raised while importing
-        raise ValueError(
-            f"--reward_fn {spec!r}: importing {module_part!r} failed: {type(e).__name__}: {e}"
-        ) from e
+    except Exception as e:  # the user's module raised while importing, or the file is no module
+        what = "ImportError" if isinstance(e, plugins.NotPythonSource) else type(e).__name__
+        raise ValueError(f"--reward_fn {spec!r}: importing {module_part!r} failed: {what}: {e}") from e
     if not hasattr(module, attr):
         raise ValueError(f"--reward_fn {spec!r}: module {module_part!r} has no attribute {attr!r}")
     fn = getattr(module, attr)
@@ -188,24 +183,6 @@ def load_reward_fn(spec: str) -> RewardFn:
     except ValueError:
         pass  # builtins without an inspectable signature: trust the user
     return fn
-
-
-def _import_file(path: Path) -> Any:
-    resolved = path.resolve()
-    # Unique per path so two files with the same stem do not replace each other.
-    name = f"_minippo_reward_{resolved.stem}_{hashlib.sha1(str(resolved).encode()).hexdigest()[:8]}"
-    module_spec = importlib.util.spec_from_file_location(name, resolved)
-    if module_spec is None or module_spec.loader is None:
-        raise ImportError(f"{str(path)!r} is not loadable as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    # Registered before exec as importlib's recipe does (dataclasses/pickle look modules up there).
-    sys.modules[name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    return module
 
 
 class RewardFnError(RuntimeError):
