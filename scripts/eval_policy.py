@@ -31,7 +31,7 @@ from dataset.rlaif import DataError, read_rlaif_jsonl  # noqa: E402
 from model.loader import load_policy, load_reward_model  # noqa: E402
 from model.weights import WeightsError  # noqa: E402
 from trainer.evaluate import evaluate_policy  # noqa: E402
-from trainer.rewards import RewardModelScorer  # noqa: E402
+from trainer.reward_model import RewardModelScorer  # noqa: E402
 from trainer.tools import ToolError, ToolRunner, load_tools  # noqa: E402
 
 DEFAULT_RM = "out/demo_rm"

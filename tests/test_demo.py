@@ -69,7 +69,7 @@ def test_shipped_reward_model_meets_its_held_out_pair_accuracy():
     from dataset.demo_task import generate_all
     from model.loader import load_reward_model
     from scripts.train_reward_model import pair_accuracy, score_pairs
-    from trainer.rewards import RewardModelScorer
+    from trainer.reward_model import RewardModelScorer
 
     rows = generate_all(0, n_train=0, n_eval=0, n_sft=0, n_pairs=0)["demo_pairs_eval"]
     assert len(rows) == 1000

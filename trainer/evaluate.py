@@ -22,7 +22,8 @@ from dataset import ifeval
 from dataset.rlaif import PromptRecord, RLAIFDataset, collate_left_pad
 from model.generation import sample
 from trainer.multiturn import Episode, generate_episodes
-from trainer.rewards import RewardModelScorer, answers_match, extract_answer, format_reward, gt_reward
+from trainer.reward_model import RewardModelScorer
+from trainer.rewards import answers_match, extract_answer, format_reward, gt_reward
 from trainer.tools import ToolRunner
 
 

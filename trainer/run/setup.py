@@ -27,7 +27,8 @@ from model.lora import AdapterSnapshot, AdaptersOff, add_lora
 from model.weights import WeightsError, native_weight_path
 from trainer.config import Config, layer_matmul_params, model_config, resolve, resolve_precision, validate
 from trainer.ppo import AdaptiveKLController, FixedKLController, RewardNormalizer
-from trainer.rewards import RewardModelScorer, load_reward_fn
+from trainer.reward_model import RewardModelScorer
+from trainer.rewards import load_reward_fn
 from trainer.tools import Toolbox, ToolRunner, load_tools
 from trainer.run.checkpoint import seed_everything
 from trainer.run.sharding import shard_models
