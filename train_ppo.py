@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from model.fast_decode import reuse_decoder  # noqa: E402
+from trainer import dist as D  # noqa: E402
 from trainer.config import Config, parse_args  # noqa: E402
 from trainer.evaluate import evaluate_policy  # noqa: E402
 from trainer.multiturn import Episode, episode_components, generate_episodes  # noqa: E402
@@ -44,7 +45,7 @@ from trainer.registry import estimator_spec  # noqa: E402
 from trainer.rewards import RewardFnError, compute_rewards, overlong_penalty  # noqa: E402
 from trainer.rollout import Rollout, attention_implementation, cat_rollouts, critic_forward, forward_in_row_chunks  # noqa: E402
 from trainer.rollout import generate_rollout, group_has_signal, policy_forward, rollout_metrics  # noqa: E402
-from trainer.run import distributed as D  # noqa: E402
+from trainer.run import distributed  # noqa: E402
 from trainer.run.lifecycle import Run  # noqa: E402
 from trainer.run.phases import phases  # noqa: E402
 from trainer.run.setup import setup  # noqa: E402
@@ -349,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def held_out() -> dict[str, float]:  # on rank 0; every rank gathers sharded weights first (a collective)
         with D.unsharded(m.actor, reward_model(m)):
-            return D.on_main(lambda: evaluate(cfg, m, rt, built.eval_records, built.tools), rt.info)
+            return distributed.on_main(lambda: evaluate(cfg, m, rt, built.eval_records, built.tools), rt.info)
 
     with Run(cfg, built) as run:  # resume, run.json, logger; marks the run's end however it ends
         if built.eval_records and run.step == 0:
@@ -383,4 +384,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    D.exit_after(main)
+    distributed.exit_after(main)

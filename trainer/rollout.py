@@ -286,7 +286,7 @@ def generate_rollout(
 def rollout_metrics(ro: Rollout, comps: dict[str, torch.Tensor], entropy: torch.Tensor, kl_coef: float,
                     num_generations: int) -> tuple[dict[str, float], dict[str, float]]:
     """This rank's metrics of a scored rollout, and what each is a mean over (its token count, or the
-    rows where it is defined), so DDP's reduction (trainer.run.distributed.reduce_mean) is the global mean.
+    rows where it is defined), so DDP's reduction (trainer.dist.reduce_mean) is the global mean.
     comps: each reward component [B] (NaN where undefined), entropy [B, R] of the sampling policy."""
     mask, rewards = ro.response_mask, ro.rewards
     n_tok = mask.sum(1)

@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from model.lora import LORA_FLAGS, actor_state_dict, load_actor_state_dict
 from model.weights import atomic_torch_save
-from trainer.run.distributed import DistInfo, all_gather_objects, failing_together, on_main, one_line, stop_all
+from trainer.dist import DistInfo, all_gather_objects
+from trainer.run.distributed import failing_together, on_main, one_line, stop_all
 from trainer.run.sharding import UnsafeShardsError, load_shards, stray_shards
 from trainer.run.provenance import changed_inputs
 

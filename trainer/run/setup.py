@@ -32,8 +32,8 @@ from trainer.rewards import load_reward_fn
 from trainer.tools import Toolbox, ToolRunner, load_tools
 from trainer.run.checkpoint import seed_everything
 from trainer.run.sharding import shard_models
-from trainer.run.distributed import (DistInfo, all_gather_objects, failing_together, gpu_identity, init_distributed,
-                                      keep_until_exit, stop_all)
+from trainer.dist import DistInfo, all_gather_objects
+from trainer.run.distributed import failing_together, gpu_identity, init_distributed, keep_until_exit, stop_all
 from trainer.runtime import DTYPES, Models, Optim, Runtime, on  # noqa: F401 - re-exported for scripts
 
 # torch 2.13 renamed DDP's broadcast_buffers (deprecated, a warning on every rank) to forward_sync_buffers.
