@@ -34,6 +34,7 @@ from trainer import dist as D
 from trainer.run import sharding
 from trainer.run import checkpoint as ckpt
 from trainer.run import distributed
+from trainer.run import seeding
 from trainer.run.lock import FolderBusy, FolderLock
 from trainer.run.run_logger import RunLogger
 from trainer.run.provenance import append_resume_record, mark_run_end, rehash_inputs, write_run_json
@@ -86,7 +87,7 @@ class Run:
             self._release_locks()
             raise
         if resumed:  # after start-up code that draws random numbers (swanlab.init uses `random`)
-            ckpt.restore_rng_state(resumed.rng, info.device)
+            seeding.restore_rng_state(resumed.rng, info.device)
         self.stop.install()
 
     # ---- start
@@ -231,7 +232,7 @@ class Run:
         if D.any_rank(bad, info):
             raise SystemExit(f"error: the weights are not finite after step {self.pos.step}: nothing was saved; the last good "
                              f"checkpoint in {cfg.checkpoint_dir}/ is intact. Lower --learning_rate or --grad_clip.")
-        rngs = D.all_gather_objects(ckpt.capture_rng_state(info.device), info)  # a collective: every rank takes part
+        rngs = D.all_gather_objects(seeding.capture_rng_state(info.device), info)  # a collective: every rank takes part
         full, shards = None, None
         if cfg.strategy == "fsdp2":  # collectives: the whole policy to rank 0, every rank's shards to the DCP folder
             full = sharding.full_state_dict(m.actor)

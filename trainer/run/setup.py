@@ -30,7 +30,7 @@ from trainer.ppo import AdaptiveKLController, FixedKLController, RewardNormalize
 from trainer.reward_model import RewardModelScorer
 from trainer.rewards import load_reward_fn
 from trainer.tools import Toolbox, ToolRunner, load_tools
-from trainer.run.checkpoint import seed_everything
+from trainer.run.seeding import seed_everything
 from trainer.run.sharding import shard_models
 from trainer.dist import DistInfo, all_gather_objects
 from trainer.run.distributed import failing_together, gpu_identity, init_distributed, keep_until_exit, stop_all
