@@ -23,11 +23,11 @@ RM = ROOT / "out" / "demo_rm"
 def _evaluate(weights: Path, n: int = 500) -> dict:
     from dataset.rlaif import read_rlaif_jsonl
     from model.loader import load_policy
-    from trainer.evaluate import evaluate_policy
+    from trainer.evaluate import EvalSettings, evaluate_policy
 
     policy, tok = load_policy(weights=weights, hidden_size=128, num_hidden_layers=4)
     records, _ = read_rlaif_jsonl(ROOT / "dataset" / "demo_eval.jsonl")
-    return evaluate_policy(policy.eval(), tok, records[:n], temperature=0.0)
+    return evaluate_policy(policy.eval(), tok, records[:n], EvalSettings(temperature=0.0))
 
 
 def test_shipped_artifacts_load():
