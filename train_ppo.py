@@ -36,16 +36,17 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from model.fast_decode import reuse_decoder  # noqa: E402
+from trainer import dist as D  # noqa: E402
 from trainer.config import Config  # noqa: E402
 from trainer.run.cli import parse_args  # noqa: E402
-from trainer.evaluate import evaluate_policy  # noqa: E402
+from trainer.evaluate import EvalSettings, evaluate_policy  # noqa: E402
 from trainer.multiturn import Episode, episode_components, generate_episodes  # noqa: E402
 from trainer.ppo import RewardNormalizer, kl_penalty, masked_whiten  # noqa: E402
 from trainer.registry import estimator_spec  # noqa: E402
 from trainer.rewards import RewardFnError, compute_rewards, overlong_penalty  # noqa: E402
 from trainer.rollout import Rollout, attention_implementation, cat_rollouts, critic_forward, forward_in_row_chunks  # noqa: E402
 from trainer.rollout import generate_rollout, group_has_signal, policy_forward, rollout_metrics  # noqa: E402
-from trainer.run import distributed as D  # noqa: E402
+from trainer.run import distributed  # noqa: E402
 from trainer.run.lifecycle import Run  # noqa: E402
 from trainer.run.phases import phases  # noqa: E402
 from trainer.run.setup import setup  # noqa: E402
@@ -330,10 +331,11 @@ def evaluate(cfg: Config, m: Models, rt: Runtime, records: list, tools: ToolRunn
     """Greedy replies to held-out prompts, scored as in training (format, accuracy, reward model; with --tools,
     multi-turn episodes and how often they call a tool). Runs on rank 0 only, in its own random stream: training's
     samples are the same with or without it."""
+    settings = EvalSettings(batch_size=64, max_prompt_len=cfg.max_seq_len, max_new_tokens=cfg.max_gen_len, temperature=0.0,
+                            seed=cfg.seed, thinking_ratio=cfg.thinking_ratio, max_turns=cfg.max_turns,
+                            max_total_len=cfg.max_total_len)
     with rt.autocast():
-        ev = evaluate_policy(m.actor, m.tok, records, rm_scorer=m.rm_scorer, batch_size=64, max_prompt_len=cfg.max_seq_len,
-                             max_new_tokens=cfg.max_gen_len, temperature=0.0, thinking_ratio=cfg.thinking_ratio, seed=cfg.seed,
-                             tools=tools, max_turns=cfg.max_turns, max_total_len=cfg.max_total_len)
+        ev = evaluate_policy(m.actor, m.tok, records, settings, rm_scorer=m.rm_scorer, tools=tools)
     nan = float("nan")
     tool_rates = {"eval/tool_call_rate": ev["tool_call_rate"], "eval/tool_ok_rate": ev["tool_ok_rate"]} if tools else {}
     return {**tool_rates, "eval/accuracy": nan if ev["accuracy"] is None else ev["accuracy"], "eval/format_rate": ev["format_rate"],
@@ -350,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def held_out() -> dict[str, float]:  # on rank 0; every rank gathers sharded weights first (a collective)
         with D.unsharded(m.actor, reward_model(m)):
-            return D.on_main(lambda: evaluate(cfg, m, rt, built.eval_records, built.tools), rt.info)
+            return distributed.on_main(lambda: evaluate(cfg, m, rt, built.eval_records, built.tools), rt.info)
 
     with Run(cfg, built) as run:  # resume, run.json, logger; marks the run's end however it ends
         if built.eval_records and run.step == 0:
@@ -384,4 +386,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    D.exit_after(main)
+    distributed.exit_after(main)

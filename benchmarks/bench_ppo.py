@@ -297,7 +297,8 @@ class ConfigRun:
     def __init__(self, cfg: dict) -> None:
         import train_ppo as T
         from model.loader import load_tokenizer
-        from trainer.run.distributed import DistInfo, resolve_device
+        from trainer.dist import DistInfo
+        from trainer.run.distributed import resolve_device
         from trainer.run.setup import setup
 
         load_tokenizer()
@@ -459,13 +460,14 @@ def run_config(cfg: dict) -> dict:
         run.step(step)
     result = run.result()
     if run.built.runtime.info.enabled:  # every rank's result, then leave together (the trainer's own way out)
-        from trainer.run import distributed as D
+        from trainer import dist as D
+        from trainer.run import distributed
 
         info = run.built.runtime.info
         result["rank"] = info.rank
         result["per_rank"] = D.all_gather_objects({"trained_state": result["memory_mb"]["trained_state"],
                                                    "peak_rss": result["memory_mb"]["peak_rss"], "error": result["error"]}, info)
-        D.cleanup(info)
+        distributed.cleanup(info)
     return result
 
 

@@ -17,7 +17,7 @@ Starting from an SFT model (--init_from) is InstructGPT's recipe; a random init 
 Pairs file rows: {"conversations": [user...], "chosen": reply, "rejected": reply, "kind": ...}.
 Each side is scored on the conversation + {"role": "assistant", "content": reply}, rendered with the
 tokenizer's chat template without a generation prompt and tokenised exactly as
-trainer.rewards.RewardModelScorer does at PPO time, so training and use see the same tokens.
+trainer.reward_model.RewardModelScorer does at PPO time, so training and use see the same tokens.
 The output directory loads with `AutoModelForSequenceClassification.from_pretrained(dir)` (no
 remote code) and with `model.loader.load_reward_model(dir)`.
 """
@@ -46,7 +46,7 @@ from transformers import LlamaForSequenceClassification, Qwen3Config, Qwen3ForSe
 from model.loader import load_policy, load_reward_model, load_tokenizer  # noqa: E402
 from model.weights import WeightsError, read_state_dict  # noqa: E402
 from builders.train_sft import add_dtype_flag, adamw, lr_at, resolve_dtype  # noqa: E402
-from trainer.rewards import RewardModelScorer, pad_ids  # noqa: E402
+from trainer.reward_model import RewardModelScorer, pad_ids  # noqa: E402
 
 
 def encode_conversations(tokenizer: Any, conversations: list[list[dict]], max_length: int) -> list[list[int]]:

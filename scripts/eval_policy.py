@@ -30,8 +30,8 @@ import torch  # noqa: E402
 from dataset.rlaif import DataError, read_rlaif_jsonl  # noqa: E402
 from model.loader import load_policy, load_reward_model  # noqa: E402
 from model.weights import WeightsError  # noqa: E402
-from trainer.evaluate import evaluate_policy  # noqa: E402
-from trainer.rewards import RewardModelScorer  # noqa: E402
+from trainer.evaluate import EvalSettings, evaluate_policy  # noqa: E402
+from trainer.reward_model import RewardModelScorer  # noqa: E402
 from trainer.tools import ToolError, ToolRunner, load_tools  # noqa: E402
 
 DEFAULT_RM = "out/demo_rm"
@@ -159,12 +159,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if args.dtype == "bfloat16" else contextlib.nullcontext())
     with autocast:
-        metrics = evaluate_policy(
-            policy, tokenizer, records, rm_scorer=scorer, ref_policy=ref_policy, batch_size=args.batch_size,
-            max_prompt_len=args.max_prompt_len, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_p=args.top_p, seed=args.seed, thinking_ratio=args.thinking_ratio, tasks=tasks, return_rows=True,
-            tools=tools, max_turns=args.max_turns, max_total_len=args.max_total_len,
-        )
+        settings = EvalSettings(batch_size=args.batch_size, max_prompt_len=args.max_prompt_len,
+                                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed, thinking_ratio=args.thinking_ratio, max_turns=args.max_turns,
+                                max_total_len=args.max_total_len)
+        metrics = evaluate_policy(policy, tokenizer, records, settings, rm_scorer=scorer, ref_policy=ref_policy,
+                                  tools=tools, tasks=tasks, return_rows=True)
     rows = metrics.pop("rows")
     elapsed = time.time() - t0
     source = args.weights or args.hf_path

@@ -145,7 +145,7 @@ def build_update_world(extra_flags: list[str] | None = None, dtype: str = "float
     (left-padded, max 48 prompt tokens) as the batch."""
     import train_ppo as T
     from dataset.rlaif import RLAIFDataset, collate_left_pad, read_rlaif_jsonl
-    from trainer.run.distributed import DistInfo
+    from trainer.dist import DistInfo
     from trainer.run.setup import setup
 
     args = T.parse_args([*UPDATE_BASE_FLAGS, "--dtype", dtype, "--max_steps", str(total_steps), *(extra_flags or [])])

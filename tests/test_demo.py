@@ -23,11 +23,11 @@ RM = ROOT / "out" / "demo_rm"
 def _evaluate(weights: Path, n: int = 500) -> dict:
     from dataset.rlaif import read_rlaif_jsonl
     from model.loader import load_policy
-    from trainer.evaluate import evaluate_policy
+    from trainer.evaluate import EvalSettings, evaluate_policy
 
     policy, tok = load_policy(weights=weights, hidden_size=128, num_hidden_layers=4)
     records, _ = read_rlaif_jsonl(ROOT / "dataset" / "demo_eval.jsonl")
-    return evaluate_policy(policy.eval(), tok, records[:n], temperature=0.0)
+    return evaluate_policy(policy.eval(), tok, records[:n], EvalSettings(temperature=0.0))
 
 
 def test_shipped_artifacts_load():
@@ -70,7 +70,7 @@ def test_shipped_reward_model_meets_its_held_out_pair_accuracy():
     from dataset.demo_task import generate_all
     from model.loader import load_reward_model
     from builders.train_reward_model import pair_accuracy, score_pairs
-    from trainer.rewards import RewardModelScorer
+    from trainer.reward_model import RewardModelScorer
 
     rows = generate_all(0, n_train=0, n_eval=0, n_sft=0, n_pairs=0)["demo_pairs_eval"]
     assert len(rows) == 1000

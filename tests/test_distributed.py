@@ -1,4 +1,5 @@
-"""Distributed training: trainer/distributed.py's collectives, and torchrun DDP runs of train_ppo.py
+"""Distributed training: trainer/dist.py's collectives (D), trainer/run/distributed.py's process group and
+failure agreement (distributed), and torchrun DDP runs of train_ppo.py
 on CPU (gloo, 2 processes), which is how CI tests DDP without a GPU.
 
 The end-to-end runs share a module-scoped tiny world and one 2-process run (smoke, equivalence
@@ -18,8 +19,9 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, deep_equal, resume_state, free_port, make_tiny_world, read_metrics, run_train, spawn_ranks, tiny_flags
-from trainer.run import distributed as D
+from trainer import dist as D
 from trainer.ppo import explained_variance, masked_whiten
+from trainer.run import distributed
 
 FIXTURES = ROOT / "tests" / "fixtures"
 SINGLE = D.DistInfo()
@@ -106,6 +108,12 @@ def _dataset(world: dict):
 
 
 # ------------------------------------------------------------------ single-process paths (fast)
+def test_the_run_module_does_not_re_export_the_primitives():
+    # One name per module: the primitives come from trainer.dist (D), never through trainer.run.distributed.
+    public = {name for name in vars(D) if not name.startswith("_") and getattr(getattr(D, name), "__module__", "") == D.__name__}
+    assert not public & set(vars(distributed)), public & set(vars(distributed))
+
+
 def test_single_process_collectives_are_identities():
     vals = {"reward/total": 0.5, "accuracy": math.nan}
     out = D.reduce_mean(vals, SINGLE)
@@ -117,15 +125,15 @@ def test_single_process_collectives_are_identities():
     assert x.item() == 3.0 and s.item() == 4.0  # a copy
     assert D.all_gather_objects({"a": 1}, SINGLE) == [{"a": 1}]
     assert D.broadcast_object("x", SINGLE) == "x"
-    D.barrier(SINGLE)
-    D.cleanup(SINGLE)
+    distributed.barrier(SINGLE)
+    distributed.cleanup(SINGLE)
 
 
 @pytest.mark.slow
 def test_init_distributed_without_torchrun_is_one_process(monkeypatch):
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
-    info = D.init_distributed("cpu")
+    info = distributed.init_distributed("cpu")
     assert (info.rank, info.world_size, info.enabled, info.is_main) == (0, 1, False, True)
     assert info.device == torch.device("cpu") and not torch.distributed.is_initialized()
 
@@ -133,7 +141,7 @@ def test_init_distributed_without_torchrun_is_one_process(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_cuda_flag_without_cuda_is_one_line():
     with pytest.raises(SystemExit, match="^error: --device cuda: CUDA is not available.*--device cpu"):
-        D.resolve_device("cuda")
+        distributed.resolve_device("cuda")
 
 
 class _Exited(Exception):
@@ -158,20 +166,20 @@ def test_every_distributed_exit_leaves_by_os_exit(monkeypatch, capsys, ending, c
     def fake_exit(c):
         raise _Exited(c)
 
-    monkeypatch.setattr(D.os, "_exit", fake_exit)
+    monkeypatch.setattr(distributed.os, "_exit", fake_exit)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(_Exited) as e:
-        D.exit_after(main)
+        distributed.exit_after(main)
     assert e.value.args[0] == code
     err = capsys.readouterr().err
     assert ("error: rank 1: the grader is down" in err) == (ending == "error line")
     assert ("RuntimeError: boom" in err) == (ending == "crash")
     monkeypatch.setenv("WORLD_SIZE", "1")
     if ending == "finish":
-        assert D.exit_after(main) is None
+        assert distributed.exit_after(main) is None
     else:
         with pytest.raises((SystemExit, RuntimeError, KeyboardInterrupt)):
-            D.exit_after(main)
+            distributed.exit_after(main)
 
 
 @pytest.mark.parametrize("ending", ["error line", "crash", "ctrl-c"])
@@ -200,16 +208,16 @@ def test_an_exit_by_exception_frees_nothing_before_os_exit(monkeypatch, ending):
         alive_at_exit.append(ref[0]() is not None)
         raise _Exited(c)
 
-    monkeypatch.setattr(D.os, "_exit", fake_exit)
-    monkeypatch.setattr(D, "_KEPT", [])
+    monkeypatch.setattr(distributed.os, "_exit", fake_exit)
+    monkeypatch.setattr(distributed, "_KEPT", [])
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(_Exited):
-        D.exit_after(main)
+        distributed.exit_after(main)
     assert alive_at_exit == [True]
 
 
 def test_shard_batches_interleaves_one_global_stream():
-    shard_batches = D.shard_batches
+    shard_batches = distributed.shard_batches
     n, seed, batch = 23, 42, 3
     single = shard_batches(n, seed, 0, 0, 0, 1, 2 * batch)  # one process, global batch 6
     r0, r1 = (shard_batches(n, seed, 0, 0, r, 2, batch) for r in (0, 1))
@@ -235,7 +243,7 @@ def _join_gloo_group(rank: int, world: int, port: int) -> D.DistInfo:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    return D.init_distributed("cpu", timeout_s=120)
+    return distributed.init_distributed("cpu", timeout_s=120)
 
 
 def _spawn_two(worker, out_dir: Path, timeout: float, what: str) -> None:
@@ -262,7 +270,7 @@ def _gloo_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         }
         torch.save(res, Path(out_dir) / f"rank{rank}.pt")
     finally:
-        D.cleanup(info)
+        distributed.cleanup(info)
 
 
 def _error_of(fn) -> str | None:
@@ -324,7 +332,7 @@ def _node_worker(rank: int, world: int, port: int, out_dir: str, per_node: int) 
     results = {}
     with fake_cuda(4, node=f"node{node}"), mock.patch.object(dist, "init_process_group",
                                                             lambda *a, **k: init(*a, **{**k, "backend": "gloo"})):
-        info = D.init_distributed("auto", timeout_s=60)
+        info = distributed.init_distributed("auto", timeout_s=60)
         results["device"] = str(info.device)
         for case, flags in (("default", []), ("offset", ["--ref_device", "cuda:+2", "--reward_device", "cuda:+2"]),
                             ("clash", ["--ref_device", "cuda:1"])):  # the last one stops every rank
@@ -507,7 +515,7 @@ def test_resume_written_by_two_procs_continues_under_one(two_procs, world, tmp_p
     assert (last["step"], last["epoch"], last["consumed"], last["world_size"]) == (5, 0, 12 + 2 * per_rank, 1)
     # The global sample stream continues: steps 4-5 read stream positions 12..15, none seen before.
     ds = _dataset(world)
-    stream = [i for b in D.shard_batches(len(ds), 42, 0, 0, 0, 1, 1) for i in b]
+    stream = [i for b in distributed.shard_batches(len(ds), 42, 0, 0, 0, 1, 1) for i in b]
     rows = _samples(tmp_path)
     for step, pos in ((4, 12), (5, 14)):
         got = [s["prompt"] for s in rows if s["step"] == step]
@@ -613,7 +621,7 @@ def test_reference_on_some_rows_only_runs_on_two_ranks(world, tmp_path):
     import json
 
     lines = Path(world["data"]).read_text(encoding="utf-8").splitlines()
-    rank1_step1 = D.shard_batches(len(lines), 42, 0, 0, 1, 2, 1)[0]
+    rank1_step1 = distributed.shard_batches(len(lines), 42, 0, 0, 1, 2, 1)[0]
     for i in rank1_step1:
         row = json.loads(lines[i])
         row["conversations"][-1]["content"] = "无"  # MiniMind's placeholder: no reference
@@ -711,7 +719,7 @@ def _estimator_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             built = setup(args, info)
             torch.save(_estimator_update(built, half), Path(out_dir) / f"{_case_name(case)}_rank{rank}.pt")
     finally:
-        D.cleanup(info)
+        distributed.cleanup(info)
 
 
 @pytest.mark.slow  # one pair of gloo processes for every case (~60 s on 2 shared cores)
@@ -791,6 +799,6 @@ def test_a_group_of_one_on_a_named_gpu_makes_it_the_current_device(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", lambda **kw: calls.append(("init", kw["backend"])))
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    info = D.init_distributed("cuda:1", group_of_one=True)
+    info = distributed.init_distributed("cuda:1", group_of_one=True)
     assert info.device == torch.device("cuda", 1)
     assert calls == [("set_device", torch.device("cuda", 1)), ("init", "nccl")]

@@ -7,7 +7,8 @@ from dataset.rlaif import PromptRecord
 from model.generation import Samples
 from model.loader import build_minimind, load_tokenizer
 from trainer import evaluate as ev
-from trainer.evaluate import evaluate_policy, response_logprobs, score_replies
+from trainer import rollout
+from trainer.evaluate import EvalSettings, evaluate_policy, score_replies
 
 FULL_7 = "<think>\n3+4=7\n</think>\n<answer>\n7\n</answer>"
 FULL_8 = "<think>\n3+4=8\n</think>\n<answer>\n8\n</answer>"
@@ -64,8 +65,8 @@ def test_score_replies_without_references_gives_none_not_nan():
 
 def test_evaluate_policy_on_random_model_is_in_range_and_deterministic(tok):
     policy, ref_policy = tiny_model(tok), tiny_model(tok, seed=1)
-    kwargs = dict(ref_policy=ref_policy, batch_size=2, max_new_tokens=6, temperature=1.0, seed=3)
-    m = evaluate_policy(policy, tok, records(), **kwargs)
+    kwargs = dict(ref_policy=ref_policy)
+    m = evaluate_policy(policy, tok, records(), EvalSettings(batch_size=2, max_new_tokens=6, temperature=1.0, seed=3), **kwargs)
     assert EXPECTED_KEYS <= set(m)
     assert m["n"] == 5 and m["n_with_reference"] == 4
     for key in ("format_rate", "accuracy", "eos_rate"):
@@ -77,7 +78,8 @@ def test_evaluate_policy_on_random_model_is_in_range_and_deterministic(tok):
     torch.manual_seed(123)
     before = torch.rand(1)
     torch.manual_seed(123)
-    again = evaluate_policy(policy, tok, records(), **kwargs)
+    again = evaluate_policy(policy, tok, records(), EvalSettings(batch_size=2, max_new_tokens=6, temperature=1.0, seed=3),
+                            **kwargs)
     assert again == m
     assert torch.equal(torch.rand(1), before)
 
@@ -87,8 +89,8 @@ def test_evaluation_never_reseeds_the_gpus_sampling_stream(tok, monkeypatch):
     send rank 0's training samples back to step 0's stream after every evaluation. Recorded here with
     stand-ins for torch.cuda's seeding calls; the sampled replies are the same as before."""
     policy = tiny_model(tok)
-    kwargs = dict(batch_size=2, max_new_tokens=6, temperature=1.0, seed=3)
-    before = evaluate_policy(policy, tok, records(), return_rows=True, **kwargs)
+    settings = EvalSettings(batch_size=2, max_new_tokens=6, temperature=1.0, seed=3)
+    before = evaluate_policy(policy, tok, records(), settings, return_rows=True)
     calls = []
     for name in ("manual_seed", "manual_seed_all", "set_rng_state", "set_rng_state_all"):
         monkeypatch.setattr(torch.cuda, name, lambda *a, name=name, **k: calls.append(name))
@@ -96,26 +98,28 @@ def test_evaluation_never_reseeds_the_gpus_sampling_stream(tok, monkeypatch):
     stream = torch.rand(3)
     torch.manual_seed(5)
     calls.clear()
-    after = evaluate_policy(policy, tok, records(), return_rows=True, **kwargs)
+    after = evaluate_policy(policy, tok, records(), settings, return_rows=True)
     assert calls == []  # no GPU generator touched
     assert [r["reply"] for r in after["rows"]] == [r["reply"] for r in before["rows"]]
     assert torch.equal(torch.rand(3), stream)  # the caller's CPU stream neither advanced nor reseeded
 
 
-def test_kl_to_itself_is_zero_and_logprobs_match_full_forward(tok):
-    policy = tiny_model(tok)
-    m = evaluate_policy(policy, tok, records(3), ref_policy=policy, batch_size=3, max_new_tokens=4, temperature=1.0)
+def test_kl_to_itself_is_zero_and_kl_is_trainings_logprob_difference(tok, monkeypatch):
+    policy, ref_policy = tiny_model(tok), tiny_model(tok, seed=1)
+    settings = EvalSettings(batch_size=3, max_new_tokens=4, temperature=1.0)
+    m = evaluate_policy(policy, tok, records(3), settings, ref_policy=policy)
     assert m["kl_ref"] == pytest.approx(0.0, abs=1e-6)
-    # Left padding must not change a row's log-probs (positions follow the mask).
-    seq = torch.tensor([[5, 6, 7, 8, 9]])
-    alone = response_logprobs(policy, seq, torch.ones_like(seq), prompt_len=3)
-    padded = torch.tensor([[0, 0, 5, 6, 7, 8, 9]])
-    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1]])
-    with_pads = response_logprobs(policy, padded, mask, prompt_len=5)
-    assert torch.allclose(alone, with_pads, atol=1e-5)
-    logits = policy(input_ids=seq).logits[0].float()
-    expected = torch.log_softmax(logits, -1)[[2, 3], [8, 9]]
-    assert torch.allclose(alone[0], expected, atol=1e-5)
+    # kl_ref is the summed difference of training's log-prob forward (trainer/rollout.py policy_forward) on the
+    # sampled rollout's response tokens: recomputed here from the rollout the evaluation sampled.
+    seen = []
+    real = rollout.generate_rollout
+    monkeypatch.setattr(ev, "generate_rollout", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    m = evaluate_policy(policy, tok, records(3), settings, ref_policy=ref_policy)
+    (ro,) = seen
+    with torch.no_grad():
+        lp, _ = rollout.policy_forward(policy, ro.sequences, ro.attention_mask, ro.response_len)
+        ref, _ = rollout.policy_forward(ref_policy, ro.sequences, ro.attention_mask, ro.response_len)
+    assert m["kl_ref"] == pytest.approx(((lp - ref) * ro.response_mask).sum(1).mean().item(), rel=1e-6)
 
 
 class FakeScorer:
@@ -147,10 +151,10 @@ def test_bookkeeping_with_a_scripted_sampler(tok, monkeypatch):
             mask[i, : len(r)] = 1
         return Samples(sequences=torch.cat([input_ids, resp], 1), response_mask=mask, has_eos=torch.tensor(has_eos[:B]))
 
-    monkeypatch.setattr(ev, "sample", fake_sample)
+    monkeypatch.setattr(rollout, "sample", fake_sample)  # the one sampler evaluation goes through
     scorer = FakeScorer()
-    m = evaluate_policy(tiny_model(tok), tok, records(3, last_has_reference=True), rm_scorer=scorer, batch_size=8,
-                       return_rows=True)
+    m = evaluate_policy(tiny_model(tok), tok, records(3, last_has_reference=True), EvalSettings(batch_size=8),
+                        rm_scorer=scorer, return_rows=True)
     replies = ["<think>\n" + t for t in texts]
     assert [r["reply"] for r in m["rows"]] == replies
     assert m["format_rate"] == pytest.approx(1 / 3)
@@ -167,7 +171,9 @@ def test_bad_arguments_fail_clearly(tok):
     with pytest.raises(ValueError, match="no records"):
         evaluate_policy(tiny_model(tok), tok, [])
     with pytest.raises(ValueError, match="temperature"):
-        evaluate_policy(tiny_model(tok), tok, records(1), temperature=-1.0)
+        EvalSettings(temperature=-1.0)
+    with pytest.raises(ValueError, match="batch_size"):
+        EvalSettings(batch_size=0)
 
 
 def test_instruction_following_and_diversity_figures_by_hand():

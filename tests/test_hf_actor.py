@@ -13,7 +13,8 @@ from model.critic import CriticModel
 from model.loader import eos_token_ids, load_policy, load_reward_model
 from tests.helpers import ROOT, make_tiny_world, read_metrics, run_train, tiny_flags
 from tests.tiny_hf import TINY_CHAT_TEMPLATE, save_tiny_causal_lm
-from trainer.rewards import RewardModelScorer, compute_rewards
+from trainer.reward_model import RewardModelScorer
+from trainer.rewards import compute_rewards
 
 CUSTOM = str(ROOT / "examples" / "custom_rewards.py")
 

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from tests.helpers import spawn_ranks
-from trainer.run import distributed as D
+from trainer import dist as D
 from trainer.run.cli import parse_args, resolve
 from trainer.ppo import kl_penalty
 from trainer.registry import POLICY_LOSSES, policy_loss_spec
+from trainer.run import distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 LOSSES = ("vanilla", "dual_clip", "cispo", "gspo", "gmpo", "clip_cov", "kl_cov", "sapo")
@@ -242,7 +243,7 @@ def _scaled(name: str, lp, old, adv, mask, c, comm, world: int, n_tokens: float,
 def _loss_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    info = D.init_distributed("cpu", timeout_s=120)
+    info = distributed.init_distributed("cpu", timeout_s=120)
     try:
         lp, old, adv, mask = _batch()
         rows = slice(rank * 4, rank * 4 + 4)
@@ -260,7 +261,7 @@ def _loss_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         out["one_drawn"] = D.sum_global(st["cov_frac"] * mask[rows].sum(), info).item()
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
     finally:
-        D.cleanup(info)
+        distributed.cleanup(info)
 
 
 @pytest.mark.slow  # two fresh interpreters import torch (~5 s idle)

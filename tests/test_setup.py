@@ -18,7 +18,7 @@ from trainer.run import cli as C
 from trainer.run import hardware as H
 from trainer.run import setup as S
 from trainer.run import setup as setup_mod
-from trainer.run.distributed import DistInfo
+from trainer.dist import DistInfo
 from trainer.runtime import Runtime
 
 
@@ -204,13 +204,13 @@ def test_ranks_must_not_share_a_gpu(monkeypatch):
 
 
 def test_gpu_identity_is_the_uuid_or_the_physical_index(monkeypatch):
-    from trainer.run import distributed as D
+    from trainer.run import distributed
 
     with fake_cuda(4, node="n7"):
-        assert D.gpu_identity(torch.device("cuda", 2)) == "GPU-n7-gpu2"
+        assert distributed.gpu_identity(torch.device("cuda", 2)) == "GPU-n7-gpu2"
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(uuid=None))
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")  # this process's cuda:1 is the host's GPU 5
-        assert D.gpu_identity(torch.device("cuda", 1)).endswith(":5")
+        assert distributed.gpu_identity(torch.device("cuda", 1)).endswith(":5")
 
 
 @pytest.mark.slow

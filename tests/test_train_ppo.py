@@ -412,7 +412,8 @@ def _huge_head_rm(out: Path) -> Path:
 
 def test_reward_model_scores_are_clipped_to_three(tmp_path):
     from model.loader import load_reward_model
-    from trainer.rewards import RewardModelScorer, compute_rewards
+    from trainer.reward_model import RewardModelScorer
+    from trainer.rewards import compute_rewards
 
     path = _huge_head_rm(tmp_path / "rm")
     model, tok = load_reward_model(path)

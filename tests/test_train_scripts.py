@@ -13,7 +13,7 @@ import torch
 
 from dataset.rlaif import PromptRecord, RLAIFDataset
 from model.loader import load_tokenizer
-from trainer.rewards import RewardModelScorer
+from trainer.reward_model import RewardModelScorer
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "builders"
 

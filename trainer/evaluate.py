@@ -1,18 +1,21 @@
 """Held-out evaluation of a policy: sample replies to RLAIF prompts and score them.
 
-    from trainer.evaluate import evaluate_policy
-    metrics = evaluate_policy(policy, tokenizer, records, rm_scorer=scorer, temperature=0.0)
+    from trainer.evaluate import EvalSettings, evaluate_policy
+    metrics = evaluate_policy(policy, tokenizer, records, EvalSettings(temperature=0.0), rm_scorer=scorer)
     metrics["format_rate"], metrics["accuracy"], metrics["rm_score_mean"], ...
 
 A "reply" is what the reward functions see during PPO: the assistant prefix the chat template
 forced (e.g. "<think>\\n") plus the generated tokens decoded with special tokens skipped, so the
-figures here are the same quantities the trainer optimises.
+figures here are the same quantities the trainer optimises. Replies are sampled and scored through
+training's own functions (trainer/rollout.py generate_rollout and policy_forward; trainer/multiturn.py with
+tools).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,9 +23,10 @@ from torch import Tensor, nn
 
 from dataset import ifeval
 from dataset.rlaif import PromptRecord, RLAIFDataset, collate_left_pad
-from model.generation import sample
 from trainer.multiturn import Episode, generate_episodes
-from trainer.rewards import RewardModelScorer, answers_match, extract_answer, format_reward, gt_reward
+from trainer.reward_model import RewardModelScorer
+from trainer.rewards import answers_match, extract_answer, format_reward, gt_reward
+from trainer.rollout import Rollout, generate_rollout, policy_forward
 from trainer.tools import ToolRunner
 
 
@@ -102,41 +106,72 @@ def score_replies(
     return out
 
 
-@torch.no_grad()
-def response_logprobs(model: nn.Module, sequences: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
-    """log p(token) under `model` at temperature 1, in fp32, for every response position [B, R].
+@dataclass(frozen=True)
+class EvalSettings:
+    """How evaluate_policy samples: prompts rendered as in training (max_prompt_len, thinking_ratio), one reply
+    each (temperature 0 = greedy), `batch_size` prompts at a time; with tools, episodes of up to max_turns turns
+    and max_total_len tokens. `seed` seeds the rendering and a generator of evaluation's own."""
 
-    sequences [B, P+R] is left-padded prompt + response; attention_mask [B, P+R] covers both.
-    Position ids follow the mask so left pads do not shift RoPE (as in generation).
-    """
-    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, P+R]
-    logits = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids).logits
-    logits = logits[:, prompt_len - 1 : -1, :].float()  # [B, R, V]: position t predicts token t+1
-    targets = sequences[:, prompt_len:]  # [B, R]
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    batch_size: int = 64
+    max_prompt_len: int = 256
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    thinking_ratio: float = 1.0
+    max_turns: int = 3
+    max_total_len: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.batch_size < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"batch_size ({self.batch_size}) and max_new_tokens ({self.max_new_tokens}) must be >= 1")
+
+
+@torch.no_grad()
+def _sample_batch(policy: nn.Module, tokenizer: Any, batch: dict, s: EvalSettings, tools: ToolRunner | None,
+                  generator: torch.Generator, device: torch.device) -> tuple[Rollout, Tensor, list[str], list[Episode]]:
+    """One batch through training's samplers (trainer/rollout.py; trainer/multiturn.py with tools): the rollout,
+    the response mask the lengths are counted on, the replies as the reward functions see them, the episodes."""
+    greedy = s.temperature == 0.0
+    sampling = dict(max_new_tokens=s.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id, temperature=s.temperature if not greedy else 1.0, top_p=s.top_p,
+                    greedy=greedy, generator=generator)
+    if tools is not None:
+        ro, eps = generate_episodes(policy, tokenizer, tools, batch, max_turns=s.max_turns,
+                                    max_total_len=s.max_total_len, device=device, **sampling)
+        return ro, ro.response_mask, [e.final_reply for e in eps], eps
+    ro = generate_rollout(policy, batch["input_ids"].to(device), batch["attention_mask"].to(device), top_k=0, **sampling)
+    mask = ro.response_mask.long()  # integer lengths, as the sampler counts them
+    responses = ro.sequences[:, ro.prompt_len:]  # [B, R]
+    texts = tokenizer.batch_decode([row[m.bool()].tolist() for row, m in zip(responses.cpu(), mask.cpu())],
+                                   skip_special_tokens=True)
+    return ro, mask, [prefix + text for prefix, text in zip(batch["assistant_prefix"], texts)], []
+
+
+@torch.no_grad()
+def _kl_to(policy: nn.Module, ref_policy: nn.Module, ro: Rollout, mask: Tensor) -> list[float]:
+    """Per row, the summed logp_policy - logp_ref of the policy's own tokens (a tool's reply is not the policy's),
+    fp32 at temperature 1, through training's log-prob forward."""
+    logprobs, _ = policy_forward(policy, ro.sequences, ro.attention_mask, ro.response_len)  # [B, R]
+    ref_logprobs, _ = policy_forward(ref_policy, ro.sequences, ro.attention_mask, ro.response_len)  # [B, R]
+    return ((logprobs - ref_logprobs) * mask).sum(dim=1).tolist()
 
 
 def evaluate_policy(
     policy: nn.Module,
     tokenizer: Any,
     records: Sequence[PromptRecord],
+    settings: EvalSettings = EvalSettings(),
     *,
     rm_scorer: RewardModelScorer | None = None,
     ref_policy: nn.Module | None = None,
-    batch_size: int = 64,
-    max_prompt_len: int = 256,
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    thinking_ratio: float = 1.0,
+    tools: ToolRunner | None = None,
     tasks: Sequence[str | None] | None = None,
     return_rows: bool = False,
-    tools: ToolRunner | None = None,
-    max_turns: int = 3,
-    max_total_len: int = 1024,
 ) -> dict[str, Any]:
-    """Sample one reply per record (temperature 0 = greedy) and score it.
+    """Sample one reply per record (EvalSettings: temperature 0 = greedy) and score it.
 
     Keys: n, format_rate, accuracy, n_with_reference, accuracy_formatted, accuracy_unformatted,
     ifeval_pass_rate / ifeval_constraint_rate / ifeval_by_type (rows with constraints; None without),
@@ -147,22 +182,17 @@ def evaluate_policy(
     With `tools` (a ToolRunner) every reply is a multi-turn episode (trainer/multiturn.py) scored on its last turn,
     and tool_call_rate (episodes that called a tool) and tool_ok_rate (called, and every call ran) are added.
 
-    Deterministic given `seed`: sampling draws from a generator of its own on the policy's device,
+    Deterministic given the settings' seed: sampling draws from a generator of its own on the policy's device,
     seeded with it, so the caller's random state (a training run's, on the CPU and on every GPU) is
     neither used, advanced nor reseeded.
     """
+    s = settings
     if not records:
         raise ValueError("evaluate_policy: no records to evaluate (check --data_path / --n)")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if tasks is not None and len(tasks) != len(records):
         raise ValueError(f"evaluate_policy: {len(records)} records but {len(tasks)} task labels")
-    if batch_size < 1 or max_new_tokens < 1:
-        raise ValueError(f"batch_size ({batch_size}) and max_new_tokens ({max_new_tokens}) must be >= 1")
-    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
-    dataset = RLAIFDataset(list(records), tokenizer, max_prompt_len, thinking_ratio=thinking_ratio, seed=seed,
+    dataset = RLAIFDataset(list(records), tokenizer, s.max_prompt_len, thinking_ratio=s.thinking_ratio, seed=s.seed,
                            tools=tools.toolbox.schema_list() if tools is not None else None)
-    greedy = temperature == 0.0
     device = next(policy.parameters()).device
 
     replies: list[str] = []
@@ -177,46 +207,23 @@ def evaluate_policy(
     episodes: list[Episode] = []
     # Not torch.manual_seed: it reseeds every GPU's default generator too, and training would sample
     # from its step-0 stream again after each evaluation.
-    generator = torch.Generator(device).manual_seed(seed)
-    for start in range(0, len(dataset), batch_size):
-        batch = collate_left_pad([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))], pad_id)
-        input_ids = batch["input_ids"].to(device)  # [B, P]
-        attention_mask = batch["attention_mask"].to(device)  # [B, P]
-        if tools is not None:
-            ro, eps = generate_episodes(policy, tokenizer, tools, batch, max_turns=max_turns, max_total_len=max_total_len,
-                                        max_new_tokens=max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
-                                        temperature=temperature if not greedy else 1.0, top_p=top_p, greedy=greedy,
-                                        generator=generator, device=device)
-            sequences, mask, has_eos, full_mask = ro.sequences, ro.response_mask, ro.has_eos, ro.attention_mask
-            batch_replies = [e.final_reply for e in eps]
-            episodes += eps
-        else:
-            samples = sample(
-                policy, input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_token_id=eos_id,
-                pad_token_id=pad_id, temperature=temperature if not greedy else 1.0, top_p=top_p, greedy=greedy,
-                generator=generator,
-            )
-            sequences, mask, has_eos = samples.sequences, samples.response_mask, samples.has_eos  # [B, P+R], [B, R], [B]
-            full_mask = torch.cat([attention_mask, mask.to(attention_mask.dtype)], dim=1)  # [B, P+R]
-            responses = sequences[:, input_ids.shape[1]:]  # [B, R]
-            texts = tokenizer.batch_decode(
-                [row[m.bool()].tolist() for row, m in zip(responses.cpu(), mask.cpu())], skip_special_tokens=True
-            )
-            batch_replies = [prefix + text for prefix, text in zip(batch["assistant_prefix"], texts)]
+    generator = torch.Generator(device).manual_seed(s.seed)
+    for start in range(0, len(dataset), s.batch_size):
+        batch = collate_left_pad([dataset[i] for i in range(start, min(start + s.batch_size, len(dataset)))],
+                                 tokenizer.pad_token_id)
+        ro, mask, batch_replies, eps = _sample_batch(policy, tokenizer, batch, s, tools, generator, device)
+        episodes += eps
         replies += batch_replies
         references += batch["reference"]
         gts += batch["gt"]
         constraints += batch["constraints"]
         lengths += mask.sum(dim=1).tolist()
-        eos_flags += has_eos.tolist()
+        eos_flags += ro.has_eos.tolist()
         if rm_scorer is not None:
             convs = [msgs + [{"role": "assistant", "content": r}] for msgs, r in zip(batch["messages"], batch_replies)]
             rm_scores += rm_scorer.score(convs).tolist()
-        if ref_policy is not None:  # the policy's own tokens only (a tool's reply is not the policy's)
-            P = sequences.shape[1] - mask.shape[1]
-            logprobs = response_logprobs(policy, sequences, full_mask, P)  # [B, R]
-            ref_logprobs = response_logprobs(ref_policy, sequences, full_mask, P)  # [B, R]
-            kls += ((logprobs - ref_logprobs) * mask).sum(dim=1).tolist()
+        if ref_policy is not None:
+            kls += _kl_to(policy, ref_policy, ro, mask)
         if return_rows:
             rows += [
                 {"prompt": p, "reply": r, "reference": ref}
@@ -250,4 +257,4 @@ def evaluate_policy(
     return metrics
 
 
-__all__ = ["evaluate_policy", "score_replies", "score_instructions", "text_diversity", "response_logprobs"]
+__all__ = ["EvalSettings", "evaluate_policy", "score_replies", "score_instructions", "text_diversity"]

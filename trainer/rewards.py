@@ -8,14 +8,10 @@ tokens in the MiniMind tokenizer, so they survive decoding).
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
 import re
-import sys
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -25,6 +21,8 @@ import torch
 from torch import Tensor
 
 from dataset import ifeval
+from trainer import plugins
+from trainer.reward_model import RewardModelScorer
 
 __all__ = [
     "FORMAT_PATTERN",
@@ -36,7 +34,6 @@ __all__ = [
     "eos_reward",
     "load_reward_fn",
     "RewardFnError",
-    "RewardModelScorer",
     "compute_rewards",
 ]
 
@@ -156,23 +153,21 @@ def eos_reward(has_eos: bool, penalty: float) -> float:
 
 def load_reward_fn(spec: str) -> RewardFn:
     """Load `fn(prompt, reply, reference) -> float` from "package.module:function" or
-    "path/to/file.py:function"."""
+    "path/to/file.py:function" (trainer/plugins.py imports it)."""
     module_part, sep, attr = spec.rpartition(":")
     if not sep or not module_part or not attr:
         raise ValueError(
             f"--reward_fn {spec!r}: expected 'module:function' or 'path/to/file.py:function'"
         )
-    is_file = module_part.endswith(".py") or "/" in module_part or "\\" in module_part
-    if is_file and not Path(module_part).is_file():
+    if plugins.is_file_target(module_part) and not Path(module_part).is_file():
         raise ValueError(f"--reward_fn {spec!r}: file {module_part!r} does not exist")
     try:
-        module = _import_file(Path(module_part)) if is_file else importlib.import_module(module_part)
+        module = plugins.import_target(module_part)
     except ModuleNotFoundError as e:
         raise ValueError(f"--reward_fn {spec!r}: cannot import module {module_part!r} ({e})") from None
-    except Exception as e:  # the user's module raised while importing
-        raise ValueError(
-            f"--reward_fn {spec!r}: importing {module_part!r} failed: {type(e).__name__}: {e}"
-        ) from e
+    except Exception as e:  # the user's module raised while importing, or the file is no module
+        what = "ImportError" if isinstance(e, plugins.NotPythonSource) else type(e).__name__
+        raise ValueError(f"--reward_fn {spec!r}: importing {module_part!r} failed: {what}: {e}") from e
     if not hasattr(module, attr):
         raise ValueError(f"--reward_fn {spec!r}: module {module_part!r} has no attribute {attr!r}")
     fn = getattr(module, attr)
@@ -188,24 +183,6 @@ def load_reward_fn(spec: str) -> RewardFn:
     except ValueError:
         pass  # builtins without an inspectable signature: trust the user
     return fn
-
-
-def _import_file(path: Path) -> Any:
-    resolved = path.resolve()
-    # Unique per path so two files with the same stem do not replace each other.
-    name = f"_minippo_reward_{resolved.stem}_{hashlib.sha1(str(resolved).encode()).hexdigest()[:8]}"
-    module_spec = importlib.util.spec_from_file_location(name, resolved)
-    if module_spec is None or module_spec.loader is None:
-        raise ImportError(f"{str(path)!r} is not loadable as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    # Registered before exec as importlib's recipe does (dataclasses/pickle look modules up there).
-    sys.modules[name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    return module
 
 
 class RewardFnError(RuntimeError):
@@ -261,109 +238,6 @@ def _call_reward_fn(name: str, fn: RewardFn, prompt: str, reply: str, reference:
         f"--reward_fn {name} returned {type(value).__name__} {_short(repr(value))} {where}; "
         f"it must return a number (int or float; nan/inf skip the step)", name, row,
     )
-
-
-# ----------------------------------------------------------------------------- reward model
-
-def pad_ids(rows: list[list[int]], pad_id: int, left: bool = False) -> tuple[Tensor, Tensor]:
-    """input_ids [N, T] and attention_mask [N, T] for token-id rows of any lengths, padded on one side."""
-    width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        span = slice(width - len(r), width) if left else slice(0, len(r))
-        input_ids[i, span] = torch.tensor(r, dtype=torch.long)
-        attention_mask[i, span] = 1
-    return input_ids, attention_mask
-
-
-class RewardModelScorer:
-    """A frozen external reward model, in one of two forms:
-
-    - a sequence-classification model (e.g. `AutoModelForSequenceClassification`, num_labels=1)
-      with its own tokenizer, which may differ from the policy's;
-    - a remote-code model exposing `get_score(tokenizer, messages) -> float` (InternLM2-Reward).
-
-    Scores are clipped to [-clip, clip].
-    """
-
-    def __init__(
-        self,
-        model: Any,
-        tokenizer: Any,
-        max_length: int = 512,
-        batch_size: int = 16,
-        clip: float = 3.0,
-    ) -> None:
-        if max_length < 1 or batch_size < 1:
-            raise ValueError(
-                f"RewardModelScorer: max_length ({max_length}) and batch_size ({batch_size}) must be >= 1"
-            )
-        self.model = model
-        self.tokenizer = tokenizer
-        self.max_length = int(max_length)
-        self.batch_size = int(batch_size)
-        self.clip = float(clip)
-        self.uses_get_score = callable(getattr(model, "get_score", None))
-        if hasattr(model, "eval"):
-            model.eval()
-        if hasattr(model, "requires_grad_"):
-            model.requires_grad_(False)
-        if not self.uses_get_score:
-            self._prepare_padding()
-
-    def _prepare_padding(self) -> None:
-        tok = self.tokenizer
-        if tok.pad_token is None:
-            if tok.eos_token is None:
-                raise ValueError(
-                    "reward model tokenizer has neither a pad nor an eos token: give it a pad_token "
-                    "(--reward_model_path tokenizer_config.json)"
-                )
-            tok.pad_token = tok.eos_token
-        config = self.model.config
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        # HF *ForSequenceClassification reads the score at the last token != config.pad_token_id;
-        # without it a padded batch would read it at a pad and batch scores would differ.
-        if getattr(text_config, "pad_token_id", None) is None:
-            text_config.pad_token_id = tok.pad_token_id
-        self.pad_id = int(text_config.pad_token_id)
-
-    def _render(self, conversation: list[dict]) -> tuple[str, bool]:
-        """Text for one conversation and whether the tokenizer should add special tokens."""
-        if getattr(self.tokenizer, "chat_template", None):
-            # The template already writes BOS/role markers; adding special tokens would double BOS.
-            return self.tokenizer.apply_chat_template(conversation, tokenize=False), False
-        return "\n".join(f"{m['role']}: {m['content']}" for m in conversation), True
-
-    def _tokenize(self, conversations: list[list[dict]]) -> list[list[int]]:
-        rendered = [self._render(conv) for conv in conversations]
-        add_special = rendered[0][1]  # the same for every conversation: it depends on the template only
-        ids = self.tokenizer([text for text, _ in rendered], add_special_tokens=add_special, verbose=False)["input_ids"]
-        # Keep the END: the classifier reads the last token, and the reply is at the end.
-        return [list(row)[-self.max_length:] for row in ids]
-
-    @torch.no_grad()
-    def score(self, conversations: list[list[dict]]) -> Tensor:
-        """One clipped fp32 score per conversation (messages ending with the assistant reply)."""
-        if not conversations:
-            return torch.zeros(0, dtype=torch.float32)
-        if self.uses_get_score:
-            raw = [float(self.model.get_score(self.tokenizer, conv)) for conv in conversations]
-            scores = torch.tensor(raw, dtype=torch.float32)
-        else:
-            device = next(self.model.parameters()).device
-            rows = self._tokenize(conversations)
-            # Batch by length so batches carry little padding; scores return in input order.
-            order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
-            left = getattr(self.tokenizer, "padding_side", "right") == "left"
-            scores = torch.empty(len(rows), dtype=torch.float32)
-            for start in range(0, len(order), self.batch_size):
-                idx = order[start:start + self.batch_size]
-                ids, attn = pad_ids([rows[i] for i in idx], self.pad_id, left=left)
-                out = self.model(input_ids=ids.to(device), attention_mask=attn.to(device))
-                scores[idx] = out.logits[:, 0].float().cpu()
-        return scores.clamp(-self.clip, self.clip)
 
 
 # ----------------------------------------------------------------------------- combined reward

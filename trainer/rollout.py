@@ -263,18 +263,20 @@ def generate_rollout(
     num_generations: int = 1,
     return_logprobs: bool = False,
     fast_decode: bool = True,
+    generator: torch.Generator | None = None,
 ) -> Rollout:
     """Sample `num_generations` responses per prompt; with N > 1 the prompt batch is repeated
     row-wise (prompt i's samples are rows i*N .. i*N+N-1) and generated in one call.
 
-    return_logprobs fills `old_logprobs` and `entropy` from the sampling pass itself."""
+    return_logprobs fills `old_logprobs` and `entropy` from the sampling pass itself. `generator`: the draws'
+    random stream (evaluation's own); None = torch's default one, training's."""
     if num_generations > 1:
         input_ids = input_ids.repeat_interleave(num_generations, dim=0)
         attention_mask = attention_mask.repeat_interleave(num_generations, dim=0)
     s = sample(
         policy, input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
         pad_token_id=pad_token_id, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
-        suppress_eos=suppress_eos, return_logprobs=return_logprobs, fast_decode=fast_decode,
+        suppress_eos=suppress_eos, return_logprobs=return_logprobs, fast_decode=fast_decode, generator=generator,
     )
     full_mask = torch.cat([attention_mask, s.response_mask.to(attention_mask.dtype)], dim=1)  # [B, P+R]
     return Rollout(
@@ -286,7 +288,7 @@ def generate_rollout(
 def rollout_metrics(ro: Rollout, comps: dict[str, torch.Tensor], entropy: torch.Tensor, kl_coef: float,
                     num_generations: int) -> tuple[dict[str, float], dict[str, float]]:
     """This rank's metrics of a scored rollout, and what each is a mean over (its token count, or the
-    rows where it is defined), so DDP's reduction (trainer.run.distributed.reduce_mean) is the global mean.
+    rows where it is defined), so DDP's reduction (trainer.dist.reduce_mean) is the global mean.
     comps: each reward component [B] (NaN where undefined), entropy [B, R] of the sampling policy."""
     mask, rewards = ro.response_mask, ro.rewards
     n_tok = mask.sum(1)

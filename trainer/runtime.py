@@ -28,7 +28,7 @@ class Models:
     critic: nn.Module | None  # None with a critic-free --advantage_estimator
     ref: nn.Module
     old_actor: nn.Module | None  # MiniMind's frozen copy (--update_old_actor_freq N), else None
-    rm_scorer: object | None  # trainer.rewards.RewardModelScorer
+    rm_scorer: object | None  # trainer.reward_model.RewardModelScorer
     tok: Any  # a transformers tokenizer
     eos_ids: list[int]  # HF chat models may stop on several ids (tokenizer EOS + generation_config)
     actor_train: nn.Module | None = None

@@ -3,18 +3,19 @@
     python -m trainer.tool_worker TOOLS.py    # stdin: {"name": ..., "arguments": {...}} per line
                                               # stdout: {"ready": true} once, then {"ok": bool, "content": str} per call
 
-Imports nothing of the trainer (no torch): it starts in a fraction of a second. What a tool prints goes to
-stderr, so it cannot garble the replies.
+Imports nothing of the trainer but its plug-in loader (no torch): it starts in a fraction of a second. What a
+tool prints goes to stderr, so it cannot garble the replies.
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import json
 import os
 import signal
 import sys
+
+from trainer import plugins  # standard library only, like this worker
 
 
 def main(path: str) -> None:
@@ -34,9 +35,7 @@ def main(path: str) -> None:
         out.write(json.dumps(kw, ensure_ascii=False) + "\n")
 
     try:
-        spec = importlib.util.spec_from_file_location("minippo_user_tools", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = plugins.import_file(path)
     except BaseException as e:  # noqa: BLE001
         reply(ready=False, error=f"{type(e).__name__}: {e}")
         return

@@ -18,7 +18,6 @@ mistakes, a reward signal (trainer/rewards.py), never the run's.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import os
@@ -28,7 +27,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from trainer import plugins
 
 # A tool's reply is cut to this many characters: a runaway result must not fill the context.
 MAX_RESULT_CHARS = 2000
@@ -67,18 +67,6 @@ class ToolCall:
     error: str | None = None
 
 
-def _import_file(path: Path) -> Any:
-    spec = importlib.util.spec_from_file_location(f"minippo_tools_{abs(hash(str(path)))}", path)
-    if spec is None or spec.loader is None:
-        raise ToolError(f"--tools {path}: not a Python file; give a .py module of tool functions")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except BaseException as e:  # noqa: BLE001 - a SyntaxError, ImportError or SystemExit in the user's module
-        raise ToolError(f"--tools {path}: could not import it ({type(e).__name__}: {e}); fix the module") from None
-    return module
-
-
 def load_tools(path: str | Path) -> Toolbox:
     """The module's tools with their schemas. Refuses (ToolError, one line) a missing file, a module that does not
     import, one without tools, and a tool without type hints or a docstring (the schema the model reads)."""
@@ -87,7 +75,12 @@ def load_tools(path: str | Path) -> Toolbox:
     path = Path(path)
     if not path.is_file():
         raise ToolError(f"--tools {path}: file not found; give a .py module of tool functions")
-    module = _import_file(path)
+    try:
+        module = plugins.import_file(path)
+    except plugins.NotPythonSource:
+        raise ToolError(f"--tools {path}: not a Python file; give a .py module of tool functions") from None
+    except BaseException as e:  # noqa: BLE001 - a SyntaxError, ImportError or SystemExit in the user's module
+        raise ToolError(f"--tools {path}: could not import it ({type(e).__name__}: {e}); fix the module") from None
     if hasattr(module, "TOOLS"):
         fns = list(module.TOOLS)
     else:

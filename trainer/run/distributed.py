@@ -1,4 +1,6 @@
-"""torch.distributed plumbing: torchrun detection, device choice, collective decisions, metric reduction.
+"""The run's process group: torchrun detection, device choice, the way out, failures agreed across ranks, data
+sharding. The collectives PPO's parts use (DistInfo, any_rank, reduce_mean, ...) are trainer/dist.py's: import
+them from there (`from trainer import dist as D`), this module as `from trainer.run import distributed`.
 
 `python train_ppo.py` is one process; `torchrun --nproc_per_node N train_ppo.py` sets RANK,
 LOCAL_RANK and WORLD_SIZE, and we initialise from them: NCCL on CUDA, gloo on CPU (so several
@@ -14,17 +16,15 @@ import socket
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from typing import TypeVar
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
-T = TypeVar("T")
+from trainer import dist as D  # the primitives (DistInfo, any_rank, ...): callers import them from there
 
-from trainer.dist import (  # noqa: E402,F401 - the primitives, re-exported for the run's mechanics
-    DistInfo, all_gather_objects, any_rank, broadcast_object, comm, local, no_sync, rank_sum, reduce_mean, sum_global,
-    unsharded)
+T = TypeVar("T")
 
 
 def resolve_device(flag: str, local_rank: int = 0, world_size: int = 1) -> torch.device:
@@ -60,7 +60,7 @@ def gpu_identity(device: torch.device) -> str:
 
 
 def init_distributed(device_flag: str = "auto", timeout_s: int = 1800, cpu_collectives: bool = False,
-                     group_of_one: bool = False) -> DistInfo:
+                     group_of_one: bool = False) -> D.DistInfo:
     """Initialise from torchrun's environment, or return a single-process DistInfo. `cpu_collectives`: on GPUs,
     a gloo backend beside NCCL for collectives on host tensors (FSDP2's --cpu_offload reduces and gathers its
     host-memory shards: gradient-norm and whole-state-dict collectives). `group_of_one`: one process without
@@ -82,7 +82,7 @@ def init_distributed(device_flag: str = "auto", timeout_s: int = 1800, cpu_colle
     elif group_of_one and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1, timeout=timedelta(seconds=timeout_s))
-    return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
+    return D.DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend)
 
 
 _KEPT: list = []  # freed by os._exit, never by Python: see exit_after
@@ -125,7 +125,7 @@ def exit_after(main: Callable[[], None]) -> None:
     os._exit(code)
 
 
-def barrier(info: DistInfo) -> None:
+def barrier(info: D.DistInfo) -> None:
     if info.enabled and dist.is_initialized():
         if info.comm_device.type == "cuda":  # NCCL would otherwise guess each rank's device (and warn)
             dist.barrier(device_ids=[info.device.index])
@@ -133,7 +133,7 @@ def barrier(info: DistInfo) -> None:
             dist.barrier()
 
 
-def cleanup(info: DistInfo) -> None:
+def cleanup(info: D.DistInfo) -> None:
     """Wait for every rank (rank 0 may still be writing a checkpoint), then shut down cleanly."""
     if info.enabled and dist.is_initialized():
         barrier(info)
@@ -153,19 +153,19 @@ def one_line(e: BaseException) -> str:
     return text.removeprefix("error: ")
 
 
-def stop_all(error: str | None, info: DistInfo) -> None:
+def stop_all(error: str | None, info: D.DistInfo) -> None:
     """Every rank calls this at the same point. If any rank brings an error, every rank stops: rank 0
     with the first failing rank's one line, the others quietly (not one traceback per rank)."""
-    if not any_rank(error is not None, info):
+    if not D.any_rank(error is not None, info):
         return
-    errors = all_gather_objects(error, info)
+    errors = D.all_gather_objects(error, info)
     rank, msg = next((r, e) for r, e in enumerate(errors) if e is not None)
     cleanup(info)  # every rank is here: leave together (rank 0 hosts the store the others would wait on)
     raise SystemExit(f"error: {'rank ' + str(rank) + ': ' if info.enabled else ''}{msg}" if info.is_main else 1)
 
 
 @contextlib.contextmanager
-def failing_together(info: DistInfo) -> Iterator[None]:
+def failing_together(info: D.DistInfo) -> Iterator[None]:
     """Around rank-local work that can fail on some ranks only (a bad file on one node, a reward
     function that throws, OOM): the failure is agreed on at the end of the block, so no rank is left
     waiting in a collective the failed rank never reaches (NCCL would wait for its timeout). The block
@@ -181,7 +181,7 @@ def failing_together(info: DistInfo) -> Iterator[None]:
         stop_all(error, info)
 
 
-def on_main(fn: Callable[[], T], info: DistInfo) -> T:
+def on_main(fn: Callable[[], T], info: D.DistInfo) -> T:
     """fn() on rank 0 only (file checks, hashing, choosing a resume file); its result, or its error,
     reaches every rank."""
     if not info.enabled:
@@ -193,7 +193,7 @@ def on_main(fn: Callable[[], T], info: DistInfo) -> T:
         except (Exception, SystemExit) as e:
             error = one_line(e)
     stop_all(error, info)
-    return broadcast_object(result, info)
+    return D.broadcast_object(result, info)
 
 
 def shard_batches(n: int, seed: int, epoch: int, start: int, rank: int, world: int, batch: int) -> list[list[int]]:

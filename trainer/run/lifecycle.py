@@ -30,9 +30,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dataset.rlaif import collate_left_pad
 from model.lora import export_base_hf, is_lora, merged_state_dict, save_adapter
 from model.weights import native_weight_path, save_native_weights
+from trainer import dist as D
 from trainer.run import sharding
 from trainer.run import checkpoint as ckpt
-from trainer.run import distributed as D
+from trainer.run import distributed
+from trainer.run import seeding
 from trainer.run.lock import FolderBusy, FolderLock
 from trainer.run.run_logger import RunLogger
 from trainer.run.provenance import append_resume_record, mark_run_end, rehash_inputs, write_run_json
@@ -68,13 +70,13 @@ class Run:
         self.saved_at = -1  # the step of the last save (-1: none in this process)
         self.evaluated_at = -1  # the step of the last held-out evaluation (-1: none in this process)
         try:
-            D.on_main(self._claim_folders, info)
+            distributed.on_main(self._claim_folders, info)
             resumed = self._resume() if cfg.from_resume else None
-            self.run_id = D.on_main(lambda: (resumed and resumed.run_id) or uuid.uuid4().hex[:12], info)
+            self.run_id = distributed.on_main(lambda: (resumed and resumed.run_id) or uuid.uuid4().hex[:12], info)
             self.pos = (Position(resumed.step, resumed.epoch, resumed.consumed, resumed.nonfinite_run)
                         if resumed else Position())
             self.started_at = self.pos.step
-            with D.failing_together(info):  # rank 0's start-up writes: a failure there must not strand the others
+            with distributed.failing_together(info):  # rank 0's start-up writes: a failure there must not strand the others
                 self.logger = RunLogger(
                     run_dir=self.run_dir, enabled=info.is_main,
                     swanlab_mode=cfg.swanlab_mode, project=cfg.wandb_project,
@@ -85,7 +87,7 @@ class Run:
             self._release_locks()
             raise
         if resumed:  # after start-up code that draws random numbers (swanlab.init uses `random`)
-            ckpt.restore_rng_state(resumed.rng, info.device)
+            seeding.restore_rng_state(resumed.rng, info.device)
         self.stop.install()
 
     # ---- start
@@ -118,7 +120,7 @@ class Run:
         except ckpt.ResumeError as e:
             raise SystemExit(f"error: {e}")
         # A typo in a folder name must not start over and wipe the logs. (Rank 0's verdict: every rank stops.)
-        D.stop_all(f"--from_resume 1: nothing to resume in {cfg.checkpoint_dir}/ (no {self.prefix}_step*.pth): "
+        distributed.stop_all(f"--from_resume 1: nothing to resume in {cfg.checkpoint_dir}/ (no {self.prefix}_step*.pth): "
                    f"check --checkpoint_dir, --save_weight and the model size flags, or use --from_resume 2 "
                    f"to resume when there is something to resume and start a new run otherwise"
                    if resumed is None and cfg.from_resume == 1 else None, info)
@@ -170,7 +172,7 @@ class Run:
         per_step = cfg.batch_size * info.world_size
         while pos.epoch < cfg.epochs:
             if self._plan is None or self._plan[0] != pos.epoch:  # one permutation per epoch, from the saved position
-                self._plan = (pos.epoch, pos.consumed, D.shard_batches(len(ds), cfg.seed, pos.epoch, pos.consumed, info.rank,
+                self._plan = (pos.epoch, pos.consumed, distributed.shard_batches(len(ds), cfg.seed, pos.epoch, pos.consumed, info.rank,
                                                                       info.world_size, cfg.batch_size))
             epoch, start, plan = self._plan
             k = (pos.consumed - start) // per_step
@@ -189,7 +191,7 @@ class Run:
     def log_eval(self, metrics: dict[str, float], step: int) -> None:
         """Held-out evaluation figures outside a step's record (the one before the first step, and the
         last one of a run whose data ran out)."""
-        with D.failing_together(self.rt.info):
+        with distributed.failing_together(self.rt.info):
             self.logger.log(metrics, step)
         self.evaluated_at = step
 
@@ -203,7 +205,7 @@ class Run:
         pos.step += 1
         if any(k.startswith("eval/") for k in metrics):
             self.evaluated_at = pos.step
-        with D.failing_together(info):
+        with distributed.failing_together(info):
             try:
                 if pos.step % cfg.log_interval == 0 or pos.step == self.rt.total_steps:
                     self.logger.log(metrics, pos.step)
@@ -230,7 +232,7 @@ class Run:
         if D.any_rank(bad, info):
             raise SystemExit(f"error: the weights are not finite after step {self.pos.step}: nothing was saved; the last good "
                              f"checkpoint in {cfg.checkpoint_dir}/ is intact. Lower --learning_rate or --grad_clip.")
-        rngs = D.all_gather_objects(ckpt.capture_rng_state(info.device), info)  # a collective: every rank takes part
+        rngs = D.all_gather_objects(seeding.capture_rng_state(info.device), info)  # a collective: every rank takes part
         full, shards = None, None
         if cfg.strategy == "fsdp2":  # collectives: the whole policy to rank 0, every rank's shards to the DCP folder
             full = sharding.full_state_dict(m.actor)
@@ -239,9 +241,9 @@ class Run:
                 sharding.save_shards({"actor": m.actor, "critic": m.critic, "old_actor": m.old_actor},
                                      self.built.optim.optims, shards, info)
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises on every rank when any rank's write failed
-                raise SystemExit(f"error: saving step {self.pos.step}'s shards to {shards}: {D.one_line(e)}; the previous "
+                raise SystemExit(f"error: saving step {self.pos.step}'s shards to {shards}: {distributed.one_line(e)}; the previous "
                                  f"checkpoint is intact") from None
-        with D.failing_together(info):
+        with distributed.failing_together(info):
             if info.is_main:
                 self._write(rngs, full, shards)
         self.saved_at = self.pos.step
@@ -302,7 +304,7 @@ class Run:
         finally:
             self._release_locks()
             if state == "success":
-                D.cleanup(self.rt.info)  # waits for every rank: rank 0 may still be writing
+                distributed.cleanup(self.rt.info)  # waits for every rank: rank 0 may still be writing
             elif dist.is_initialized():
                 dist.destroy_process_group()  # no barrier: another rank may never reach one
 
@@ -317,7 +319,7 @@ class Run:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None or self._closed:
             return
-        what = D.one_line(exc)
+        what = distributed.one_line(exc)
         if issubclass(exc_type, KeyboardInterrupt):
             self._close("interrupted", state="aborted", plots=False, error=what)
         elif issubclass(exc_type, SystemExit):

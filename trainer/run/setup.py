@@ -29,12 +29,13 @@ from trainer.config import Config
 from trainer.run.cli import resolve, validate
 from trainer.run.hardware import layer_matmul_params, model_config, resolve_precision
 from trainer.ppo import AdaptiveKLController, FixedKLController, RewardNormalizer
-from trainer.rewards import RewardModelScorer, load_reward_fn
+from trainer.reward_model import RewardModelScorer
+from trainer.rewards import load_reward_fn
 from trainer.tools import Toolbox, ToolRunner, load_tools
-from trainer.run.checkpoint import seed_everything
+from trainer.run.seeding import seed_everything
 from trainer.run.sharding import shard_models
-from trainer.run.distributed import (DistInfo, all_gather_objects, failing_together, gpu_identity, init_distributed,
-                                      keep_until_exit, stop_all)
+from trainer.dist import DistInfo, all_gather_objects
+from trainer.run.distributed import failing_together, gpu_identity, init_distributed, keep_until_exit, stop_all
 from trainer.runtime import DTYPES, Models, Optim, Runtime, on  # noqa: F401 - re-exported for scripts
 
 # torch 2.13 renamed DDP's broadcast_buffers (deprecated, a warning on every rank) to forward_sync_buffers.
