@@ -47,8 +47,8 @@ def test_a_file_python_cannot_load_says_so(tmp_path):
 def test_targets_are_files_or_dotted_modules(tmp_path):
     assert plugins.is_file_target("x.py") and plugins.is_file_target("dir/x") and plugins.is_file_target("dir\\x")
     assert not plugins.is_file_target("package.module")
-    assert plugins.import_target("scripts.custom_rewards").__name__ == "scripts.custom_rewards"
-    assert hasattr(plugins.import_target(str(ROOT / "scripts" / "custom_rewards.py")), "numeric_closeness")
+    assert plugins.import_target("examples.custom_rewards").__name__ == "examples.custom_rewards"
+    assert hasattr(plugins.import_target(str(ROOT / "examples" / "custom_rewards.py")), "numeric_closeness")
 
 
 def test_the_loader_imports_no_torch():
