@@ -39,13 +39,13 @@ from model.fast_decode import reuse_decoder  # noqa: E402
 from trainer import dist as D  # noqa: E402
 from trainer.config import Config  # noqa: E402
 from trainer.run.cli import parse_args  # noqa: E402
-from trainer.evaluate import EvalSettings, evaluate_policy  # noqa: E402
+from trainer.evaluate import EvalSettings, evaluate_policy, training_metrics  # noqa: E402
 from trainer.multiturn import Episode, episode_components, generate_episodes  # noqa: E402
 from trainer.ppo import RewardNormalizer, kl_penalty, masked_whiten  # noqa: E402
 from trainer.registry import estimator_spec  # noqa: E402
 from trainer.rewards import RewardFnError, compute_rewards, overlong_penalty  # noqa: E402
-from trainer.rollout import Rollout, attention_implementation, cat_rollouts, critic_forward, forward_in_row_chunks  # noqa: E402
-from trainer.rollout import generate_rollout, group_has_signal, policy_forward, rollout_metrics  # noqa: E402
+from trainer.rollout import Rollout, Sampled, attention_implementation, critic_forward, forward_in_row_chunks  # noqa: E402
+from trainer.rollout import generate_rollout, group_has_signal, policy_forward, rollout_metrics, select_groups  # noqa: E402
 from trainer.run import distributed  # noqa: E402
 from trainer.run.lifecycle import Run  # noqa: E402
 from trainer.run.phases import phases  # noqa: E402
@@ -67,22 +67,6 @@ class Experience:
     metrics: dict[str, float]
     metric_weights: dict[str, float]  # what each per-rank metric is a mean over (for DDP's global mean)
     samples: list[dict]  # a few rows for the sample table
-
-
-@dataclass(frozen=True)
-class Sampled:
-    """Steps 1 and 2 for some prompts: the rollout with its rewards [B], its prompts' rows of the batch,
-    the decoded responses and each reward component [B]."""
-
-    rollout: Rollout
-    batch: dict
-    responses: list[str]
-    comps: dict[str, torch.Tensor]
-
-    def rows(self, groups: list[int], n: int) -> tuple[torch.Tensor, dict]:
-        """The row indices of prompt groups `groups` (N rows each), and those prompts' fields of the batch."""
-        idx = (torch.tensor(groups)[:, None] * n + torch.arange(n)).flatten()
-        return idx, {k: [v[g] for g in groups] for k, v in self.batch.items() if isinstance(v, list)}
 
 
 @dataclass(frozen=True)
@@ -137,7 +121,7 @@ def sample_and_reward(cfg: Config, batch: dict, m: Models, rt: Runtime, custom_f
     Rank-local: a failure on some ranks only (reward function, reward model, OOM) stops every rank with its line."""
     with D.unsharded(m.actor), phase("generate", rank_local=True):  # --strategy fsdp2: whole weights, no collective per token
         ro, episodes = sample_rollout(cfg, batch, m, rt, tools)
-    with D.unsharded(reward_model(m)), phase("score", autocast=False, rank_local=True), phase("score_reward", autocast=False):
+    with D.unsharded(m.rm_module), phase("score", autocast=False, rank_local=True), phase("score_reward", autocast=False):
         rewards, responses, comps = score_responses(cfg, batch, ro, m, custom_fns, phase, episodes=episodes)
     return Sampled(dataclasses.replace(ro, rewards=rewards), batch, responses, comps)
 
@@ -187,20 +171,7 @@ def keep_groups_with_signal(cfg: Config, first: Sampled, m: Models, rt: Runtime,
              "filter/groups_filled": float(max(0, want - len(kept)))}
     if rounds == 0 and len(kept) >= want:  # the first batch had signal everywhere: nothing to rebuild
         return first, stats
-    by_source: dict[int, list] = {}
-    for src, g in chosen:
-        by_source.setdefault(id(src), [src, []])[1].append(g)
-    parts, fields, responses, comps = [], {}, [], {}
-    for src, groups in by_source.values():
-        idx, prompt_fields = src.rows(groups, n)
-        parts.append((src.rollout, idx))
-        for k, v in prompt_fields.items():
-            fields.setdefault(k, []).extend(v)
-        responses += [src.responses[i] for i in idx.tolist()]
-        for k, v in src.comps.items():
-            comps.setdefault(k, []).append(v[idx])
-    merged = cat_rollouts(parts, m.tok.pad_token_id)
-    return Sampled(merged, fields, responses, {k: torch.cat(v) for k, v in comps.items()}), stats
+    return select_groups(chosen, n, m.tok.pad_token_id), stats
 
 
 def greedy_baseline(cfg: Config, sampled: Sampled, m: Models, rt: Runtime, custom_fns: dict, phase: Phase,
@@ -211,7 +182,7 @@ def greedy_baseline(cfg: Config, sampled: Sampled, m: Models, rt: Runtime, custo
     prompts = {**sampled.batch, "input_ids": ro.sequences[::n, :ro.prompt_len], "attention_mask": ro.attention_mask[::n, :ro.prompt_len]}
     with D.unsharded(m.actor), phase("generate", rank_local=True):
         greedy, episodes = sample_rollout(cfg, prompts, m, rt, tools, greedy=True)
-    with D.unsharded(reward_model(m)), phase("score", autocast=False, rank_local=True), phase("score_reward", autocast=False):
+    with D.unsharded(m.rm_module), phase("score", autocast=False, rank_local=True), phase("score_reward", autocast=False):
         rewards, _, _ = score_responses(cfg, sampled.batch, greedy, m, custom_fns, phase, rep=1, episodes=episodes)
     return rewards.repeat_interleave(n)
 
@@ -281,11 +252,6 @@ def score(cfg: Config, ro: Rollout, m: Models, rt: Runtime, phase: Phase) -> Sco
     return Scores(old_logprobs, ref_logprobs, values, values_with_grad, entropy)
 
 
-def reward_model(m: Models) -> torch.nn.Module | None:
-    """The reward model's module (None without one), for `unsharded`."""
-    return getattr(m.rm_scorer, "model", None)
-
-
 def critic_values(cfg: Config, ro: Rollout, m: Models, rt: Runtime) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The critic's values [B, R] of the sampled tokens, and with --reuse_values the same values with their
     graph: the update's own forward, so the update does not run it again."""
@@ -331,18 +297,9 @@ def evaluate(cfg: Config, m: Models, rt: Runtime, records: list, tools: ToolRunn
     """Greedy replies to held-out prompts, scored as in training (format, accuracy, reward model; with --tools,
     multi-turn episodes and how often they call a tool). Runs on rank 0 only, in its own random stream: training's
     samples are the same with or without it."""
-    settings = EvalSettings(batch_size=64, max_prompt_len=cfg.max_seq_len, max_new_tokens=cfg.max_gen_len, temperature=0.0,
-                            seed=cfg.seed, thinking_ratio=cfg.thinking_ratio, max_turns=cfg.max_turns,
-                            max_total_len=cfg.max_total_len)
     with rt.autocast():
-        ev = evaluate_policy(m.actor, m.tok, records, settings, rm_scorer=m.rm_scorer, tools=tools)
-    nan = float("nan")
-    tool_rates = {"eval/tool_call_rate": ev["tool_call_rate"], "eval/tool_ok_rate": ev["tool_ok_rate"]} if tools else {}
-    return {**tool_rates, "eval/accuracy": nan if ev["accuracy"] is None else ev["accuracy"], "eval/format_rate": ev["format_rate"],
-            "eval/reward/rm": nan if ev["rm_score_mean"] is None else ev["rm_score_mean"],
-            "eval/response_length": ev["mean_response_len"], "eval/eos_rate": ev["eos_rate"],
-            "eval/ifeval_pass_rate": nan if ev["ifeval_pass_rate"] is None else ev["ifeval_pass_rate"],
-            "eval/distinct_2": ev["distinct_2"]}
+        ev = evaluate_policy(m.actor, m.tok, records, EvalSettings.for_training(cfg), rm_scorer=m.rm_scorer, tools=tools)
+    return training_metrics(ev, tools=tools is not None)
 
 
 # --------------------------------------------------------------------------------------- main
@@ -351,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg, rt, m, opt, kl_ctl = built.cfg, built.runtime, built.models, built.optim, built.kl_ctl
 
     def held_out() -> dict[str, float]:  # on rank 0; every rank gathers sharded weights first (a collective)
-        with D.unsharded(m.actor, reward_model(m)):
+        with D.unsharded(m.actor, m.rm_module):
             return distributed.on_main(lambda: evaluate(cfg, m, rt, built.eval_records, built.tools), rt.info)
 
     with Run(cfg, built) as run:  # resume, run.json, logger; marks the run's end however it ends

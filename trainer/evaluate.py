@@ -122,6 +122,12 @@ class EvalSettings:
     max_turns: int = 3
     max_total_len: int = 1024
 
+    @classmethod
+    def for_training(cls, cfg: Any) -> EvalSettings:
+        """train_ppo's held-out evaluation: greedy, prompts rendered as the run renders them (a Config)."""
+        return cls(batch_size=64, max_prompt_len=cfg.max_seq_len, max_new_tokens=cfg.max_gen_len, temperature=0.0,
+                   seed=cfg.seed, thinking_ratio=cfg.thinking_ratio, max_turns=cfg.max_turns, max_total_len=cfg.max_total_len)
+
     def __post_init__(self) -> None:
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
@@ -258,3 +264,15 @@ def evaluate_policy(
 
 
 __all__ = ["EvalSettings", "evaluate_policy", "score_replies", "score_instructions", "text_diversity"]
+
+
+def training_metrics(ev: dict[str, Any], tools: bool = False) -> dict[str, float]:
+    """evaluate_policy's result as the run logs it: eval/* keys, nan where a figure does not apply."""
+    def num(x: float | None) -> float:
+        return float("nan") if x is None else x
+
+    tool_rates = {"eval/tool_call_rate": ev["tool_call_rate"], "eval/tool_ok_rate": ev["tool_ok_rate"]} if tools else {}
+    return {**tool_rates, "eval/accuracy": num(ev["accuracy"]), "eval/format_rate": ev["format_rate"],
+            "eval/reward/rm": num(ev["rm_score_mean"]), "eval/response_length": ev["mean_response_len"],
+            "eval/eos_rate": ev["eos_rate"], "eval/ifeval_pass_rate": num(ev["ifeval_pass_rate"]),
+            "eval/distinct_2": ev["distinct_2"]}

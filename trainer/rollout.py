@@ -246,6 +246,41 @@ def cat_rollouts(parts: list[tuple[Rollout, torch.Tensor]], pad_token_id: int) -
     return Rollout(prompt_len=P, **joined)
 
 
+@dataclass(frozen=True)
+class Sampled:
+    """Steps 1 and 2 of a PPO step for some prompts: the rollout with its rewards [B], its prompts' fields of the
+    batch, the decoded responses and each reward component [B]."""
+
+    rollout: Rollout
+    batch: dict
+    responses: list[str]
+    comps: dict[str, torch.Tensor]
+
+    def rows(self, groups: list[int], n: int) -> tuple[torch.Tensor, dict]:
+        """The row indices of prompt groups `groups` (N rows each), and those prompts' fields of the batch."""
+        idx = (torch.tensor(groups)[:, None] * n + torch.arange(n)).flatten()
+        return idx, {k: [v[g] for g in groups] for k, v in self.batch.items() if isinstance(v, list)}
+
+
+def select_groups(chosen: list[tuple[Sampled, int]], n: int, pad_token_id: int) -> Sampled:
+    """DAPO's bookkeeping: the chosen prompt groups ((source, group index), N rows each) of one or more sampling
+    rounds as one Sampled, source by source in order of first appearance (rows, prompt fields, responses, reward
+    components kept together)."""
+    by_source: dict[int, list] = {}
+    for src, g in chosen:
+        by_source.setdefault(id(src), [src, []])[1].append(g)
+    parts, fields, responses, comps = [], {}, [], {}
+    for src, groups in by_source.values():
+        idx, prompt_fields = src.rows(groups, n)
+        parts.append((src.rollout, idx))
+        for k, v in prompt_fields.items():
+            fields.setdefault(k, []).extend(v)
+        responses += [src.responses[i] for i in idx.tolist()]
+        for k, v in src.comps.items():
+            comps.setdefault(k, []).append(v[idx])
+    return Sampled(cat_rollouts(parts, pad_token_id), fields, responses, {k: torch.cat(v) for k, v in comps.items()})
+
+
 @torch.no_grad()
 def generate_rollout(
     policy: nn.Module,

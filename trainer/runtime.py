@@ -34,6 +34,11 @@ class Models:
     actor_train: nn.Module | None = None
     critic_train: nn.Module | None = None
 
+    @property
+    def rm_module(self) -> nn.Module | None:
+        """The reward model's module (None without one), e.g. for `unsharded`."""
+        return getattr(self.rm_scorer, "model", None)
+
 
 @dataclass
 class Optim:
