@@ -52,7 +52,7 @@ def test_new_settings_default_to_the_previous_behaviour():
     minimind_grpo = {"loss_type", "beta", "epsilon", "epsilon_high"}
     assert added == {"policy_loss", "reuse_values", "mask_truncated", "adv_std_unbiased", "adv_eps", "reward_norm",
                      "reward_clip", "ifeval_weight", "strategy", "shard_frozen", "cpu_offload", *losses, *minimind_grpo,
-                     "tools", "max_turns", "max_total_len", "tool_timeout", "tool_error_penalty"}
+                     "tools", "max_turns", "max_total_len", "tool_timeout", "tool_error_penalty", "save_timeout"}
     cfg = C.resolve(C.parse_args([]), DistInfo())
     assert cfg.policy_loss == "vanilla" and cfg.reuse_values == 0 and cfg.loss_agg_mode == "token_mean"
     assert (cfg.mask_truncated, cfg.adv_std_unbiased, cfg.adv_eps, cfg.reward_norm, cfg.reward_clip) == (0, 1, 1e-6, "none", 0.0)
@@ -193,7 +193,7 @@ def test_a_resumed_run_compares_resolved_values():
 
 def test_the_reference_in_docs_is_the_configs_own():
     """docs/configuration.md lists every setting as the dataclasses define it (regenerate with
-    trainer.config.reference_markdown() after changing a field)."""
+    trainer.run.cli.reference_markdown() after changing a field)."""
     text = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert C.reference_markdown() in text
 

@@ -802,3 +802,37 @@ def test_a_group_of_one_on_a_named_gpu_makes_it_the_current_device(monkeypatch):
     info = distributed.init_distributed("cuda:1", group_of_one=True)
     assert info.device == torch.device("cuda", 1)
     assert calls == [("set_device", torch.device("cuda", 1)), ("init", "nccl")]
+
+
+def _slow_save_worker(rank: int, world: int, port: int, out_dir: str, through_main_writes: bool) -> None:
+    """Rank 0 writes for 4 s, past a 2 s --ddp_timeout; the other rank waits, then both run a collective."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    info = distributed.init_distributed("cpu", timeout_s=2, wait_timeout_s=60)
+    outcome = "ok"
+    try:
+        if through_main_writes:
+            distributed.main_writes(lambda: time.sleep(4), info)
+        else:  # what the save did before: rank 0 writes while the others wait in a training-group collective
+            if info.is_main:
+                time.sleep(4)
+            D.any_rank(False, info)
+        D.any_rank(False, info)
+    except BaseException as e:  # noqa: BLE001 - the outcome is the test's
+        outcome = type(e).__name__
+    Path(out_dir, f"rank{rank}").write_text(outcome)
+    os._exit(0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("through_main_writes", [True, False], ids=["main_writes", "collective_wait"])
+def test_a_save_slower_than_the_collective_timeout_is_waited_for(tmp_path, through_main_writes):
+    """Rank 0's resume file on a slow filesystem outlasts --ddp_timeout: the other ranks wait on their own group
+    (--save_timeout) and the run goes on; waiting in a training-group collective instead times out."""
+    spawn_ranks(_slow_save_worker, 2, tmp_path, 120, "a slow save", through_main_writes)
+    outcomes = [(tmp_path / f"rank{r}").read_text() for r in range(2)]
+    if through_main_writes:
+        assert outcomes == ["ok", "ok"]
+    else:
+        assert outcomes[1] != "ok"  # the stand-in for the watchdog: gloo's timeout ended the waiting rank

@@ -320,6 +320,9 @@ class SystemArgs:
     repeat exactly without it)."""
     ddp_timeout: int = 1800
     """Seconds a collective waits for a missing rank before the run fails."""
+    save_timeout: int = 7200
+    """Seconds the other ranks wait for rank 0 to write a resume file (a slow shared filesystem), outside
+    --ddp_timeout's watchdog."""
     strategy: Literal["ddp", "fsdp2"] = "ddp"
     """How the trained models are spread over the ranks. ddp: every rank holds whole models and optimizer state.
     fsdp2: torch's fully_shard per decoder layer and at the root, so each rank holds 1/world of the actor's and

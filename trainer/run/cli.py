@@ -330,6 +330,7 @@ def validate(cfg: Config) -> None:
         (cfg.rollout_engine == "torch", "--rollout_engine sglang is not supported: minippo samples with the policy "
                                         "in-process (--rollout_engine torch, the default); drop the --sglang_* flags"),
         (cfg.ddp_timeout > 0, "--ddp_timeout must be > 0 seconds"),
+        (cfg.save_timeout > 0, "--save_timeout must be > 0 seconds"),
         (cfg.num_generations >= 2 or est is None or not est.needs_groups,
          f"--advantage_estimator {cfg.advantage_estimator} compares the --num_generations responses to each prompt: "
          f"give --num_generations >= 2 (e.g. 4)"),

@@ -59,8 +59,11 @@ def gpu_identity(device: torch.device) -> str:
     return f"{socket.gethostname()}:{visible[index] if index < len(visible) else index}"
 
 
+_WAIT_GROUP: list = []  # the gloo group that waits for rank 0's writes (init_distributed makes it)
+
+
 def init_distributed(device_flag: str = "auto", timeout_s: int = 1800, cpu_collectives: bool = False,
-                     group_of_one: bool = False) -> D.DistInfo:
+                     group_of_one: bool = False, wait_timeout_s: int = 7200) -> D.DistInfo:
     """Initialise from torchrun's environment, or return a single-process DistInfo. `cpu_collectives`: on GPUs,
     a gloo backend beside NCCL for collectives on host tensors (FSDP2's --cpu_offload reduces and gathers its
     host-memory shards: gradient-norm and whole-state-dict collectives). `group_of_one`: one process without
@@ -78,6 +81,8 @@ def init_distributed(device_flag: str = "auto", timeout_s: int = 1800, cpu_colle
         if not dist.is_initialized():
             backend = ("cuda:nccl,cpu:gloo" if cpu_collectives else "nccl") if device.type == "cuda" else "gloo"
             dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+            # Every rank creates it, at the same point: what main_writes waits on (gloo: NCCL's watchdog never sees it).
+            _WAIT_GROUP[:] = [dist.new_group(backend="gloo", timeout=timedelta(seconds=wait_timeout_s))]
         backend = str(dist.get_backend())
     elif group_of_one and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
@@ -179,6 +184,20 @@ def failing_together(info: D.DistInfo) -> Iterator[None]:
         error = one_line(e)
     if info.enabled:
         stop_all(error, info)
+
+
+def main_writes(fn: Callable[[], None], info: D.DistInfo) -> None:
+    """fn() on rank 0 only (the resume file: 16-20 bytes per parameter, which on a slow shared filesystem can take
+    longer than --ddp_timeout) while the other ranks wait on a barrier of their own gloo group, whose timeout is
+    --save_timeout: not in a collective of the training group, which the NCCL watchdog (or gloo's own timeout)
+    would end at --ddp_timeout. A failure on rank 0 reaches every rank as in failing_together."""
+    with failing_together(info):
+        try:
+            if info.is_main:
+                fn()
+        finally:
+            if info.enabled and _WAIT_GROUP:
+                dist.barrier(group=_WAIT_GROUP[0])
 
 
 def on_main(fn: Callable[[], T], info: D.DistInfo) -> T:

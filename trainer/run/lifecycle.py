@@ -243,9 +243,7 @@ class Run:
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises on every rank when any rank's write failed
                 raise SystemExit(f"error: saving step {self.pos.step}'s shards to {shards}: {distributed.one_line(e)}; the previous "
                                  f"checkpoint is intact") from None
-        with distributed.failing_together(info):
-            if info.is_main:
-                self._write(rngs, full, shards)
+        distributed.main_writes(lambda: self._write(rngs, full, shards), info)  # the others wait outside --ddp_timeout
         self.saved_at = self.pos.step
 
     def _write(self, rngs: list[dict], full: dict | None = None, shards: Path | None = None) -> None:

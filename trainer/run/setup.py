@@ -270,6 +270,7 @@ def setup(raw: Config, info: DistInfo | None = None) -> Setup:
     if info is None:
         validate(raw)  # before the process group and the device exist
         info = init_distributed(raw.device, timeout_s=raw.ddp_timeout, cpu_collectives=bool(raw.cpu_offload),
+                                wait_timeout_s=raw.save_timeout,
                                 group_of_one=raw.strategy == "fsdp2")
     with failing_together(info):  # rank-local work only: no collective runs inside
         built = _build(raw, info)
