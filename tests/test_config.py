@@ -52,7 +52,7 @@ def test_new_settings_default_to_the_previous_behaviour():
     minimind_grpo = {"loss_type", "beta", "epsilon", "epsilon_high"}
     assert added == {"policy_loss", "reuse_values", "mask_truncated", "adv_std_unbiased", "adv_eps", "reward_norm",
                      "reward_clip", "ifeval_weight", "strategy", "shard_frozen", "cpu_offload", *losses, *minimind_grpo,
-                     "tools", "max_turns", "max_total_len", "tool_timeout", "tool_error_penalty", "save_timeout"}
+                     "tools", "max_turns", "max_total_len", "tool_timeout", "tool_error_penalty", "save_timeout", "hsdp"}
     cfg = C.resolve(C.parse_args([]), DistInfo())
     assert cfg.policy_loss == "vanilla" and cfg.reuse_values == 0 and cfg.loss_agg_mode == "token_mean"
     assert (cfg.mask_truncated, cfg.adv_std_unbiased, cfg.adv_eps, cfg.reward_norm, cfg.reward_clip) == (0, 1, 1e-6, "none", 0.0)
@@ -206,6 +206,7 @@ def test_the_reference_in_docs_is_the_configs_own():
     (["--strategy", "fsdp2", "--ref_device", "cpu"], "--critic_device / --reward_device under --strategy fsdp2"),
     (["--strategy", "fsdp2", "--cpu_offload", "1", "--device", "cpu"], "a CPU run has nothing to offload"),
     (["--cpu_offload", "1"], "--cpu_offload 1 offloads FSDP2's shards: it needs --strategy fsdp2"),
+    (["--hsdp", "1"], "--hsdp 1 shards within a node and replicates across nodes: it needs --strategy fsdp2"),
 ])
 def test_what_fsdp2_does_not_combine_with_is_one_line(argv, says):
     with pytest.raises(SystemExit) as e:

@@ -836,3 +836,52 @@ def test_a_save_slower_than_the_collective_timeout_is_waited_for(tmp_path, throu
         assert outcomes == ["ok", "ok"]
     else:
         assert outcomes[1] != "ok"  # the stand-in for the watchdog: gloo's timeout ended the waiting rank
+
+
+def _hsdp_worker(rank: int, world: int, port: int, out_dir: str, per_node: int) -> None:
+    """One rank of 2 "nodes" x 2 (LOCAL_WORLD_SIZE 2): one SGD step of a tiny policy sharded over all 4 ranks, and
+    the same step under HSDP (sharded within a node, replicated across nodes). SGD, not AdamW: its first step is
+    about lr * sign(g), which would magnify the rounding of near-zero gradients summed in another order."""
+    from model.loader import build_minimind
+    from trainer.run import sharding
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank % per_node),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(per_node))
+    torch.set_num_threads(1)
+    info = distributed.init_distributed("cpu", timeout_s=120)
+    out: dict = {"nodes": info.nodes, "auto": sharding.use_hsdp(-1, info)}
+    for hsdp in (True, False):
+        torch.manual_seed(0)
+        model = sharding.shard(build_minimind(64, 2), sharding.device_mesh(info, hsdp))
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        ids = torch.randint(5, 100, (2, 6), generator=torch.Generator().manual_seed(1 + rank))  # each rank its own rows
+        model(ids).logits.float().logsumexp(-1).mean().backward()
+        opt.step()
+        out[hsdp] = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+        out[f"placements_{hsdp}"] = str(next(model.parameters()).placements)
+    torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+    os._exit(0)
+
+
+@pytest.mark.slow  # 4 fresh interpreters importing torch
+def test_hsdp_across_two_nodes_takes_the_same_step_as_sharding_over_all(tmp_path):
+    """--hsdp (auto on a job that spans nodes): a 2-D mesh, shards within each node and replicas across nodes, takes
+    the same step as FSDP2 over every rank (the gradients averaged over all 4 ranks' rows)."""
+    spawn_ranks(_hsdp_worker, 4, tmp_path, 240, "hsdp", 2)
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(4)]
+    assert all(r["nodes"] == 2 and r["auto"] for r in res)
+    assert res[0]["placements_True"] == "(Replicate(), Shard(dim=0))" and res[0]["placements_False"] == "(Shard(dim=0),)"
+    for r in res:
+        for name, whole in r[True].items():
+            assert torch.allclose(whole, res[0][False][name], atol=1e-6), name
+
+
+def test_hsdp_on_one_node_is_refused_in_one_line():
+    from trainer.run.sharding import use_hsdp
+
+    one_node = D.DistInfo(rank=0, world_size=8, local_world_size=8)
+    assert D.DistInfo(world_size=16, local_world_size=8).nodes == 2 and one_node.nodes == 1
+    assert use_hsdp(-1, one_node) is False and use_hsdp(-1, D.DistInfo(world_size=16, local_world_size=8)) is True
+    assert use_hsdp(0, D.DistInfo(world_size=16, local_world_size=8)) is False
+    with pytest.raises(SystemExit, match="--hsdp 1 shards within a node and replicates across nodes, but this job runs on one node"):
+        use_hsdp(1, one_node)

@@ -333,6 +333,9 @@ class SystemArgs:
     cpu_offload: Flag = 0
     """Under --strategy fsdp2 on GPUs: keep the sharded parameters, gradients and optimizer state in host memory
     (FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU). Slower; for models that do not fit even sharded."""
+    hsdp: Literal[-1, 0, 1] = -1
+    """Under --strategy fsdp2: shard within a node and replicate across nodes (HSDP, a 2-D device mesh), so each
+    layer's all-gather stays on the node's own links; -1 = on when the job spans nodes, 0 = shard over every rank."""
 
 
 @dataclass(frozen=True)

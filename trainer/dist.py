@@ -26,6 +26,12 @@ class DistInfo:
     world_size: int = 1
     device: torch.device = torch.device("cpu")
     backend: str = ""  # the process group's backend ("nccl", "gloo"); "" = one process
+    local_world_size: int = 0  # processes on this node (torchrun's LOCAL_WORLD_SIZE); 0 = all of them
+
+    @property
+    def nodes(self) -> int:
+        """Nodes the job spans (torchrun starts the same number of processes on each)."""
+        return max(1, self.world_size // (self.local_world_size or self.world_size))
 
     @property
     def is_main(self) -> bool:

@@ -283,7 +283,8 @@ DEVICE_FLAG = re.compile(r"cpu|cuda(:\+?\d+)?|")  # --ref_device / --critic_devi
 def fsdp2_checks(cfg: Config) -> list[tuple[bool, str]]:
     """What --strategy fsdp2 does not combine with, as validate's (ok, message) pairs."""
     if cfg.strategy != "fsdp2":
-        return [(not cfg.cpu_offload, "--cpu_offload 1 offloads FSDP2's shards: it needs --strategy fsdp2")]
+        return [(not cfg.cpu_offload, "--cpu_offload 1 offloads FSDP2's shards: it needs --strategy fsdp2"),
+                (cfg.hsdp != 1, "--hsdp 1 shards within a node and replicates across nodes: it needs --strategy fsdp2")]
     why = "under --strategy fsdp2"
     return [
         (cfg.lora_r == 0, f"--lora_r {cfg.lora_r} {why}: LoRA adapters are small enough for --strategy ddp; use that"),

@@ -42,9 +42,22 @@ SHARDS_SUFFIX = ".dcp"
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
-def device_mesh(info: DistInfo) -> DeviceMesh:
-    """Every rank in one data-parallel dimension, on the ranks' device type (a collective: every rank calls it)."""
+def device_mesh(info: DistInfo, hsdp: bool = False) -> DeviceMesh:
+    """The ranks' device mesh (a collective: every rank calls it). One data-parallel dimension over every rank; with
+    `hsdp`, two: nodes x the node's ranks, so fully_shard shards within a node and replicates across nodes (HSDP),
+    and a layer's all-gather never crosses the nodes' slower links (only the gradients' all-reduce does)."""
+    if hsdp:
+        return init_device_mesh(info.device.type, (info.nodes, info.world_size // info.nodes),
+                                mesh_dim_names=("replicate", "shard"))
     return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp",))
+
+
+def use_hsdp(flag: int, info: DistInfo) -> bool:
+    """--hsdp: -1 = when the job spans nodes. 1 on one node is refused: there is nothing to replicate across."""
+    if flag == 1 and info.nodes == 1:
+        raise SystemExit(f"error: --hsdp 1 shards within a node and replicates across nodes, but this job runs on one node "
+                         f"({info.world_size} processes): drop --hsdp (or give 0)")
+    return info.nodes > 1 if flag == -1 else bool(flag)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -76,7 +89,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy | None = 
 
 def shard_models(cfg: Config, models: Models, info: DistInfo) -> None:
     """Shard the run's models in place (before their optimizers are built: sharding replaces the parameters)."""
-    mesh = device_mesh(info)
+    mesh = device_mesh(info, use_hsdp(cfg.hsdp, info))
     gpu = info.device.type == "cuda"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if gpu and cfg.dtype == "bfloat16" else None
     offload = CPUOffloadPolicy() if cfg.cpu_offload else None
