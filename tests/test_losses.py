@@ -14,8 +14,8 @@ import torch
 from tests.helpers import spawn_ranks
 from trainer.run import distributed as D
 from trainer.run.cli import parse_args, resolve
-from trainer.ppo import kl_penalty
-from trainer.registry import POLICY_LOSSES, policy_loss_spec
+from trainer.ppo import kl_penalty, response_rows
+from trainer.registry import POLICY_LOSSES, policy_loss_names, policy_loss_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 LOSSES = ("vanilla", "dual_clip", "cispo", "gspo", "gmpo", "clip_cov", "kl_cov", "sapo")
@@ -48,7 +48,7 @@ def lp_of(*ratios, old=math.log(0.4)):
 
 
 def test_every_loss_the_issue_names_is_registered_with_a_paper():
-    assert set(LOSSES) <= set(POLICY_LOSSES)
+    assert set(LOSSES) <= set(policy_loss_names())  # the registry loads the built-ins on first use
     for name in LOSSES:
         assert policy_loss_spec(name).paper
 
@@ -174,6 +174,35 @@ def test_kl_cov_penalises_the_top_covariance_tokens_by_hand():
     assert st["cov_frac"].item() == 0.25
 
 
+@pytest.mark.parametrize("name, token_loss", [("gspo", -1.0), ("sapo", -2.0), ("gmpo", -1.0)])
+def test_a_row_without_tokens_takes_no_part_in_the_per_response_mean(name, token_loss):
+    """The issue's case on the losses that average per response by default: mask [[1, 1], [0, 0]] (row 1 masked
+    whole, as --mask_truncated 1 does), log-ratio 0, A = 1. Row 0's loss: GSPO -A s = -1 (s = exp(0) = 1, inside
+    the clip); SAPO -A f(1) = -sigmoid(0) 4 / tau_pos = -2; GMPO -A exp(0) = -1. Row 1 is no response of the mean
+    (verl's agg_loss, "exclude fully masked sequences"); it counted before, halving each."""
+    lp = torch.full((2, 2), math.log(0.4))
+    mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    c = cfg(loss_agg_mode="seq_mean_token_mean")
+    loss, grad, st = loss_of(name, lp, lp.clone(), torch.ones(2, 2), mask, c)
+    assert loss == pytest.approx(token_loss)
+    # d/dlp per token of row 0, over 1 response and its 2 tokens: GSPO and GMPO -A s / |y| = -0.5 (the sequence
+    # ratio's gradient spread over its tokens); SAPO -A f'(1) / |y| = -4 sigmoid(0)(1 - sigmoid(0)) / 2 = -0.5.
+    assert close(grad, [[-0.5, -0.5], [0.0, 0.0]])
+    if name == "gmpo":
+        assert st["seq_ratio"].item() == 1.0  # the mean over rows with a token
+
+
+@pytest.mark.parametrize("mode, want", [("seq_mean_token_mean", -1.0), ("seq_mean_token_sum", -2.0),
+                                        ("seq_mean_token_sum_norm", -0.5)])
+def test_every_token_level_loss_leaves_rows_without_tokens_out(mode, want):
+    """The same batch through each token-level loss and per-response mode (max_gen_len 4): row 0 alone."""
+    lp = torch.full((2, 2), math.log(0.4))
+    mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    for name in ("vanilla", "dual_clip", "gspo"):
+        loss, _, _ = loss_of(name, lp, lp.clone(), torch.ones(2, 2), mask, cfg(loss_agg_mode=mode))
+        assert loss == pytest.approx(want), name  # -1 per token: mean -1, sum -2, sum / 4 = -0.5
+
+
 @pytest.mark.parametrize("name", LOSSES)
 def test_pads_change_nothing_and_get_no_gradient(name):
     """A padded copy of a batch gives the same loss and gradients, whatever the pads hold."""
@@ -231,10 +260,10 @@ def _ddp_cfg(name: str):
 
 def _scaled(name: str, lp, old, adv, mask, c, comm, world: int, n_tokens: float, n_rows: int):
     """What trainer/update.py backpropagates on one rank: the loss scaled to its share of the global count x world
-    (DDP then averages gradients over the ranks)."""
+    (DDP then averages gradients over the ranks); n_rows counts the rows with a token."""
     lp = lp.clone().requires_grad_(True)
     loss, stats = policy_loss_spec(name).fn(lp, old, adv, mask, c, comm)
-    share = mask.sum() / n_tokens if c.loss_agg_mode == "token_mean" else lp.shape[0] / n_rows
+    share = mask.sum() / n_tokens if c.loss_agg_mode == "token_mean" else response_rows(mask).item() / n_rows
     (loss * share * world).backward()
     return (loss * share).item(), lp.grad / world, stats
 
@@ -258,6 +287,12 @@ def _loss_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         c.clip_cov_ratio = 2e-4
         _, _, st = _scaled("clip_cov", lp[rows], old[rows], adv[rows], mask[rows], c, D.comm(info), world, float(mask.sum()), 8)
         out["one_drawn"] = D.sum_global(st["cov_frac"] * mask[rows].sum(), info).item()
+        # Rows without a token (1 of rank 0's, 2 of rank 1's): every loss in every per-response mode.
+        empty = _empty_rows(mask)
+        for name, c in _empty_row_cases():
+            loss, grad, _ = _scaled(name, lp[rows], old[rows], adv[rows], empty[rows], c, D.comm(info), world,
+                                    float(empty.sum()), 5)
+            out[f"empty_{name}_{c.loss_agg_mode}"] = (D.sum_global(torch.tensor(loss), info).item(), grad)
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
     finally:
         D.cleanup(info)
@@ -279,6 +314,32 @@ def test_two_processes_give_one_process_with_the_doubled_batch(tmp_path):
             assert chosen == pytest.approx(stats["cov_frac"].item() * float(mask.sum())), name
             assert chosen >= 1
     assert ranks[0]["one_drawn"] == ranks[1]["one_drawn"] == 1.0
+    empty = _empty_rows(mask)
+    assert response_rows(empty[:4]).item() == 3 and response_rows(empty[4:]).item() == 2
+    for name, c in _empty_row_cases():
+        loss, grad, _ = _scaled(name, lp, old, adv, empty, c, None, 1, float(empty.sum()), 5)
+        whole, _, _ = _scaled(name, lp[empty.any(1)], old[empty.any(1)], adv[empty.any(1)], empty[empty.any(1)], c, None, 1,
+                              float(empty.sum()), 5)
+        assert loss == pytest.approx(whole, rel=1e-6), name  # the masked rows change nothing
+        for r, res in enumerate(ranks):
+            got_loss, got_grad = res[f"empty_{name}_{c.loss_agg_mode}"]
+            assert got_loss == pytest.approx(loss, rel=1e-5, abs=1e-7), (name, c.loss_agg_mode)
+            assert torch.allclose(got_grad, grad[r * 4:(r + 1) * 4], rtol=1e-5, atol=1e-7), (name, c.loss_agg_mode)
+
+
+def _empty_rows(mask):
+    """_batch's mask with rows 1, 5 and 6 masked whole (as --mask_truncated 1 does): the ranks then hold 3 and 2
+    rows with a token, 5 in all."""
+    out = mask.clone()
+    out[[1, 5, 6]] = 0
+    return out
+
+
+def _empty_row_cases():
+    """Every loss in its own aggregation, and vanilla in each per-response mode."""
+    return [*((n, _ddp_cfg(n)) for n in LOSSES),
+            *(("vanilla", cfg(loss_agg_mode=mode, clip_epsilon=0.1, clip_epsilon_high=0.1))
+              for mode in ("seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"))]
 
 
 # --------------------------------------------------------------------------------------- settings

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from trainer.ppo import Comm, aggregate_loss, clipped_surrogate, log_ratio_of, masked_mean, ratio_stats
+from trainer.ppo import Comm, aggregate_loss, clipped_surrogate, log_ratio_of, masked_mean, ratio_stats, response_rows
 from trainer.registry import register_policy_loss
 
 # The estimators that give one advantage per response compared within its group of --num_generations.
@@ -110,7 +110,9 @@ def gmpo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_ma
          comm: Comm | None = None) -> tuple[Tensor, dict]:
     """The geometric mean of the token ratios instead of their arithmetic mean: per response
     -A exp(mean_t clip_sgn(log r_t)), where each log-ratio is clipped to [-c, c] (c = --gmpo_clip) only on the side
-    that would help (PPO's pessimism, in log space); the mean over responses. A is the response's mean advantage."""
+    that would help (PPO's pessimism, in log space); the mean over the responses with a token (a row with none, e.g.
+    masked by --mask_truncated 1, takes no part: verl's geo_mean still counts it). A is the response's mean advantage
+    (one per response: the registry's seq_advantages, enforced by validate)."""
     logprobs, adv, m = _inputs(logprobs, advantages, response_mask)
     log_ratio = log_ratio_of(logprobs, old_logprobs, m)
     n = m.sum(dim=1).clamp(min=1)
@@ -119,10 +121,12 @@ def gmpo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_ma
     clipped_lr = log_ratio.clamp(-cfg.gmpo_clip, cfg.gmpo_clip)
     pessimistic = sign * torch.minimum(sign * log_ratio, sign * clipped_lr)
     seq_ratio = torch.exp(_zero(pessimistic, m).sum(dim=1) / n)
-    loss = (-adv * seq_ratio).mean()
+    rows = m.any(dim=1)
+    n_rows = response_rows(m).clamp(min=1)
+    loss = _zero(-adv * seq_ratio, rows).sum() / n_rows
     clipped = (pessimistic != log_ratio) & m
     return loss, ratio_stats(log_ratio, torch.exp(log_ratio), m, clipfrac=masked_mean(clipped.float(), m),
-                             seq_ratio=seq_ratio.mean())
+                             seq_ratio=masked_mean(seq_ratio, rows))
 
 
 def _global_means(adv: Tensor, logp: Tensor, m: Tensor, comm: Comm | None) -> tuple[Tensor, Tensor, Tensor]:
