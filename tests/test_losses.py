@@ -3,6 +3,7 @@ before exp(), 2 gloo processes against one process with the doubled batch, and t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -203,6 +204,32 @@ def test_every_token_level_loss_leaves_rows_without_tokens_out(mode, want):
         assert loss == pytest.approx(want), name  # -1 per token: mean -1, sum -2, sum / 4 = -0.5
 
 
+def _tied_cov_batch():
+    """Four rows of two tokens whose covariances all tie at 0.5: A = 2, 0, 2, 0 per row (mean 1: deviations +-1),
+    lp = -0.5, -1.5, -0.5, -1.5 per row (mean -1: deviations +-0.5, exact in binary); old = lp - 0.1 on rows
+    0 and 2 (log r = 0.1), lp - 0.2 on rows 1 and 3 (log r = 0.2)."""
+    lp = torch.tensor([[-0.5, -0.5], [-1.5, -1.5], [-0.5, -0.5], [-1.5, -1.5]])
+    old = lp - torch.tensor([[0.1, 0.1], [0.2, 0.2], [0.1, 0.1], [0.2, 0.2]])
+    return lp, old, torch.tensor([2.0, 0.0, 2.0, 0.0])[:, None].expand(4, 2).contiguous(), torch.ones(4, 2)
+
+
+def test_kl_cov_takes_exactly_k_tokens_when_covariances_tie():
+    """verl takes the torch.topk indices: exactly k = max(1, int(ratio x N)) tokens. All 8 covariances tie, so
+    ">= the k-th" took all 8; now k, the first in the batch's order (row by row)."""
+    lp, old, adv, mask = _tied_cov_batch()
+    loss, grad, st = loss_of("kl_cov", lp, old, adv, mask, cfg(kl_cov_ratio=0.25, kl_cov_coef=1.0))
+    # k = int(0.25 x 8) = 2: tokens (0, 0) and (0, 1) get + |log r| = 0.1 each. -A r: -2 e^0.1 on rows 0 and 2, 0 on
+    # rows 1 and 3. Token mean: (4 (-2 e^0.1) + 0.2) / 8.
+    e1 = math.exp(0.1)
+    assert loss == pytest.approx((-8 * e1 + 0.2) / 8)
+    assert st["cov_frac"].item() == 0.25
+    # d/dlp: (-A r + sign(log r) on a chosen token) / 8
+    assert close(grad, [[(-2 * e1 + 1) / 8] * 2, [0.0, 0.0], [-2 * e1 / 8] * 2, [0.0, 0.0]])
+    # The floor of one token: k = max(1, int(0.01 x 8)) = 1.
+    _, grad1, st1 = loss_of("kl_cov", lp, old, adv, mask, cfg(kl_cov_ratio=0.01))
+    assert st1["cov_frac"].item() == 1 / 8 and grad1[0, 0].item() == pytest.approx((-2 * e1 + 1) / 8)
+
+
 @pytest.mark.parametrize("name", LOSSES)
 def test_pads_change_nothing_and_get_no_gradient(name):
     """A padded copy of a batch gives the same loss and gradients, whatever the pads hold."""
@@ -293,6 +320,12 @@ def _loss_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             loss, grad, _ = _scaled(name, lp[rows], old[rows], adv[rows], empty[rows], c, D.comm(info), world,
                                     float(empty.sum()), 5)
             out[f"empty_{name}_{c.loss_agg_mode}"] = (D.sum_global(torch.tensor(loss), info).item(), grad)
+        # Covariances that all tie: k = 6 of the 8 tokens, rank 0's 4, then rank 1's first 2.
+        t_lp, t_old, t_adv, t_mask = _tied_cov_batch()
+        t_rows = slice(rank * 2, rank * 2 + 2)
+        comm = dataclasses.replace(D.comm(info), rank=rank)  # as trainer/update.py passes it
+        out["tied"] = _scaled("kl_cov", t_lp[t_rows], t_old[t_rows], t_adv[t_rows], t_mask[t_rows], cfg(kl_cov_ratio=0.75),
+                              comm, world, 8.0, 4)
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
     finally:
         D.cleanup(info)
@@ -325,6 +358,11 @@ def test_two_processes_give_one_process_with_the_doubled_batch(tmp_path):
             got_loss, got_grad = res[f"empty_{name}_{c.loss_agg_mode}"]
             assert got_loss == pytest.approx(loss, rel=1e-5, abs=1e-7), (name, c.loss_agg_mode)
             assert torch.allclose(got_grad, grad[r * 4:(r + 1) * 4], rtol=1e-5, atol=1e-7), (name, c.loss_agg_mode)
+    t_lp, t_old, t_adv, t_mask = _tied_cov_batch()
+    loss, grad, stats = _scaled("kl_cov", t_lp, t_old, t_adv, t_mask, cfg(kl_cov_ratio=0.75), None, 1, 8.0, 4)
+    assert stats["cov_frac"].item() == 0.75  # k = int(0.75 x 8) = 6: rows 0-2
+    assert [res["tied"][2]["cov_frac"] for res in ranks] == [1.0, 0.5]  # rank 0's 4 tokens, rank 1's first 2
+    assert torch.allclose(torch.cat([res["tied"][1] for res in ranks]), grad, rtol=1e-6, atol=1e-8)
 
 
 def _empty_rows(mask):

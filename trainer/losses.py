@@ -150,6 +150,22 @@ def _kth(values: Tensor, k: int, largest: bool, comm: Comm | None) -> Tensor:
     return best.topk(k, largest=largest).values[-1]
 
 
+def _top_k(values: Tensor, m: Tensor, k: int, comm: Comm | None) -> Tensor:
+    """The mask of exactly k of every rank's tokens: those with the k largest `values` (-inf at pads), the ties at
+    the k-th largest taken in the global batch's order (rank by rank, then row by row), as one process with every
+    row takes them. verl takes torch.topk's k indices (its ties in no stated order); ">= the k-th" took every tie."""
+    kth = _kth(values.flatten(), k, largest=True, comm=comm)
+    above, tied = m & (values > kth), m & (values == kth)
+    counts = torch.stack([above.sum(), tied.sum()])
+    if comm is None:
+        n_above, tied_before = counts[0], counts.new_zeros(())
+    else:
+        every = comm.gather(counts).view(-1, 2)  # [world, 2], rank order
+        n_above, tied_before = every[:, 0].sum(), every[: comm.rank, 1].sum()
+    take = k - n_above - tied_before  # how many of this rank's ties are taken: its first ones
+    return above | (tied & (tied.flatten().cumsum(0).view_as(tied) <= take))
+
+
 def _covariance(logprobs: Tensor, advantages: Tensor, m: Tensor, comm: Comm | None) -> tuple[Tensor, Tensor]:
     """Per token (A - mean A)(log pi - mean log pi) over every rank's tokens (the paper's centred cross term whose
     batch mean drives the entropy change), and the global token count."""
@@ -189,8 +205,7 @@ def kl_cov(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_
     ratio = torch.exp(log_ratio)
     cov, n = _covariance(logprobs, adv, m, comm)
     k = max(1, int(cfg.kl_cov_ratio * float(n)))
-    cov = torch.where(m, cov, torch.full((), float("-inf"), device=m.device))
-    chosen = m & (cov >= _kth(cov.flatten(), k, largest=True, comm=comm))
+    chosen = _top_k(torch.where(m, cov, torch.full((), float("-inf"), device=m.device)), m, k, comm)
     token_loss = -adv * ratio + torch.where(chosen, cfg.kl_cov_coef * log_ratio.abs(), 0.0)
     stats = ratio_stats(log_ratio, ratio, m, clipfrac=torch.zeros((), device=m.device), cov_frac=masked_mean(chosen.float(), m))
     return _agg(_zero(token_loss, m), m, cfg), stats

@@ -61,10 +61,12 @@ MAX_LOG_RATIO = 20.0
 @dataclass(frozen=True)
 class Comm:
     """The collectives a loss over every rank's tokens needs (trainer.dist.comm); None = one process.
-    sum: a tensor summed over ranks; gather: equal-shaped tensors of every rank, concatenated along dim 0."""
+    sum: a tensor summed over ranks; gather: equal-shaped tensors of every rank, concatenated along dim 0 in rank
+    order; rank: this rank's place in that order (kl_cov takes tied tokens rank by rank)."""
 
     sum: Reduce
     gather: Callable[[Tensor], Tensor]
+    rank: int = 0
 
 
 def _as_bool(mask: Tensor) -> Tensor:
