@@ -662,7 +662,7 @@ def test_reward_function_failing_on_one_rank_stops_every_rank_with_its_line(worl
 ESTIMATOR_CASES = [("gae",), ("grpo",), ("dr_grpo", "--loss_agg_mode", "seq_mean_token_mean"), ("rloo",),
                    ("reinforce_pp",), ("reinforce_pp_baseline", "--loss_agg_mode", "seq_mean_token_sum_norm"), ("opo",),
                    ("grpo_passk",), ("gae", "--policy_loss", "cispo"), ("gae", "--policy_loss", "dual_clip"),
-                   ("rloo", "--policy_loss", "gspo", "--gspo_clip_low", "0.01", "--gspo_clip_high", "0.01"),
+                   ("rloo", "--policy_loss", "gspo", "--kl_placement", "loss", "--gspo_clip_low", "0.01", "--gspo_clip_high", "0.01"),
                    ("grpo", "--policy_loss", "gmpo"), ("grpo", "--policy_loss", "sapo"),
                    # every token with positive covariance out of the gradient: the draw is then the same in any layout
                    ("grpo", "--policy_loss", "clip_cov", "--clip_cov_ratio", "1", "--clip_cov_lb", "0"),

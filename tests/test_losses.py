@@ -394,11 +394,37 @@ def test_auto_aggregation_is_the_losss_own_and_a_fixed_one_refuses_others(capsys
         _resolved(base + ["--policy_loss", "gmpo", "--loss_agg_mode", "token_mean"])
 
 
+@pytest.mark.parametrize("loss", ["gspo", "gmpo"])
+def test_a_per_response_loss_takes_each_group_estimator_with_the_kl_in_the_loss(loss):
+    """GSPO and GMPO need one advantage per response (the registry's seq_advantages). rloo, opo and
+    reinforce_pp_baseline put the KL in the reward by default, where the KL to go varies per token (GMPO averaged
+    it silently): refused in one line until --kl_placement loss; grpo, dr_grpo and grpo_passk have it there already."""
+    assert policy_loss_spec(loss).seq_advantages
+    base = ["--policy_loss", loss, "--num_generations", "4", "--batch_size", "8"]
+    for est in policy_loss_spec(loss).estimators:
+        if est in ("rloo", "opo", "reinforce_pp_baseline"):
+            with pytest.raises(SystemExit, match=f"--advantage_estimator {est} puts the KL in the reward"):
+                _resolved(base + ["--advantage_estimator", est])
+            assert _resolved(base + ["--advantage_estimator", est, "--kl_placement", "loss"]).kl_placement == "loss"
+            assert _resolved(base + ["--advantage_estimator", est, "--kl_coef", "0"]).kl_placement == "reward"  # 0 x KL
+        else:
+            assert _resolved(base + ["--advantage_estimator", est]).kl_placement == "loss"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--policy_loss", "nope"], "invalid choice: 'nope'"),
     (["--policy_loss", "gspo"], "--policy_loss gspo compares the --num_generations responses"),
     (["--policy_loss", "gmpo", "--advantage_estimator", "gae", "--num_generations", "2", "--batch_size", "8"],
      "--policy_loss gmpo pairs with --advantage_estimator grpo / dr_grpo"),
+    (["--policy_loss", "gmpo", "--advantage_estimator", "rloo", "--num_generations", "4", "--batch_size", "8"],
+     "--policy_loss gmpo needs one advantage per response: --advantage_estimator rloo puts the KL in the reward (per token); "
+     "add --kl_placement loss"),
+    (["--policy_loss", "gspo", "--advantage_estimator", "grpo", "--kl_placement", "reward", "--num_generations", "4",
+      "--batch_size", "8"],
+     "--policy_loss gspo needs one advantage per response: --kl_placement reward puts the KL in the reward (per token); "
+     "use --kl_placement loss"),
+    (["--policy_loss", "gmpo", "--advantage_estimator", "grpo", "--gamma", "0.99", "--num_generations", "4", "--batch_size", "8"],
+     "--policy_loss gmpo needs one advantage per response: --gamma 0.99 discounts the score per token; use --gamma 1"),
     (["--clip_epsilon", "0"], "--clip_epsilon 0.0 must be a finite number > 0"),
     (["--clip_epsilon", "0.3", "--clip_epsilon_high", "0.2"], "--clip_epsilon_high 0.2 is below --clip_epsilon 0.3"),
     (["--gspo_clip_low", "1e-3", "--gspo_clip_high", "1e-4"], "--gspo_clip_high 0.0001 is below --gspo_clip_low"),

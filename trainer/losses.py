@@ -28,7 +28,9 @@ from torch import Tensor
 from trainer.ppo import Comm, aggregate_loss, clipped_surrogate, log_ratio_of, masked_mean, ratio_stats, response_rows
 from trainer.registry import register_policy_loss
 
-# The estimators that give one advantage per response compared within its group of --num_generations.
+# The estimators that give one advantage per response compared within its group of --num_generations (with the
+# KL in the loss and --gamma 1: rloo, opo and reinforce_pp_baseline put it in the reward by default, which makes
+# it vary per token; validate refuses that for the seq_advantages losses).
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk")
 
 
@@ -85,7 +87,7 @@ def cispo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_m
 
 
 @register_policy_loss("gspo", paper="Zheng et al. 2025, GSPO (Qwen), eq. (5)-(7), (13)-(14)", estimators=GROUP_ESTIMATORS,
-                      needs_groups=True, loss_agg="seq_mean_token_mean")
+                      needs_groups=True, loss_agg="seq_mean_token_mean", seq_advantages=True)
 def gspo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg,
          comm: Comm | None = None) -> tuple[Tensor, dict]:
     """The clip on the sequence's ratio s = (pi(y)/pi_old(y))^(1/|y|) = exp(mean_t log r_t) (the length-normalised
@@ -105,7 +107,8 @@ def gspo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_ma
 
 
 @register_policy_loss("gmpo", paper="Zhao et al. 2025, Geometric-Mean Policy Optimization, eq. (4)",
-                      estimators=GROUP_ESTIMATORS, needs_groups=True, loss_agg="seq_mean_token_mean", agg_fixed=True)
+                      estimators=GROUP_ESTIMATORS, needs_groups=True, loss_agg="seq_mean_token_mean", agg_fixed=True,
+                      seq_advantages=True)
 def gmpo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg,
          comm: Comm | None = None) -> tuple[Tensor, dict]:
     """The geometric mean of the token ratios instead of their arithmetic mean: per response
