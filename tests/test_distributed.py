@@ -670,7 +670,7 @@ def test_reward_function_failing_on_one_rank_stops_every_rank_with_its_line(worl
 ESTIMATOR_CASES = [("gae",), ("grpo",), ("dr_grpo", "--loss_agg_mode", "seq_mean_token_mean"), ("rloo",),
                    ("reinforce_pp",), ("reinforce_pp_baseline", "--loss_agg_mode", "seq_mean_token_sum_norm"), ("opo",),
                    ("grpo_passk",), ("gae", "--policy_loss", "cispo"), ("gae", "--policy_loss", "dual_clip"),
-                   ("rloo", "--policy_loss", "gspo", "--gspo_clip_low", "0.01", "--gspo_clip_high", "0.01"),
+                   ("rloo", "--policy_loss", "gspo", "--kl_placement", "loss", "--gspo_clip_low", "0.01", "--gspo_clip_high", "0.01"),
                    ("grpo", "--policy_loss", "gmpo"), ("grpo", "--policy_loss", "sapo"),
                    # every token with positive covariance out of the gradient: the draw is then the same in any layout
                    ("grpo", "--policy_loss", "clip_cov", "--clip_cov_ratio", "1", "--clip_cov_lb", "0"),
@@ -688,7 +688,9 @@ def _estimator_flags(case: tuple, prompts: int) -> list[str]:
             "--temperature", "1.0", "--learning_rate", "1e-3", "--device", "cpu"]
 
 
-def _estimator_update(built, fields: dict) -> tuple[torch.Tensor, dict]:
+def _estimator_update(built, fields: dict, masked_rows: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict]:
+    """The advantages and one update of the rollout `fields`; `masked_rows` masked whole after the advantages, as
+    --mask_truncated 1 masks a response cut without EOS."""
     import dataclasses
 
     import train_ppo as T
@@ -699,6 +701,10 @@ def _estimator_update(built, fields: dict) -> tuple[torch.Tensor, dict]:
     ro = Rollout(**fields)
     advantages, returns = T.compute_advantages(built.cfg, ro, built.kl_ctl.value, built.runtime)
     ro = dataclasses.replace(ro, advantages=advantages, returns=returns)
+    if masked_rows:
+        mask = ro.response_mask.clone()
+        mask[list(masked_rows)] = 0
+        ro = dataclasses.replace(ro, response_mask=mask)
     T.ppo_update(built.cfg, ro, built.models, built.optim, 0, built.runtime, built.kl_ctl.value,
                  phases(PhaseTimer(), built.runtime))
     return advantages, {k: v.detach().clone() for k, v in built.models.actor.state_dict().items()}
@@ -747,6 +753,58 @@ def test_each_estimator_two_ranks_equal_one_process(tmp_path):
         assert max((actor[k] - start[k]).abs().max().item() for k in actor) > 1e-4, f"{name}: the update moved nothing"
         for k, v in actor.items():
             assert torch.equal(w0[k], w1[k]), (name, k)  # DDP keeps the ranks equal
+            diff = (w0[k] - v).abs()
+            assert diff.max().item() < MAX_ABS and diff.mean().item() < MEAN_ABS, (name, k)
+
+
+# Rows masked whole (--mask_truncated 1): global rows 1, 5 and 6, so rank 0 holds 3 rows with a token and rank 1
+# holds 2. The per-response losses divide by the 5 rows with a token of both ranks (trainer/update.py's global row
+# count), so 2 ranks take one process's step; a rank-local or all-row count would not.
+MASKED_ROWS = (1, 5, 6)
+MASKED_CASES = [("grpo", "--policy_loss", "gspo"), ("grpo", "--loss_agg_mode", "seq_mean_token_sum_norm"),
+                ("grpo", "--policy_loss", "gmpo")]
+
+
+def _masked_rows_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import train_ppo as T
+    from tests.helpers import UPDATE_BASE_FLAGS
+    from trainer.run.setup import setup
+
+    info = _join_gloo_group(rank, world, port)
+    try:
+        for case in MASKED_CASES:
+            fields = torch.load(Path(out_dir) / f"masked_{_case_name(case)}_rollout.pt", weights_only=False)
+            rows = slice(4 * rank, 4 * rank + 4)
+            half = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in fields.items()}
+            local = tuple(r - 4 * rank for r in MASKED_ROWS if 4 * rank <= r < 4 * rank + 4)
+            built = setup(T.parse_args([*UPDATE_BASE_FLAGS, *_estimator_flags(case, 2)]), info)
+            torch.save(_estimator_update(built, half, local), Path(out_dir) / f"masked_{_case_name(case)}_rank{rank}.pt")
+    finally:
+        D.cleanup(info)
+
+
+@pytest.mark.slow  # one pair of gloo processes (~20 s on 2 shared cores)
+def test_rows_without_tokens_two_ranks_equal_one_process(tmp_path):
+    from tests.helpers import build_update_world, run_experience
+
+    want = {}
+    for case in MASKED_CASES:
+        flags = _estimator_flags(case, 4)
+        ro, _ = run_experience(build_update_world(flags))
+        fields = {k: v for k, v in ro.__dict__.items() if k not in ("advantages", "returns", "values_with_grad")}
+        torch.save(fields, tmp_path / f"masked_{_case_name(case)}_rollout.pt")
+        w = build_update_world(flags)
+        start = {k: v.clone() for k, v in w.models.actor.state_dict().items()}
+        want[_case_name(case)] = (*_estimator_update(w.built, fields, MASKED_ROWS), start)
+    _spawn_two(_masked_rows_worker, tmp_path, 300, "2-process updates with masked rows")
+    for case in MASKED_CASES:
+        name = _case_name(case)
+        _, actor, start = want[name]
+        assert max((actor[k] - start[k]).abs().max().item() for k in actor) > 1e-4, f"{name}: the update moved nothing"
+        _, w0 = torch.load(tmp_path / f"masked_{name}_rank0.pt", weights_only=True)
+        _, w1 = torch.load(tmp_path / f"masked_{name}_rank1.pt", weights_only=True)
+        for k, v in actor.items():
+            assert torch.equal(w0[k], w1[k]), (name, k)
             diff = (w0[k] - v).abs()
             assert diff.max().item() < MAX_ABS and diff.mean().item() < MEAN_ABS, (name, k)
 

@@ -116,6 +116,11 @@ def test_the_registry_metadata_the_run_reads():
     assert {n: s.loss_agg for n, s in POLICY_LOSSES.items() if s.loss_agg != "token_mean"} == {
         "gspo": "seq_mean_token_mean", "gmpo": "seq_mean_token_mean", "sapo": "seq_mean_token_mean"}
     assert [n for n, s in POLICY_LOSSES.items() if s.needs_groups] == ["gspo", "gmpo"]
+    assert [n for n, s in POLICY_LOSSES.items() if s.seq_advantages] == ["gspo", "gmpo"]
+    # ...whose paired estimators that put the KL in the reward by default (validate refuses them without
+    # --kl_placement loss): the KL to go varies per token.
+    assert {e for e in POLICY_LOSSES["gmpo"].estimators if ADVANTAGE_ESTIMATORS[e].kl_placement == "reward"} == {
+        "rloo", "opo", "reinforce_pp_baseline"}
     # A loss that pairs with some estimators names only registered ones.
     assert all(set(s.estimators or ()) <= set(ADVANTAGE_ESTIMATORS) for s in POLICY_LOSSES.values())
     assert all(s.paper for s in ADVANTAGE_ESTIMATORS.values()) and all(s.paper for s in POLICY_LOSSES.values())

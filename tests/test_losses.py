@@ -3,6 +3,7 @@ before exp(), 2 gloo processes against one process with the doubled batch, and t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -14,8 +15,8 @@ import torch
 from tests.helpers import spawn_ranks
 from trainer import dist as D
 from trainer.run.cli import parse_args, resolve
-from trainer.ppo import kl_penalty
-from trainer.registry import POLICY_LOSSES, policy_loss_spec
+from trainer.ppo import kl_penalty, response_rows
+from trainer.registry import POLICY_LOSSES, policy_loss_names, policy_loss_spec
 from trainer.run import distributed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +50,7 @@ def lp_of(*ratios, old=math.log(0.4)):
 
 
 def test_every_loss_the_issue_names_is_registered_with_a_paper():
-    assert set(LOSSES) <= set(POLICY_LOSSES)
+    assert set(LOSSES) <= set(policy_loss_names())  # the registry loads the built-ins on first use
     for name in LOSSES:
         assert policy_loss_spec(name).paper
 
@@ -175,6 +176,61 @@ def test_kl_cov_penalises_the_top_covariance_tokens_by_hand():
     assert st["cov_frac"].item() == 0.25
 
 
+@pytest.mark.parametrize("name, token_loss", [("gspo", -1.0), ("sapo", -2.0), ("gmpo", -1.0)])
+def test_a_row_without_tokens_takes_no_part_in_the_per_response_mean(name, token_loss):
+    """The issue's case on the losses that average per response by default: mask [[1, 1], [0, 0]] (row 1 masked
+    whole, as --mask_truncated 1 does), log-ratio 0, A = 1. Row 0's loss: GSPO -A s = -1 (s = exp(0) = 1, inside
+    the clip); SAPO -A f(1) = -sigmoid(0) 4 / tau_pos = -2; GMPO -A exp(0) = -1. Row 1 is no response of the mean
+    (verl's agg_loss, "exclude fully masked sequences"); it counted before, halving each."""
+    lp = torch.full((2, 2), math.log(0.4))
+    mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    c = cfg(loss_agg_mode="seq_mean_token_mean")
+    loss, grad, st = loss_of(name, lp, lp.clone(), torch.ones(2, 2), mask, c)
+    assert loss == pytest.approx(token_loss)
+    # d/dlp per token of row 0, over 1 response and its 2 tokens: GSPO and GMPO -A s / |y| = -0.5 (the sequence
+    # ratio's gradient spread over its tokens); SAPO -A f'(1) / |y| = -4 sigmoid(0)(1 - sigmoid(0)) / 2 = -0.5.
+    assert close(grad, [[-0.5, -0.5], [0.0, 0.0]])
+    if name == "gmpo":
+        assert st["seq_ratio"].item() == 1.0  # the mean over rows with a token
+
+
+@pytest.mark.parametrize("mode, want", [("seq_mean_token_mean", -1.0), ("seq_mean_token_sum", -2.0),
+                                        ("seq_mean_token_sum_norm", -0.5)])
+def test_every_token_level_loss_leaves_rows_without_tokens_out(mode, want):
+    """The same batch through each token-level loss and per-response mode (max_gen_len 4): row 0 alone."""
+    lp = torch.full((2, 2), math.log(0.4))
+    mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    for name in ("vanilla", "dual_clip", "gspo"):
+        loss, _, _ = loss_of(name, lp, lp.clone(), torch.ones(2, 2), mask, cfg(loss_agg_mode=mode))
+        assert loss == pytest.approx(want), name  # -1 per token: mean -1, sum -2, sum / 4 = -0.5
+
+
+def _tied_cov_batch():
+    """Four rows of two tokens whose covariances all tie at 0.5: A = 2, 0, 2, 0 per row (mean 1: deviations +-1),
+    lp = -0.5, -1.5, -0.5, -1.5 per row (mean -1: deviations +-0.5, exact in binary); old = lp - 0.1 on rows
+    0 and 2 (log r = 0.1), lp - 0.2 on rows 1 and 3 (log r = 0.2)."""
+    lp = torch.tensor([[-0.5, -0.5], [-1.5, -1.5], [-0.5, -0.5], [-1.5, -1.5]])
+    old = lp - torch.tensor([[0.1, 0.1], [0.2, 0.2], [0.1, 0.1], [0.2, 0.2]])
+    return lp, old, torch.tensor([2.0, 0.0, 2.0, 0.0])[:, None].expand(4, 2).contiguous(), torch.ones(4, 2)
+
+
+def test_kl_cov_takes_exactly_k_tokens_when_covariances_tie():
+    """verl takes the torch.topk indices: exactly k = max(1, int(ratio x N)) tokens. All 8 covariances tie, so
+    ">= the k-th" took all 8; now k, the first in the batch's order (row by row)."""
+    lp, old, adv, mask = _tied_cov_batch()
+    loss, grad, st = loss_of("kl_cov", lp, old, adv, mask, cfg(kl_cov_ratio=0.25, kl_cov_coef=1.0))
+    # k = int(0.25 x 8) = 2: tokens (0, 0) and (0, 1) get + |log r| = 0.1 each. -A r: -2 e^0.1 on rows 0 and 2, 0 on
+    # rows 1 and 3. Token mean: (4 (-2 e^0.1) + 0.2) / 8.
+    e1 = math.exp(0.1)
+    assert loss == pytest.approx((-8 * e1 + 0.2) / 8)
+    assert st["cov_frac"].item() == 0.25
+    # d/dlp: (-A r + sign(log r) on a chosen token) / 8
+    assert close(grad, [[(-2 * e1 + 1) / 8] * 2, [0.0, 0.0], [-2 * e1 / 8] * 2, [0.0, 0.0]])
+    # The floor of one token: k = max(1, int(0.01 x 8)) = 1.
+    _, grad1, st1 = loss_of("kl_cov", lp, old, adv, mask, cfg(kl_cov_ratio=0.01))
+    assert st1["cov_frac"].item() == 1 / 8 and grad1[0, 0].item() == pytest.approx((-2 * e1 + 1) / 8)
+
+
 @pytest.mark.parametrize("name", LOSSES)
 def test_pads_change_nothing_and_get_no_gradient(name):
     """A padded copy of a batch gives the same loss and gradients, whatever the pads hold."""
@@ -232,10 +288,10 @@ def _ddp_cfg(name: str):
 
 def _scaled(name: str, lp, old, adv, mask, c, comm, world: int, n_tokens: float, n_rows: int):
     """What trainer/update.py backpropagates on one rank: the loss scaled to its share of the global count x world
-    (DDP then averages gradients over the ranks)."""
+    (DDP then averages gradients over the ranks); n_rows counts the rows with a token."""
     lp = lp.clone().requires_grad_(True)
     loss, stats = policy_loss_spec(name).fn(lp, old, adv, mask, c, comm)
-    share = mask.sum() / n_tokens if c.loss_agg_mode == "token_mean" else lp.shape[0] / n_rows
+    share = mask.sum() / n_tokens if c.loss_agg_mode == "token_mean" else response_rows(mask).item() / n_rows
     (loss * share * world).backward()
     return (loss * share).item(), lp.grad / world, stats
 
@@ -259,6 +315,18 @@ def _loss_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         c.clip_cov_ratio = 2e-4
         _, _, st = _scaled("clip_cov", lp[rows], old[rows], adv[rows], mask[rows], c, D.comm(info), world, float(mask.sum()), 8)
         out["one_drawn"] = D.sum_global(st["cov_frac"] * mask[rows].sum(), info).item()
+        # Rows without a token (1 of rank 0's, 2 of rank 1's): every loss in every per-response mode.
+        empty = _empty_rows(mask)
+        for name, c in _empty_row_cases():
+            loss, grad, _ = _scaled(name, lp[rows], old[rows], adv[rows], empty[rows], c, D.comm(info), world,
+                                    float(empty.sum()), 5)
+            out[f"empty_{name}_{c.loss_agg_mode}"] = (D.sum_global(torch.tensor(loss), info).item(), grad)
+        # Covariances that all tie: k = 6 of the 8 tokens, rank 0's 4, then rank 1's first 2.
+        t_lp, t_old, t_adv, t_mask = _tied_cov_batch()
+        t_rows = slice(rank * 2, rank * 2 + 2)
+        comm = dataclasses.replace(D.comm(info), rank=rank)  # as trainer/update.py passes it
+        out["tied"] = _scaled("kl_cov", t_lp[t_rows], t_old[t_rows], t_adv[t_rows], t_mask[t_rows], cfg(kl_cov_ratio=0.75),
+                              comm, world, 8.0, 4)
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
     finally:
         distributed.cleanup(info)
@@ -280,6 +348,37 @@ def test_two_processes_give_one_process_with_the_doubled_batch(tmp_path):
             assert chosen == pytest.approx(stats["cov_frac"].item() * float(mask.sum())), name
             assert chosen >= 1
     assert ranks[0]["one_drawn"] == ranks[1]["one_drawn"] == 1.0
+    empty = _empty_rows(mask)
+    assert response_rows(empty[:4]).item() == 3 and response_rows(empty[4:]).item() == 2
+    for name, c in _empty_row_cases():
+        loss, grad, _ = _scaled(name, lp, old, adv, empty, c, None, 1, float(empty.sum()), 5)
+        whole, _, _ = _scaled(name, lp[empty.any(1)], old[empty.any(1)], adv[empty.any(1)], empty[empty.any(1)], c, None, 1,
+                              float(empty.sum()), 5)
+        assert loss == pytest.approx(whole, rel=1e-6), name  # the masked rows change nothing
+        for r, res in enumerate(ranks):
+            got_loss, got_grad = res[f"empty_{name}_{c.loss_agg_mode}"]
+            assert got_loss == pytest.approx(loss, rel=1e-5, abs=1e-7), (name, c.loss_agg_mode)
+            assert torch.allclose(got_grad, grad[r * 4:(r + 1) * 4], rtol=1e-5, atol=1e-7), (name, c.loss_agg_mode)
+    t_lp, t_old, t_adv, t_mask = _tied_cov_batch()
+    loss, grad, stats = _scaled("kl_cov", t_lp, t_old, t_adv, t_mask, cfg(kl_cov_ratio=0.75), None, 1, 8.0, 4)
+    assert stats["cov_frac"].item() == 0.75  # k = int(0.75 x 8) = 6: rows 0-2
+    assert [res["tied"][2]["cov_frac"] for res in ranks] == [1.0, 0.5]  # rank 0's 4 tokens, rank 1's first 2
+    assert torch.allclose(torch.cat([res["tied"][1] for res in ranks]), grad, rtol=1e-6, atol=1e-8)
+
+
+def _empty_rows(mask):
+    """_batch's mask with rows 1, 5 and 6 masked whole (as --mask_truncated 1 does): the ranks then hold 3 and 2
+    rows with a token, 5 in all."""
+    out = mask.clone()
+    out[[1, 5, 6]] = 0
+    return out
+
+
+def _empty_row_cases():
+    """Every loss in its own aggregation, and vanilla in each per-response mode."""
+    return [*((n, _ddp_cfg(n)) for n in LOSSES),
+            *(("vanilla", cfg(loss_agg_mode=mode, clip_epsilon=0.1, clip_epsilon_high=0.1))
+              for mode in ("seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"))]
 
 
 # --------------------------------------------------------------------------------------- settings
@@ -296,11 +395,37 @@ def test_auto_aggregation_is_the_losss_own_and_a_fixed_one_refuses_others(capsys
         _resolved(base + ["--policy_loss", "gmpo", "--loss_agg_mode", "token_mean"])
 
 
+@pytest.mark.parametrize("loss", ["gspo", "gmpo"])
+def test_a_per_response_loss_takes_each_group_estimator_with_the_kl_in_the_loss(loss):
+    """GSPO and GMPO need one advantage per response (the registry's seq_advantages). rloo, opo and
+    reinforce_pp_baseline put the KL in the reward by default, where the KL to go varies per token (GMPO averaged
+    it silently): refused in one line until --kl_placement loss; grpo, dr_grpo and grpo_passk have it there already."""
+    assert policy_loss_spec(loss).seq_advantages
+    base = ["--policy_loss", loss, "--num_generations", "4", "--batch_size", "8"]
+    for est in policy_loss_spec(loss).estimators:
+        if est in ("rloo", "opo", "reinforce_pp_baseline"):
+            with pytest.raises(SystemExit, match=f"--advantage_estimator {est} puts the KL in the reward"):
+                _resolved(base + ["--advantage_estimator", est])
+            assert _resolved(base + ["--advantage_estimator", est, "--kl_placement", "loss"]).kl_placement == "loss"
+            assert _resolved(base + ["--advantage_estimator", est, "--kl_coef", "0"]).kl_placement == "reward"  # 0 x KL
+        else:
+            assert _resolved(base + ["--advantage_estimator", est]).kl_placement == "loss"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--policy_loss", "nope"], "invalid choice: 'nope'"),
     (["--policy_loss", "gspo"], "--policy_loss gspo compares the --num_generations responses"),
     (["--policy_loss", "gmpo", "--advantage_estimator", "gae", "--num_generations", "2", "--batch_size", "8"],
      "--policy_loss gmpo pairs with --advantage_estimator grpo / dr_grpo"),
+    (["--policy_loss", "gmpo", "--advantage_estimator", "rloo", "--num_generations", "4", "--batch_size", "8"],
+     "--policy_loss gmpo needs one advantage per response: --advantage_estimator rloo puts the KL in the reward (per token); "
+     "add --kl_placement loss"),
+    (["--policy_loss", "gspo", "--advantage_estimator", "grpo", "--kl_placement", "reward", "--num_generations", "4",
+      "--batch_size", "8"],
+     "--policy_loss gspo needs one advantage per response: --kl_placement reward puts the KL in the reward (per token); "
+     "use --kl_placement loss"),
+    (["--policy_loss", "gmpo", "--advantage_estimator", "grpo", "--gamma", "0.99", "--num_generations", "4", "--batch_size", "8"],
+     "--policy_loss gmpo needs one advantage per response: --gamma 0.99 discounts the score per token; use --gamma 1"),
     (["--clip_epsilon", "0"], "--clip_epsilon 0.0 must be a finite number > 0"),
     (["--clip_epsilon", "0.3", "--clip_epsilon_high", "0.2"], "--clip_epsilon_high 0.2 is below --clip_epsilon 0.3"),
     (["--gspo_clip_low", "1e-3", "--gspo_clip_high", "1e-4"], "--gspo_clip_high 0.0001 is below --gspo_clip_low"),

@@ -18,6 +18,7 @@ from trainer.ppo import (
     masked_mean,
     masked_whiten,
     policy_loss,
+    response_rows,
     value_loss,
 )
 
@@ -306,6 +307,26 @@ def test_aggregate_loss_modes_by_hand():
     assert aggregate_loss(x, m, "seq_mean_token_sum_norm", max_len=8).item() == pytest.approx((4 + 12) / 2 / 8)
     with pytest.raises(ValueError, match="unknown loss aggregation"):
         aggregate_loss(x, m, "sum")
+
+
+@pytest.mark.parametrize("mode, verl", [("token_mean", -1.0), ("seq_mean_token_mean", -1.0), ("seq_mean_token_sum", -2.0),
+                                        ("seq_mean_token_sum_norm", -1.0)])
+def test_a_row_without_tokens_is_no_response_of_the_mean(mode, verl):
+    """The issue's case, as verl's agg_loss computes it: mask [[1, 1], [0, 0]] (row 1 masked whole, as
+    --mask_truncated 1 does), log-ratio 0, A = 1, so every real token's loss is -A r = -1. Row 0's token mean
+    is -1 and its sum -2; row 1 is left out of the mean over responses (it counted before: -0.5, -1, -0.5)."""
+    lp = torch.zeros(2, 2)
+    mask = torch.tensor([[1, 1], [0, 0]])
+    loss, _ = policy_loss(lp, lp, torch.ones(2, 2), mask, 0.2, loss_agg_mode=mode, max_len=2)
+    # token_mean: -2 / 2 tokens; seq_mean_token_mean: -1 / 1 row; seq_mean_token_sum: -2 / 1 row;
+    # seq_mean_token_sum_norm: -2 / 1 row / max_len 2 (verl: sum of row sums / 2, no row count)
+    assert loss.item() == verl
+    assert response_rows(mask).item() == 1
+    # No row with a token: 0, not nan (the count is clamped to 1 as masked_mean's).
+    assert aggregate_loss(torch.ones(2, 2), torch.zeros(2, 2), mode, max_len=2).item() == 0.0
+    # A masked row changes nothing: the loss of row 0 alone.
+    assert aggregate_loss(torch.tensor([[1.0, 3.0], [7.0, 9.0]]), mask, mode, 2).item() == \
+        aggregate_loss(torch.tensor([[1.0, 3.0]]), mask[:1], mode, 2).item()
 
 
 def test_clip_higher_clips_the_upper_side_only_at_eps_high():

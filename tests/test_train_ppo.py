@@ -782,6 +782,32 @@ def test_per_sequence_loss_modes_take_the_same_step_in_micro_batches(mode):
     assert s3["grad_norm/actor"] != pytest.approx(s1["grad_norm/actor"], rel=1e-3)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_a_row_masked_whole_is_no_response_of_the_per_sequence_step(mode):
+    """--mask_truncated 1 masks a response whole: it is no row of the per-response mean (verl's agg_loss) nor of
+    the update's row count, so loss/policy is the mean over the 3 rows with a token, and --accumulation_steps 2
+    (the masked row in one micro-batch, whose share is then 1 of 3 rows, not 2 of 4) takes the same step."""
+    def step(accumulation: str):
+        world = _world("--loss_agg_mode", mode, "--mini_batch_size", "4", "--accumulation_steps", accumulation)
+        ro = _ragged(run_experience(world)[0])
+        ro.response_mask[1] = 0  # what --mask_truncated 1 does to a response cut without EOS
+        logprobs, _ = policy_logprobs(world, ro)
+        return world, ro, logprobs, run_update(world, ro)
+
+    w1, ro, logprobs, s1 = step("1")
+    m = ro.response_mask.bool()
+    ratio = torch.exp(torch.where(m, logprobs - ro.old_logprobs, 0.0))
+    tok = torch.maximum(-ro.advantages * ratio, -ro.advantages * ratio.clamp(0.8, 1.2))
+    rows = [tok[i][m[i]] for i in (0, 2, 3)]  # row 1 has no token
+    hand = {"seq_mean_token_mean": sum(r.mean() for r in rows) / 3, "seq_mean_token_sum_norm": sum(r.sum() for r in rows) / 3 / 8}[mode]
+    assert s1["loss/policy"] == pytest.approx(hand.item(), rel=1e-5, abs=1e-7)
+    w2, _, _, s2 = step("2")
+    assert s2["grad_norm/actor"] == pytest.approx(s1["grad_norm/actor"], rel=1e-5)
+    for (name, p), q in zip(w1.actor.named_parameters(), w2.actor.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=LR * 1e-2, msg=name)
+
+
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"])
 def test_policy_loss_aggregation_by_hand(mode):
     """token_mean (PPO, DAPO): over all tokens; seq_mean_token_mean (GRPO): each response's token mean, then

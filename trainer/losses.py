@@ -25,10 +25,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from trainer.ppo import Comm, aggregate_loss, clipped_surrogate, log_ratio_of, masked_mean, ratio_stats
+from trainer.ppo import Comm, aggregate_loss, clipped_surrogate, log_ratio_of, masked_mean, ratio_stats, response_rows
 from trainer.registry import register_policy_loss
 
-# The estimators that give one advantage per response compared within its group of --num_generations.
+# The estimators that give one advantage per response compared within its group of --num_generations (with the
+# KL in the loss and --gamma 1: rloo, opo and reinforce_pp_baseline put it in the reward by default, which makes
+# it vary per token; validate refuses that for the seq_advantages losses).
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk")
 
 
@@ -85,7 +87,7 @@ def cispo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_m
 
 
 @register_policy_loss("gspo", paper="Zheng et al. 2025, GSPO (Qwen), eq. (5)-(7), (13)-(14)", estimators=GROUP_ESTIMATORS,
-                      needs_groups=True, loss_agg="seq_mean_token_mean")
+                      needs_groups=True, loss_agg="seq_mean_token_mean", seq_advantages=True)
 def gspo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg,
          comm: Comm | None = None) -> tuple[Tensor, dict]:
     """The clip on the sequence's ratio s = (pi(y)/pi_old(y))^(1/|y|) = exp(mean_t log r_t) (the length-normalised
@@ -105,12 +107,15 @@ def gspo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_ma
 
 
 @register_policy_loss("gmpo", paper="Zhao et al. 2025, Geometric-Mean Policy Optimization, eq. (4)",
-                      estimators=GROUP_ESTIMATORS, needs_groups=True, loss_agg="seq_mean_token_mean", agg_fixed=True)
+                      estimators=GROUP_ESTIMATORS, needs_groups=True, loss_agg="seq_mean_token_mean", agg_fixed=True,
+                      seq_advantages=True)
 def gmpo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg,
          comm: Comm | None = None) -> tuple[Tensor, dict]:
     """The geometric mean of the token ratios instead of their arithmetic mean: per response
     -A exp(mean_t clip_sgn(log r_t)), where each log-ratio is clipped to [-c, c] (c = --gmpo_clip) only on the side
-    that would help (PPO's pessimism, in log space); the mean over responses. A is the response's mean advantage."""
+    that would help (PPO's pessimism, in log space); the mean over the responses with a token (a row with none, e.g.
+    masked by --mask_truncated 1, takes no part: verl's geo_mean still counts it). A is the response's mean advantage
+    (one per response: the registry's seq_advantages, enforced by validate)."""
     logprobs, adv, m = _inputs(logprobs, advantages, response_mask)
     log_ratio = log_ratio_of(logprobs, old_logprobs, m)
     n = m.sum(dim=1).clamp(min=1)
@@ -119,10 +124,12 @@ def gmpo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_ma
     clipped_lr = log_ratio.clamp(-cfg.gmpo_clip, cfg.gmpo_clip)
     pessimistic = sign * torch.minimum(sign * log_ratio, sign * clipped_lr)
     seq_ratio = torch.exp(_zero(pessimistic, m).sum(dim=1) / n)
-    loss = (-adv * seq_ratio).mean()
+    rows = m.any(dim=1)
+    n_rows = response_rows(m).clamp(min=1)
+    loss = _zero(-adv * seq_ratio, rows).sum() / n_rows
     clipped = (pessimistic != log_ratio) & m
     return loss, ratio_stats(log_ratio, torch.exp(log_ratio), m, clipfrac=masked_mean(clipped.float(), m),
-                             seq_ratio=seq_ratio.mean())
+                             seq_ratio=masked_mean(seq_ratio, rows))
 
 
 def _global_means(adv: Tensor, logp: Tensor, m: Tensor, comm: Comm | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -144,6 +151,22 @@ def _kth(values: Tensor, k: int, largest: bool, comm: Comm | None) -> Tensor:
     if comm is not None:
         best = comm.gather(best)
     return best.topk(k, largest=largest).values[-1]
+
+
+def _top_k(values: Tensor, m: Tensor, k: int, comm: Comm | None) -> Tensor:
+    """The mask of exactly k of every rank's tokens: those with the k largest `values` (-inf at pads), the ties at
+    the k-th largest taken in the global batch's order (rank by rank, then row by row), as one process with every
+    row takes them. verl takes torch.topk's k indices (its ties in no stated order); ">= the k-th" took every tie."""
+    kth = _kth(values.flatten(), k, largest=True, comm=comm)
+    above, tied = m & (values > kth), m & (values == kth)
+    counts = torch.stack([above.sum(), tied.sum()])
+    if comm is None:
+        n_above, tied_before = counts[0], counts.new_zeros(())
+    else:
+        every = comm.gather(counts).view(-1, 2)  # [world, 2], rank order
+        n_above, tied_before = every[:, 0].sum(), every[: comm.rank, 1].sum()
+    take = k - n_above - tied_before  # how many of this rank's ties are taken: its first ones
+    return above | (tied & (tied.flatten().cumsum(0).view_as(tied) <= take))
 
 
 def _covariance(logprobs: Tensor, advantages: Tensor, m: Tensor, comm: Comm | None) -> tuple[Tensor, Tensor]:
@@ -185,8 +208,7 @@ def kl_cov(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_
     ratio = torch.exp(log_ratio)
     cov, n = _covariance(logprobs, adv, m, comm)
     k = max(1, int(cfg.kl_cov_ratio * float(n)))
-    cov = torch.where(m, cov, torch.full((), float("-inf"), device=m.device))
-    chosen = m & (cov >= _kth(cov.flatten(), k, largest=True, comm=comm))
+    chosen = _top_k(torch.where(m, cov, torch.full((), float("-inf"), device=m.device)), m, k, comm)
     token_loss = -adv * ratio + torch.where(chosen, cfg.kl_cov_coef * log_ratio.abs(), 0.0)
     stats = ratio_stats(log_ratio, ratio, m, clipfrac=torch.zeros((), device=m.device), cov_frac=masked_mean(chosen.float(), m))
     return _agg(_zero(token_loss, m), m, cfg), stats

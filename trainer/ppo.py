@@ -39,6 +39,7 @@ __all__ = [
     "compute_gae",
     "discounted_returns",
     "aggregate_loss",
+    "response_rows",
     "policy_loss",
     "clipped_surrogate",
     "value_loss",
@@ -60,10 +61,12 @@ MAX_LOG_RATIO = 20.0
 @dataclass(frozen=True)
 class Comm:
     """The collectives a loss over every rank's tokens needs (trainer.dist.comm); None = one process.
-    sum: a tensor summed over ranks; gather: equal-shaped tensors of every rank, concatenated along dim 0."""
+    sum: a tensor summed over ranks; gather: equal-shaped tensors of every rank, concatenated along dim 0 in rank
+    order; rank: this rank's place in that order (kl_cov takes tied tokens rank by rank)."""
 
     sum: Reduce
     gather: Callable[[Tensor], Tensor]
+    rank: int = 0
 
 
 def _as_bool(mask: Tensor) -> Tensor:
@@ -204,6 +207,13 @@ def discounted_returns(token_rewards: Tensor, response_mask: Tensor, gamma: floa
 
 # ----------------------------------------------------------------------------- losses
 
+def response_rows(response_mask: Tensor) -> Tensor:
+    """How many rows hold at least one response token (0-d int64): the count the per-response means divide by.
+    A row with none (every token masked by --mask_truncated 1, or empty) takes no part in the loss, so it is
+    no response of the mean either (verl's agg_loss: "exclude fully masked sequences")."""
+    return _as_bool(response_mask).any(dim=1).sum()
+
+
 def aggregate_loss(token_loss: Tensor, response_mask: Tensor, mode: str = "token_mean", max_len: int | None = None) -> Tensor:
     """Per-token losses [B, R] -> the scalar to minimise (the papers differ here):
 
@@ -213,19 +223,23 @@ def aggregate_loss(token_loss: Tensor, response_mask: Tensor, mode: str = "token
       over responses, so a long response's tokens weigh less;
     seq_mean_token_sum: each response's token sum, mean over responses;
     seq_mean_token_sum_norm (Dr. GRPO): token sums divided by a constant, `max_len`, not by each
-      response's own length, which removes GRPO's length bias."""
+      response's own length, which removes GRPO's length bias; then the mean over responses (so
+      divided by the response count as well as by `max_len`).
+
+    The per-response means are over the rows with at least one real token (`response_rows`): a row
+    with none adds nothing and is not counted (as verl's agg_loss), so masking rows does not shrink the step."""
     m = _as_bool(response_mask)
     if mode == "token_mean":
         return masked_mean(token_loss, m)
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss aggregation {mode!r}: expected one of {', '.join(LOSS_AGG_MODES)}")
+    if mode == "seq_mean_token_sum_norm" and not max_len:
+        raise ValueError("seq_mean_token_sum_norm needs max_len (the generation budget)")
+    n_rows = response_rows(m).clamp(min=1)
     if mode == "seq_mean_token_mean":
-        return masked_mean(token_loss, m, dim=1).mean()
-    if mode == "seq_mean_token_sum":
-        return _zero_pads(token_loss, m).sum(dim=1).mean()
-    if mode == "seq_mean_token_sum_norm":
-        if not max_len:
-            raise ValueError("seq_mean_token_sum_norm needs max_len (the generation budget)")
-        return _zero_pads(token_loss, m).sum(dim=1).mean() / max_len
-    raise ValueError(f"unknown loss aggregation {mode!r}: expected one of {', '.join(LOSS_AGG_MODES)}")
+        return masked_mean(token_loss, m, dim=1).sum() / n_rows  # an empty row's token mean is 0
+    mean_row_sum = _zero_pads(token_loss, m).sum(dim=1).sum() / n_rows
+    return mean_row_sum if mode == "seq_mean_token_sum" else mean_row_sum / max_len
 
 
 def policy_loss(

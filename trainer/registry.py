@@ -45,6 +45,8 @@ class PolicyLossSpec:
     paper: str
     loss_agg: str  # --loss_agg_mode auto: the paper's aggregation
     agg_fixed: bool  # the loss is defined per sequence: no other --loss_agg_mode
+    seq_advantages: bool = False  # needs one advantage per response (equal on its tokens): no KL in the reward,
+    #                               no discount (validate refuses what would vary it per token)
 
 
 ADVANTAGE_ESTIMATORS: dict[str, EstimatorSpec] = {}
@@ -63,11 +65,12 @@ def register_estimator(name: str, *, needs_critic: bool, needs_groups: bool, whi
 
 
 def register_policy_loss(name: str, *, paper: str, estimators: tuple[str, ...] | None = None, needs_groups: bool = False,
-                         loss_agg: str = "token_mean", agg_fixed: bool = False) -> Callable[[PolicyLossFn], PolicyLossFn]:
+                         loss_agg: str = "token_mean", agg_fixed: bool = False,
+                         seq_advantages: bool = False) -> Callable[[PolicyLossFn], PolicyLossFn]:
     def deco(fn: PolicyLossFn) -> PolicyLossFn:
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is registered twice")
-        POLICY_LOSSES[name] = PolicyLossSpec(name, fn, estimators, needs_groups, paper, loss_agg, agg_fixed)
+        POLICY_LOSSES[name] = PolicyLossSpec(name, fn, estimators, needs_groups, paper, loss_agg, agg_fixed, seq_advantages)
         return fn
     return deco
 

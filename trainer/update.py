@@ -8,6 +8,7 @@ early stop on approx-KL), and the optimizer step with its non-finite guard.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import warnings
 
@@ -17,7 +18,7 @@ import torch
 from trainer import dist as D
 from trainer.config import Config
 from trainer.parallel import run_side_by_side
-from trainer.ppo import aggregate_loss, explained_variance, kl_penalty, value_loss
+from trainer.ppo import aggregate_loss, explained_variance, kl_penalty, response_rows, value_loss
 from trainer.registry import policy_loss_spec
 from trainer.rollout import Rollout, attention_implementation, critic_forward, policy_forward
 from trainer.runtime import Models, Optim, Phase, Runtime, on
@@ -74,12 +75,13 @@ def minibatch_backward(cfg: Config, ro: Rollout, mb: torch.Tensor, m: Models, op
     """Gradients of one minibatch, summed over --accumulation_steps micro-batches. Returns whether a
     loss was non-finite and the minibatch's approx-KL (token mean over every rank)."""
     info = rt.info
-    # Losses are token sums over the GLOBAL token count of the minibatch (row sums over the global row
-    # count for the per-sequence --loss_agg_mode), so DDP's gradient mean equals the single-process
-    # mean whatever each rank's share of tokens.
+    # Losses are token sums over the GLOBAL token count of the minibatch (row sums over the global count
+    # of rows with a token for the per-sequence --loss_agg_mode: a row with none, masked by --mask_truncated,
+    # is no response of the mean), so DDP's gradient mean equals the single-process mean whatever each
+    # rank's share of tokens and of masked rows.
     n_tokens = D.sum_global(ro.response_mask[mb].sum(), info).clamp(min=1)
     per_token = cfg.loss_agg_mode == "token_mean"
-    n_rows = len(mb) * info.world_size  # every rank's minibatch has the same number of rows
+    n_rows = None if per_token else D.sum_global(response_rows(ro.response_mask[mb]), info).clamp(min=1)
     approx_kl_sum = torch.zeros((), device=rt.device)
     bad = torch.zeros((), dtype=torch.bool, device=rt.device)
     for k, ub in enumerate(mb.split(cfg.mini_batch_size // cfg.accumulation_steps)):
@@ -87,7 +89,8 @@ def minibatch_backward(cfg: Config, ro: Rollout, mb: torch.Tensor, m: Models, op
         sync = k == cfg.accumulation_steps - 1  # DDP all-reduces gradients on the last micro-batch only
         ctx = contextlib.nullcontext() if sync or not info.enabled else D.no_sync(m.actor_train, m.critic_train)
         scale = part.response_mask.sum() / n_tokens * info.world_size
-        pg_scale = scale if per_token else len(ub) / n_rows * info.world_size  # this micro-batch's share of rows
+        # this micro-batch's share of the rows with a token (its loss is a mean over those)
+        pg_scale = scale if per_token else response_rows(part.response_mask) / n_rows * info.world_size
         # Actor and critic share no parameters, so each loss gets its own backward: only one
         # graph's activations are alive at a time (the peak-memory term at 512x8), same gradients;
         # with --parallel_update they run side by side on two cores (two graphs alive).
@@ -119,8 +122,10 @@ def actor_backward(cfg: Config, actor, part: Rollout, scale: torch.Tensor | floa
             logprobs, entropy = policy_forward(actor, part.sequences, part.attention_mask, part.response_len,
                                                cfg.sample_temperature, with_entropy=cfg.entropy_coef > 0)
         agg = functools.partial(aggregate_loss, response_mask=part.response_mask, mode=cfg.loss_agg_mode, max_len=cfg.max_gen_len)
+        comm = D.comm(rt.info)
+        comm = comm and dataclasses.replace(comm, rank=rt.info.rank)  # kl_cov takes tied tokens rank by rank
         pg_loss, pg_stats = policy_loss_spec(cfg.policy_loss).fn(logprobs, part.old_logprobs, part.advantages,
-                                                                 part.response_mask, cfg, D.comm(rt.info))
+                                                                 part.response_mask, cfg, comm)
         loss = pg_loss * scale
         if cfg.kl_placement == "loss":
             kl = agg(kl_penalty(logprobs, part.ref_logprobs, cfg.kl_estimator))

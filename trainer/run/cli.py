@@ -280,6 +280,24 @@ def resolve(raw: Config, info: DistInfo, mc: object | None = _UNREAD) -> Config:
 DEVICE_FLAG = re.compile(r"cpu|cuda(:\+?\d+)?|")  # --ref_device / --critic_device / --reward_device
 
 
+def seq_advantage_checks(cfg: Config, est, loss) -> list[tuple[bool, str]]:
+    """A loss that needs one advantage per response (gspo, gmpo: the registry's seq_advantages) against what would
+    make the estimator's advantage vary per token: the KL in the reward (the KL to go differs per token) or a
+    discount (the score discounted back from the last token). GMPO would average it silently."""
+    if est is None or loss is None or not loss.seq_advantages:
+        return []
+    need = f"--policy_loss {cfg.policy_loss} needs one advantage per response:"
+    placement = est.kl_placement if cfg.kl_placement == "auto" else cfg.kl_placement
+    who = f"--advantage_estimator {cfg.advantage_estimator}" if cfg.kl_placement == "auto" else "--kl_placement reward"
+    kl_free = cfg.kl_coef == 0 and not cfg.adaptive_kl  # a KL reward of 0 x KL varies nothing
+    return [
+        (placement != "reward" or kl_free,
+         f"{need} {who} puts the KL in the reward (per token); {'add' if cfg.kl_placement == 'auto' else 'use'} "
+         f"--kl_placement loss"),
+        (cfg.gamma == 1, f"{need} --gamma {cfg.gamma} discounts the score per token; use --gamma 1"),
+    ]
+
+
 def fsdp2_checks(cfg: Config) -> list[tuple[bool, str]]:
     """What --strategy fsdp2 does not combine with, as validate's (ok, message) pairs."""
     if cfg.strategy != "fsdp2":
@@ -340,6 +358,7 @@ def validate(cfg: Config) -> None:
         (loss is None or loss.estimators is None or cfg.advantage_estimator in loss.estimators,
          f"--policy_loss {cfg.policy_loss} pairs with --advantage_estimator {' / '.join(loss.estimators or ())} only "
          f"(it needs one advantage per response, compared within its group)"),
+        *seq_advantage_checks(cfg, est, loss),
         (loss is None or not loss.agg_fixed or cfg.loss_agg_mode in ("auto", loss.loss_agg),
          f"--loss_agg_mode {cfg.loss_agg_mode}: --policy_loss {cfg.policy_loss} is defined per response "
          f"({loss.loss_agg if loss else ''}); drop --loss_agg_mode"),
