@@ -324,7 +324,7 @@ def _loss_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         # Covariances that all tie: k = 6 of the 8 tokens, rank 0's 4, then rank 1's first 2.
         t_lp, t_old, t_adv, t_mask = _tied_cov_batch()
         t_rows = slice(rank * 2, rank * 2 + 2)
-        comm = dataclasses.replace(D.comm(info), rank=rank)  # as trainer/update.py passes it
+        comm = D.comm(info)  # it knows its rank (kl_cov takes tied tokens rank by rank)
         out["tied"] = _scaled("kl_cov", t_lp[t_rows], t_old[t_rows], t_adv[t_rows], t_mask[t_rows], cfg(kl_cov_ratio=0.75),
                               comm, world, 8.0, 4)
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")

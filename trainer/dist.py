@@ -192,4 +192,4 @@ def comm(info: DistInfo) -> Comm | None:
         out = [torch.empty_like(t) for _ in range(info.world_size)]
         dist.all_gather(out, t.contiguous())
         return torch.cat(out)
-    return Comm(sum=reduce, gather=gather)
+    return Comm(sum=reduce, gather=gather, rank=info.rank)

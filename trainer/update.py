@@ -8,7 +8,6 @@ early stop on approx-KL), and the optimizer step with its non-finite guard.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import warnings
 
@@ -123,7 +122,6 @@ def actor_backward(cfg: Config, actor, part: Rollout, scale: torch.Tensor | floa
                                                cfg.sample_temperature, with_entropy=cfg.entropy_coef > 0)
         agg = functools.partial(aggregate_loss, response_mask=part.response_mask, mode=cfg.loss_agg_mode, max_len=cfg.max_gen_len)
         comm = D.comm(rt.info)
-        comm = comm and dataclasses.replace(comm, rank=rt.info.rank)  # kl_cov takes tied tokens rank by rank
         pg_loss, pg_stats = policy_loss_spec(cfg.policy_loss).fn(logprobs, part.old_logprobs, part.advantages,
                                                                  part.response_mask, cfg, comm)
         loss = pg_loss * scale
