@@ -180,11 +180,13 @@ def main(argv: list[str] | None = None) -> dict:
                     times[name].append(t)
     med = {k: statistics.median(v) for k, v in times.items()}
     res = {"size": o.size, "dtype": o.dtype, "variant": o.variant, "threads": torch.get_num_threads(),
-           "cache_dir": o.cache_dir, "compile_plus_first_rollouts_s": compile_s, "first_compiled_call_s": first_step_s, "median_rollout_s": med,
+           "cache_dir": o.cache_dir, "compile_plus_first_rollouts_s": compile_s, "first_compiled_call_s": first_step_s,
+           "median_rollout_s": med,
            "all_s": times, "max_logit_gap_compiled": gap, "max_logit_gap_static": gap_static,
            "loadavg": os.getloadavg()}
     print(f"{o.size} {o.dtype} {o.variant} (threads {res['threads']}, cache {'on: ' + o.cache_dir if o.cache_dir else 'default'}): "
-          f"first compiled call (compiles) {first_step_s:.1f} s, compile + 2 rollouts {compile_s:.1f} s; per rollout of {R} tokens: fast {med['fast']:.3f} s, static eager "
+          f"first compiled call (compiles) {first_step_s:.1f} s, compile + 2 rollouts {compile_s:.1f} s; "
+          f"per rollout of {R} tokens: fast {med['fast']:.3f} s, static eager "
           f"{med['static']:.3f} s, compiled {med['compiled']:.3f} s; max logit gap vs fast: compiled {gap:.2e}, "
           f"static {gap_static:.2e}; load {res['loadavg'][0]:.1f}", flush=True)
     if o.json:

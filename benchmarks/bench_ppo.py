@@ -15,7 +15,8 @@
     python benchmarks/bench_ppo.py --sizes 512x8 --dtypes bfloat16 --minimind_s_per_step 8.8
                                                          # our speed-up against MiniMind measured beside it
 
-What is measured. Every configuration (with --interleave 1: every group of one size) runs in a fresh subprocess (so peak RSS is per config), builds
+What is measured. Every configuration (with --interleave 1: every group of one size) runs in a fresh subprocess
+(so peak RSS is per config), builds
 the run with `trainer.run.setup.setup`, as `train_ppo.main()` does, from a namespace made by
 `train_ppo.parse_args` (random init: `--from_weight none`), then runs `--warmup` untimed steps and
 `--steps` timed steps of `make_experience` + `ppo_update`, refreshing the old actor like main()'s
@@ -503,11 +504,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--actor_path", default=None,
       help="a local HF causal-LM directory (e.g. out/smollm2_135m_instruct), benchmarked with its own weights instead of --sizes")
     a("--dtypes", default=None, help="comma list of float32,bfloat16 (default both; --quick: bfloat16)")
-    a("--update_old_actor_freq", default=None, help="comma list of old-actor modes: 0 = no copy, N = frozen copy refreshed every N steps (default 0,1; --quick: 0)")
+    a("--update_old_actor_freq", default=None,
+      help="comma list of old-actor modes: 0 = no copy, N = frozen copy refreshed every N steps (default 0,1; --quick: 0)")
     a("--frozen_low_precision", default="1", help="comma list of 0/1: reference/old actor/RM held in --dtype")
     a("--use_compile", default="0", help="comma list of 0/1: torch.compile the training forward (actor_train, critic_train)")
     a("--num_threads", default="0", help="comma list of torch thread counts (0 = torch default)")
-    a("--parallel_update", default="-1", help="comma list of -1/0/1: actor and critic update side by side on one core each (-1 = train_ppo's auto)")
+    a("--parallel_update", default="-1",
+      help="comma list of -1/0/1: actor and critic update side by side on one core each (-1 = train_ppo's auto)")
     a("--reuse_values", default="1",
       help="comma list of 1/0: with one epoch of one minibatch (the bench's shape) the critic's scoring forward is the "
            "update's (1, the trainer's rule) or the update runs its own (0)")
@@ -565,7 +568,8 @@ def expand_configs(o: argparse.Namespace) -> list[dict]:
     matrix = itertools.product(sizes, ints(o.num_threads), ints(o.use_compile), ints(o.frozen_low_precision),
                                dtypes, old_modes, ints(o.parallel_update), ints(o.lora_r), ints(o.reuse_values), strategies)
     return [{
-        "name": Path(o.actor_path).name if o.actor_path else f"{h}x{l}", "hidden": h, "layers": l, "actor_path": o.actor_path, "dtype": d, "update_old_actor_freq": old,
+        "name": Path(o.actor_path).name if o.actor_path else f"{h}x{l}", "hidden": h, "layers": l, "actor_path": o.actor_path,
+        "dtype": d, "update_old_actor_freq": old,
         "frozen_low_precision": flp, "use_compile": comp, "num_threads": threads, "parallel_update": par,
         "batch_size": o.batch_size, "prompt_len": o.prompt_len, "gen_len": o.gen_len,
         "prompts": o.prompts, "steps": steps, "warmup": o.warmup, "count_flops": o.count_flops,

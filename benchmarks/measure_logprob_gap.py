@@ -70,10 +70,10 @@ import torch  # noqa: E402
 
 import train_ppo as T  # noqa: E402
 from dataset.rlaif import collate_left_pad  # noqa: E402
-from trainer.ppo import masked_mean, policy_loss  # noqa: E402
 from model.lora import base_of  # noqa: E402
-from trainer.rollout import Rollout, attention_implementation, policy_forward  # noqa: E402
 from trainer.dist import DistInfo  # noqa: E402
+from trainer.ppo import masked_mean, policy_loss  # noqa: E402
+from trainer.rollout import Rollout, attention_implementation, policy_forward  # noqa: E402
 from trainer.run.distributed import resolve_device  # noqa: E402
 from trainer.run.phases import phases  # noqa: E402
 from trainer.run.setup import Setup, setup  # noqa: E402

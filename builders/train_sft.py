@@ -42,11 +42,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from dataset.rlaif import render_prompt  # noqa: E402
-from trainer.multiturn import observation  # noqa: E402
-from trainer.tools import ToolError, load_tools  # noqa: E402
-from trainer.run.hardware import cpu_native_bf16  # noqa: E402
 from model.loader import build_minimind, load_tokenizer  # noqa: E402
 from model.weights import WeightsError, load_native_weights, native_weight_path, save_native_weights  # noqa: E402
+from trainer.multiturn import observation  # noqa: E402
+from trainer.run.hardware import cpu_native_bf16  # noqa: E402
+from trainer.tools import ToolError, load_tools  # noqa: E402
 
 IGNORE_INDEX = -100
 THINK_PREFIX = "<think>\n"

@@ -21,7 +21,8 @@ def trunk_of(policy: nn.Module) -> nn.Module:
     policy = getattr(policy, "module", policy)
     trunk = getattr(policy, getattr(policy, "base_model_prefix", "model"), None)
     if trunk is None or trunk is policy:
-        raise ValueError(f"cannot find the trunk of {type(policy).__name__} (no `{getattr(policy, 'base_model_prefix', 'model')}` attribute)")
+        prefix = getattr(policy, "base_model_prefix", "model")
+        raise ValueError(f"cannot find the trunk of {type(policy).__name__} (no `{prefix}` attribute)")
     return trunk
 
 

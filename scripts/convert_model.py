@@ -34,7 +34,11 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import (  # noqa: E402
-    AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, GenerationConfig, PreTrainedConfig,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    GenerationConfig,
+    PreTrainedConfig,
     PreTrainedTokenizerBase,
 )
 
@@ -150,7 +154,8 @@ def read_critic_state(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ConvertError(f"--critic_resume {path}: cannot be read safely ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ConvertError(f"--critic_resume {path}: cannot be read safely ({type(e).__name__}: {first})") from None
     if isinstance(obj, dict):
         for key in ("critic", "critic_model"):
             if isinstance(obj.get(key), dict):

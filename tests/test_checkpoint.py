@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tests.helpers import deep_equal, make_tiny_world, read_metrics, run_main, run_train, sigkill_after, spawn_train, tiny_flags
-from trainer.run.distributed import shard_batches
 from trainer.run import checkpoint as ckpt
+from trainer.run.distributed import shard_batches
 
 PREFIX = "ppo_actor_64_resume"
 TIMING_KEYS = ("time", "tokens_per_s")  # plus every "time/..." key

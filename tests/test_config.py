@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from trainer import config as config_mod
-from trainer.run import cli as C
 from trainer.registry import ADVANTAGE_ESTIMATORS, policy_loss_spec
+from trainer.run import cli as C
 from trainer.runtime import DistInfo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,8 +156,8 @@ def test_resolve_fills_every_auto_and_is_frozen():
     cfg = C.resolve(C.parse_args([]), DistInfo())
     flat = cfg.flat()
     # --arch auto is read off the weights file as it loads (model/loader.py), not a rule to resolve here.
-    assert {k for k, v in flat.items() if v == "auto"} == {"arch"} and -1 not in (flat["parallel_update"], flat["save_merged"], flat["reuse_values"],
-                                                       flat["frozen_low_precision"])
+    assert {k for k, v in flat.items() if v == "auto"} == {"arch"}
+    assert -1 not in (flat["parallel_update"], flat["save_merged"], flat["reuse_values"], flat["frozen_low_precision"])
     assert (cfg.dtype, cfg.kl_placement, cfg.kl_estimator, cfg.clip_epsilon_high) == ("float32", "reward", "k1", 0.2)
     assert cfg.eval_data_path == "dataset/demo_eval.jsonl" and cfg.save_merged == 1 and cfg.train_attn is None
     assert C.resolve(cfg, DistInfo()) is cfg  # once

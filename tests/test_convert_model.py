@@ -12,8 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (
-    AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer, LlamaForCausalLM, Qwen3Config,
-    Qwen3ForCausalLM, Qwen3MoeForCausalLM,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
 )
 
 from model.critic import CriticModel

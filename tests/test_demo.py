@@ -67,9 +67,9 @@ def test_short_default_ppo_improves_format_and_accuracy_beyond_noise(tmp_path):
 def test_shipped_reward_model_meets_its_held_out_pair_accuracy():
     """The README's figure for out/demo_rm, through the exact scorer PPO uses, on the held-out pairs
     regenerated from the seeded generator (the same rows builders/make_demo_data.py writes)."""
+    from builders.train_reward_model import pair_accuracy, score_pairs
     from dataset.demo_task import generate_all
     from model.loader import load_reward_model
-    from builders.train_reward_model import pair_accuracy, score_pairs
     from trainer.reward_model import RewardModelScorer
 
     rows = generate_all(0, n_train=0, n_eval=0, n_sft=0, n_pairs=0)["demo_pairs_eval"]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, deep_equal, resume_state, free_port, make_tiny_world, read_metrics, run_train, spawn_ranks, tiny_flags
+from tests.helpers import ROOT, deep_equal, free_port, make_tiny_world, read_metrics, resume_state, run_train, spawn_ranks, tiny_flags
 from trainer import dist as D
 from trainer.ppo import explained_variance, masked_whiten
 from trainer.run import distributed
@@ -309,7 +309,8 @@ def test_collectives_over_two_gloo_processes(tmp_path):
         assert res["ev"] == pytest.approx(explained_variance(values, x, mask), abs=1e-6)
         assert res["gathered"] == [{"rank": 0}, {"rank": 1}] and res["bcast"] == "from 0"
         # Different metric keys: refused on every rank, naming them, instead of mismatched all-reduces.
-        assert res["keys"] == "ranks logged different metric keys (beyond the common ones: {0: ['only_on_0'], 1: ['only_on_1']}); every rank must log the same keys"
+        assert res["keys"] == ("ranks logged different metric keys (beyond the common ones: {0: ['only_on_0'], "
+                               "1: ['only_on_1']}); every rank must log the same keys")
 
 
 # ------------------------------------------------------------------ two "nodes" of CUDA ranks, driven on CPU

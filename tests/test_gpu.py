@@ -156,8 +156,8 @@ def test_sampled_logprobs_match_policy_forward_on_cuda_bf16():
     token at the clip boundary (|log ratio| < log 1.2), i.e. the first update does not clip on noise."""
     import train_ppo as T
     from dataset.rlaif import RLAIFDataset, collate_left_pad, read_rlaif_jsonl
-    from trainer.rollout import attention_implementation, policy_forward
     from trainer.dist import DistInfo
+    from trainer.rollout import attention_implementation, policy_forward
     from trainer.run.setup import setup
 
     args = T.parse_args(["--device", "cuda", "--dtype", "bfloat16", "--from_weight", "full_sft",

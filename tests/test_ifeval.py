@@ -40,7 +40,8 @@ CASES = [
     ({"type": "number_bullets", "num": 2}, "1. first\n2. second", False),
     ({"type": "keyword_frequency", "keyword": "sea", "relation": "at least", "num": 2}, "The Sea and the sea.", True),
     ({"type": "keyword_frequency", "keyword": "sea", "relation": "at least", "num": 2}, "The season.", False),
-    ({"type": "keyword_frequency", "keyword": "sea", "relation": "at least", "num": 2}, "The season by the sea.", True),  # a regex: substrings count
+    # a regex: substrings count
+    ({"type": "keyword_frequency", "keyword": "sea", "relation": "at least", "num": 2}, "The season by the sea.", True),
     ({"type": "keyword_frequency", "keyword": "sea", "relation": "less than", "num": 2}, "The sea.", True),
     ({"type": "title"}, "<<Ode to the Sea>>\nThe waves...", True),
     ({"type": "title"}, "<<>> nothing inside", False),

@@ -16,8 +16,19 @@ import pytest
 import torch
 
 from tests.helpers import (
-    ROOT, build_update_world, deep_equal, make_tiny_world, param_snapshot, read_metrics, run_experience, run_main, run_update,
-    resume_state, sigkill_after, spawn_train, tiny_flags,
+    ROOT,
+    build_update_world,
+    deep_equal,
+    make_tiny_world,
+    param_snapshot,
+    read_metrics,
+    resume_state,
+    run_experience,
+    run_main,
+    run_update,
+    sigkill_after,
+    spawn_train,
+    tiny_flags,
 )
 from tests.test_checkpoint import PREFIX, _name
 from trainer.run import checkpoint as ckpt

@@ -13,8 +13,18 @@ import torch
 
 from model.lora import AdapterSnapshot, AdaptersOff, base_of, check_targets, is_lora, merged_state_dict, trainable
 from tests.helpers import (
-    ROOT, build_update_world, deep_equal, make_tiny_world, read_metrics, run_experience, run_main, run_train,
-    run_update, sigkill_after, spawn_train, tiny_flags,
+    ROOT,
+    build_update_world,
+    deep_equal,
+    make_tiny_world,
+    read_metrics,
+    run_experience,
+    run_main,
+    run_train,
+    run_update,
+    sigkill_after,
+    spawn_train,
+    tiny_flags,
 )
 from trainer.rollout import policy_forward
 from trainer.run import checkpoint as ckpt

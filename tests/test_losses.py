@@ -3,7 +3,6 @@ before exp(), 2 gloo processes against one process with the doubled batch, and t
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from pathlib import Path
@@ -14,10 +13,10 @@ import torch
 
 from tests.helpers import spawn_ranks
 from trainer import dist as D
-from trainer.run.cli import parse_args, resolve
 from trainer.ppo import kl_penalty, response_rows
-from trainer.registry import POLICY_LOSSES, policy_loss_names, policy_loss_spec
+from trainer.registry import policy_loss_names, policy_loss_spec
 from trainer.run import distributed
+from trainer.run.cli import parse_args, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 LOSSES = ("vanilla", "dual_clip", "cispo", "gspo", "gmpo", "clip_cov", "kl_cov", "sapo")

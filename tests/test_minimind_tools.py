@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from dataset.minimind_tools import (calculate_math, get_current_time, get_current_weather, get_exchange_rate,
-                                    translate_text, unit_converter)
+from dataset.minimind_tools import calculate_math, get_current_time, get_current_weather, get_exchange_rate, translate_text, unit_converter
 from dataset.rlaif import read_rlaif_jsonl
 from tests.helpers import ROOT
 from trainer.run.setup import check_tool_rows

@@ -12,17 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
+import trainer.estimators  # noqa: F401 - registers the estimators
+import trainer.losses  # noqa: F401 - registers the losses
 from dataset.rlaif import PromptRecord, RLAIFDataset, collate_left_pad
 from model.generation import Samples
 from model.loader import load_tokenizer
 from tests.helpers import ROOT, read_metrics, run_train, sigkill_after, spawn_train
 from trainer import multiturn
-from trainer.ppo import compute_gae, compute_token_rewards
-import trainer.estimators  # noqa: F401 - registers the estimators
-import trainer.losses  # noqa: F401 - registers the losses
-from trainer.run.cli import parse_args, resolve
 from trainer.dist import DistInfo
+from trainer.ppo import compute_gae, compute_token_rewards
 from trainer.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from trainer.run.cli import parse_args, resolve
 from trainer.tools import ToolRunner, load_tools
 
 TOOLS = ROOT / "dataset" / "demo_tools.py"

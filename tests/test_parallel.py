@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.helpers import build_update_world, run_experience, run_update
-from trainer.run.hardware import use_parallel_update
 from trainer.parallel import run_side_by_side
+from trainer.run.hardware import use_parallel_update
 
 
 def test_side_by_side_runs_each_piece_single_threaded_and_keeps_order():

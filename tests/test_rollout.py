@@ -4,7 +4,6 @@ num_generations layout; plus a smoke run of benchmarks/bench_ppo.py."""
 from __future__ import annotations
 
 import argparse
-
 import contextlib
 import json
 import math
@@ -21,8 +20,17 @@ from model.critic import CriticModel
 from model.generation import filter_logits, sample_from_logits
 from model.loader import build_minimind
 from tests.helpers import scramble
-from trainer.rollout import attention_implementation, critic_forward, forward_in_row_chunks, generate_rollout, logprobs_from_logits
-from trainer.rollout import cat_rollouts, group_has_signal, policy_forward, position_ids_from_mask
+from trainer.rollout import (
+    attention_implementation,
+    cat_rollouts,
+    critic_forward,
+    forward_in_row_chunks,
+    generate_rollout,
+    group_has_signal,
+    logprobs_from_logits,
+    policy_forward,
+    position_ids_from_mask,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PAD, EOS, V = 0, 2, 256

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-
-import pytest
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 

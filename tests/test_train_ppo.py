@@ -4,7 +4,6 @@ through the adapters in tests/helpers.py (values pinned by hand computations or 
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import math
 import os
@@ -18,8 +17,20 @@ import torch
 
 from model.weights import WeightsError
 from tests.helpers import (
-    ROOT, build_update_world, critic_values, lr_schedule, make_tiny_world, param_snapshot, policy_logprobs,
-    phase_for, read_metrics, run_experience, run_main, run_train, run_update, tiny_flags,
+    ROOT,
+    build_update_world,
+    critic_values,
+    lr_schedule,
+    make_tiny_world,
+    param_snapshot,
+    phase_for,
+    policy_logprobs,
+    read_metrics,
+    run_experience,
+    run_main,
+    run_train,
+    run_update,
+    tiny_flags,
 )
 from trainer.ppo import compute_gae, compute_token_rewards
 
@@ -122,7 +133,8 @@ def test_several_generations_per_prompt(world, tmp_path):
         assert row["reward/group_std"] == pytest.approx(want, rel=1e-5, abs=1e-7)
 
 
-# =========================================================================================# The update loop, in-process (through the adapters in tests/helpers.py): each flag's effect pinned
+# =========================================================================================
+# The update loop, in-process (through the adapters in tests/helpers.py): each flag's effect pinned
 # by value, against a hand computation or against the plain path. A random 64x2 policy, 4 prompts,
 # 8 new tokens, fp32, temperature 1 and a custom reward that differs between rows (low_id_share).
 

@@ -12,7 +12,11 @@ from pathlib import Path
 
 import torch
 from transformers import (
-    LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
 )
 
 from tests.helpers import byte_level_bpe

@@ -269,7 +269,9 @@ def select_groups(chosen: list[tuple[Sampled, int]], n: int, pad_token_id: int) 
     by_source: dict[int, list] = {}
     for src, g in chosen:
         by_source.setdefault(id(src), [src, []])[1].append(g)
-    parts, fields, responses, comps = [], {}, [], {}
+    parts, responses = [], []
+    fields: dict[str, list] = {}
+    comps: dict[str, list[torch.Tensor]] = {}
     for src, groups in by_source.values():
         idx, prompt_fields = src.rows(groups, n)
         parts.append((src.rollout, idx))

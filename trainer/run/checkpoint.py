@@ -30,16 +30,17 @@ from model.lora import LORA_FLAGS, actor_state_dict, load_actor_state_dict
 from model.weights import atomic_torch_save
 from trainer.dist import DistInfo, all_gather_objects
 from trainer.run.distributed import failing_together, on_main, one_line, stop_all
+from trainer.run.provenance import changed_inputs
 from trainer.run.seeding import seed_rngs
 from trainer.run.sharding import UnsafeShardsError, load_shards, stray_shards
-from trainer.run.provenance import changed_inputs
 
 FORMAT_VERSION = 1
 
 # Flags that change what the saved tensors mean or the algorithm's state: resuming with a
 # different value would silently train a different thing, so it is refused.
 INCOMPATIBLE_FLAGS = (
-    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "use_moe", "arch", "from_weight", "actor_path", "tokenizer_path",
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "use_moe", "arch", "from_weight", "actor_path",
+    "tokenizer_path",
     "data_path", "seed", "batch_size", "mini_batch_size", "num_generations", "ppo_update_iters",
     "update_old_actor_freq", "adaptive_kl", "kl_estimator", "kl_placement", "max_seq_len", "max_gen_len", "advantage_estimator",
     "filter_groups", "thinking_ratio", "system_prompt_ratio", "reward_norm", "strategy", *LORA_FLAGS,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
 import difflib
 import functools
 import inspect

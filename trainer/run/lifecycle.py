@@ -31,14 +31,12 @@ from dataset.rlaif import collate_left_pad
 from model.lora import export_base_hf, is_lora, merged_state_dict, save_adapter
 from model.weights import native_weight_path, save_native_weights
 from trainer import dist as D
-from trainer.run import sharding
-from trainer.run import checkpoint as ckpt
-from trainer.run import distributed
-from trainer.run import seeding
-from trainer.run.lock import FolderBusy, FolderLock
-from trainer.run.run_logger import RunLogger
-from trainer.run.provenance import append_resume_record, mark_run_end, rehash_inputs, write_run_json
 from trainer.config import Config
+from trainer.run import checkpoint as ckpt
+from trainer.run import distributed, seeding, sharding
+from trainer.run.lock import FolderBusy, FolderLock
+from trainer.run.provenance import append_resume_record, mark_run_end, rehash_inputs, write_run_json
+from trainer.run.run_logger import RunLogger
 from trainer.run.setup import Setup, actor_weights_path
 from trainer.run.signals import StopRequest
 

@@ -115,8 +115,8 @@ def write_run_json(run_dir: str | Path, *, args: dict, world_size: int, device: 
                    data_path: str | None, weight_paths: list[str], extra: dict | None = None,
                    run_id: str | None = None) -> dict:
     """Write <run_dir>/run.json for a fresh run and return its content (for the resume file).
-    Fields: run_id (also in every resume file of the run), start_time (ISO UTC), status "running", args, argv, code, versions, device, world_size,
-    seed, host, data (hash record or None), weights (hash records), extra."""
+    Fields: run_id (also in every resume file of the run), start_time (ISO UTC), status "running", args, argv, code, versions, device,
+    world_size, seed, host, data (hash record or None), weights (hash records), extra."""
     info: dict[str, Any] = {
         "run_id": run_id,
         "start_time": _now(),

@@ -20,23 +20,23 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dataset.rlaif import DataError, RLAIFDataset, tool_name, read_rlaif_jsonl
+from dataset.rlaif import DataError, RLAIFDataset, read_rlaif_jsonl, tool_name
 from model.critic import CriticModel
 from model.loader import eos_token_ids, load_policy, load_reward_model
 from model.lora import AdapterSnapshot, AdaptersOff, add_lora
 from model.weights import WeightsError, native_weight_path
 from trainer.config import Config
-from trainer.run.cli import resolve, validate
-from trainer.run.hardware import layer_matmul_params, model_config, resolve_precision
+from trainer.dist import DistInfo, all_gather_objects
 from trainer.ppo import AdaptiveKLController, FixedKLController, RewardNormalizer
 from trainer.reward_model import RewardModelScorer
 from trainer.rewards import load_reward_fn
-from trainer.tools import Toolbox, ToolRunner, load_tools
+from trainer.run.cli import resolve, validate
+from trainer.run.distributed import failing_together, gpu_identity, init_distributed, keep_until_exit, stop_all
+from trainer.run.hardware import layer_matmul_params, model_config, resolve_precision
 from trainer.run.seeding import seed_everything
 from trainer.run.sharding import shard_models
-from trainer.dist import DistInfo, all_gather_objects
-from trainer.run.distributed import failing_together, gpu_identity, init_distributed, keep_until_exit, stop_all
 from trainer.runtime import DTYPES, Models, Optim, Runtime, on  # noqa: F401 - re-exported for scripts
+from trainer.tools import Toolbox, ToolRunner, load_tools
 
 # torch 2.13 renamed DDP's broadcast_buffers (deprecated, a warning on every rank) to forward_sync_buffers.
 NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
@@ -181,8 +181,8 @@ def build_models(cfg: Config, device: torch.device, frozen_dtype: torch.dtype,
     rm_scorer = None
     if cfg.rm_weight and cfg.reward_model_path not in (None, "none"):
         devices = devices or {"ref": device, "critic": device, "reward": device}
-        rm_model, rm_tok = load_reward_model(cfg.reward_model_path, dtype=frozen_dtypes.get("reward", frozen_dtype), device=devices["reward"],
-                                             trust_remote_code=bool(cfg.trust_remote_code))
+        rm_model, rm_tok = load_reward_model(cfg.reward_model_path, dtype=frozen_dtypes.get("reward", frozen_dtype),
+                                             device=devices["reward"], trust_remote_code=bool(cfg.trust_remote_code))
         rm_scorer = RewardModelScorer(rm_model, rm_tok)
     actor.config.use_cache = True
     devices = devices or {"ref": device, "critic": device, "reward": device}

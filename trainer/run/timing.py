@@ -10,7 +10,6 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-
 SYNCED = frozenset({"step", "generate", "score", "update", "eval"})
 
 
