@@ -781,7 +781,7 @@ def _masked_rows_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             built = setup(T.parse_args([*UPDATE_BASE_FLAGS, *_estimator_flags(case, 2)]), info)
             torch.save(_estimator_update(built, half, local), Path(out_dir) / f"masked_{_case_name(case)}_rank{rank}.pt")
     finally:
-        D.cleanup(info)
+        distributed.cleanup(info)
 
 
 @pytest.mark.slow  # one pair of gloo processes (~20 s on 2 shared cores)
