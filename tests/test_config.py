@@ -1,64 +1,14 @@
-"""trainer/config.py (the typed config) and trainer/run/cli.py (its generated command line, presets, MiniMind's
-names, validation and resolve())."""
+"""trainer/config.py: the typed config, one flat frozen dataclass built from the documented groups."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
-import sys
-from pathlib import Path
+import re
 
 import pytest
 
 from trainer import config as config_mod
-from trainer.registry import ADVANTAGE_ESTIMATORS, policy_loss_spec
 from trainer.run import cli as C
-from trainer.runtime import DistInfo
-
-ROOT = Path(__file__).resolve().parents[1]
-FLAGS_V1 = json.loads((ROOT / "tests" / "fixtures" / "flags_v1.json").read_text())
-
-
-def _flat(cfg: config_mod.Config) -> dict:
-    out = cfg.flat()
-    out.pop("config")
-    return out
-
-
-def _as_before(flat: dict) -> dict:
-    """Settings that became `auto` since flags_v1, as resolve() fills them (the value the old parser gave)."""
-    if flat["loss_agg_mode"] == "auto":
-        flat = {**flat, "loss_agg_mode": policy_loss_spec(flat["policy_loss"]).loss_agg}
-    return flat
-
-
-def test_every_flag_of_the_previous_parser_parses_to_the_same_value():
-    """tests/fixtures/flags_v1.json was written by the hand-written parser this config replaced: its
-    defaults, a MiniMind command line, and every flag set to a non-default value one at a time."""
-    new_defaults = _as_before(_flat(C.parse_args([])))
-    old = FLAGS_V1["defaults"]
-    assert {k: new_defaults[k] for k in old} == old
-    for name, case in FLAGS_V1["cases"].items():
-        got = _as_before(_flat(C.parse_args(case["argv"])))
-        assert {k: got[k] for k in case["changed"]} == case["changed"], name
-        assert all(got[k] == old[k] for k in old if k not in case["changed"]), name
-
-
-def test_new_settings_default_to_the_previous_behaviour():
-    added = set(_flat(C.parse_args([]))) - set(FLAGS_V1["defaults"])
-    losses = {"clip_ratio_c", "cispo_max_weight", "gspo_clip_low", "gspo_clip_high", "gmpo_clip", "clip_cov_ratio", "clip_cov_lb",
-              "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef", "sapo_tau_pos", "sapo_tau_neg"}
-    minimind_grpo = {"loss_type", "beta", "epsilon", "epsilon_high"}
-    assert added == {"policy_loss", "reuse_values", "mask_truncated", "adv_std_unbiased", "adv_eps", "reward_norm",
-                     "reward_clip", "ifeval_weight", "strategy", "shard_frozen", "cpu_offload", *losses, *minimind_grpo,
-                     "tools", "max_turns", "max_total_len", "tool_timeout", "tool_error_penalty", "save_timeout", "hsdp"}
-    cfg = C.resolve(C.parse_args([]), DistInfo())
-    assert cfg.policy_loss == "vanilla" and cfg.reuse_values == 0 and cfg.loss_agg_mode == "token_mean"
-    assert (cfg.mask_truncated, cfg.adv_std_unbiased, cfg.adv_eps, cfg.reward_norm, cfg.reward_clip) == (0, 1, 1e-6, "none", 0.0)
-    assert all(getattr(cfg, k) is None for k in minimind_grpo)
-    assert (cfg.strategy, cfg.cpu_offload) == ("ddp", 0)  # DDP as before; --shard_frozen only matters under fsdp2
-    assert cfg.tools is None  # single-turn rollouts as before; the other tool settings only matter with --tools
 
 
 def test_each_field_has_a_docstring_and_names_are_unique():
@@ -73,7 +23,6 @@ def test_each_field_has_a_docstring_and_names_are_unique():
 
 def test_help_says_what_flags_do_without_figures():
     """Help strings say what a flag does and when to use it; measurements live in docs/."""
-    import re
     for cls, _ in config_mod.GROUPS.values():
         for name, doc in C.field_docs(cls).items():
             assert not re.search(r"\b\d+(\.\d+)?\s*(s|ms|MB|GB)\b|\d\s*->\s*\d", doc), f"--{name}: {doc}"
@@ -97,141 +46,3 @@ def test_settings_are_attributes_of_one_flat_frozen_dataclass():
         cfg.replace(clip_epslon=0.3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.clip_epsilon = 1.0  # type: ignore[misc]
-
-
-def test_yaml_preset_is_overridden_by_flags(tmp_path):
-    p = tmp_path / "p.yaml"
-    p.write_text("advantage_estimator: grpo\nnum_generations: 4\nppo:\n  clip_epsilon: 0.1\nfast_decode: false\n"
-                 "reward_fn: [a:f]\n")
-    cfg = C.parse_args(["--config", str(p), "--num_generations", "8"])
-    assert (cfg.advantage_estimator, cfg.num_generations, cfg.clip_epsilon, cfg.fast_decode) == ("grpo", 8, 0.1, 0)
-    assert cfg.reward_fn == ("a:f",) and cfg.config == str(p)
-    assert cfg.flat()["config"] == str(p)
-
-
-def test_python_preset(tmp_path):
-    p = tmp_path / "p.py"
-    p.write_text("import math\nbatch_size = 8\nmini_batch_size = 8\n_private = 1\nlearning_rate = 1e-5 * math.sqrt(4)\n")
-    cfg = C.parse_args(["--config", str(p)])
-    assert (cfg.batch_size, cfg.mini_batch_size, cfg.learning_rate) == (8, 8, 2e-5)
-
-
-@pytest.mark.parametrize("text,msg", [
-    ("cliprange: 0.1\n", "unknown setting 'cliprange' (did you mean cliprange_value?)"),
-    ("advantage_estimator: ppo2\n", "advantage_estimator: 'ppo2' is not one of"),
-    ("batch_size: 2.5\n", "batch_size: 2.5 is not a valid int"),
-    ("- a\n- b\n", "expected a mapping"),
-    ("a: [\n", "cannot read it"),
-])
-def test_bad_presets_are_one_line(tmp_path, text, msg):
-    p = tmp_path / "bad.yaml"
-    p.write_text(text)
-    with pytest.raises(SystemExit) as e:
-        C.parse_args(["--config", str(p)])
-    assert str(e.value).startswith(f"error: --config {p}: ") and msg in str(e.value) and "\n" not in str(e.value)
-
-
-@pytest.mark.slow
-def test_missing_preset_is_one_line_from_the_command_line(tmp_path):
-    r = subprocess.run([sys.executable, "train_ppo.py", "--config", "nope.yaml"], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode != 0 and r.stderr.strip() == "error: --config nope.yaml: file not found"
-
-
-def test_shipped_presets_parse_and_resolve(tmp_path):
-    from tests.tiny_hf import save_tiny_causal_lm
-
-    stand_in = tmp_path / "hf"  # a preset's --actor_path is imported by the user first (not in a fresh clone)
-    save_tiny_causal_lm(stand_in)
-    presets = sorted((ROOT / "configs").glob("*.yaml"))
-    assert {p.name for p in presets} >= {"demo.yaml", "grpo_demo.yaml", "smollm2_ifeval.yaml"}
-    for p in presets:
-        args = C.parse_args(["--config", str(p)])
-        if args.actor_path and not Path(args.actor_path).is_dir():
-            args = C.parse_args(["--config", str(p), "--actor_path", str(stand_in)])
-        cfg = C.resolve(args, DistInfo())
-        assert cfg.resolved and cfg.max_steps > 0, p
-
-
-def test_resolve_fills_every_auto_and_is_frozen():
-    cfg = C.resolve(C.parse_args([]), DistInfo())
-    flat = cfg.flat()
-    # --arch auto is read off the weights file as it loads (model/loader.py), not a rule to resolve here.
-    assert {k for k, v in flat.items() if v == "auto"} == {"arch"}
-    assert -1 not in (flat["parallel_update"], flat["save_merged"], flat["reuse_values"], flat["frozen_low_precision"])
-    assert (cfg.dtype, cfg.kl_placement, cfg.kl_estimator, cfg.clip_epsilon_high) == ("float32", "reward", "k1", 0.2)
-    assert cfg.eval_data_path == "dataset/demo_eval.jsonl" and cfg.save_merged == 1 and cfg.train_attn is None
-    assert C.resolve(cfg, DistInfo()) is cfg  # once
-
-
-@pytest.mark.parametrize("est", list(ADVANTAGE_ESTIMATORS))
-def test_kl_defaults_come_from_the_registry(est):
-    cfg = C.resolve(C.parse_args(["--advantage_estimator", est, "--num_generations", "2"]), DistInfo())
-    spec = ADVANTAGE_ESTIMATORS[est]
-    assert (cfg.kl_placement, cfg.kl_estimator) == (spec.kl_placement, spec.kl_estimator)
-    assert cfg.critic_free == (not spec.needs_critic)
-
-
-def test_minimind_debug_mode_and_use_wandb_resolve():
-    cfg = C.resolve(C.parse_args(["--debug_mode", "--debug_interval", "7", "--use_wandb", "0"]), DistInfo())
-    assert cfg.sample_interval == 7 and cfg.swanlab_mode == "disabled"
-
-
-def test_reuse_values_auto_and_refused_where_it_cannot_hold():
-    one = C.resolve(C.parse_args(["--batch_size", "4", "--mini_batch_size", "4"]), DistInfo())
-    assert one.reuse_values == 1
-    assert C.resolve(C.parse_args([]), DistInfo()).reuse_values == 0
-    with pytest.raises(SystemExit, match="--reuse_values 1 needs"):
-        C.resolve(C.parse_args(["--reuse_values", "1"]), DistInfo())
-
-
-def test_a_resumed_run_compares_resolved_values():
-    """An explicit value equal to what auto resolves to is the same run (a resume accepts it)."""
-    a = C.resolve(C.parse_args([]), DistInfo()).flat()
-    b = C.resolve(C.parse_args(["--kl_placement", "reward", "--dtype", "float32", "--clip_epsilon_high", "0.2"]), DistInfo()).flat()
-    assert {k: v for k, v in a.items() if a[k] != b[k]} == {}
-
-
-def test_the_reference_in_docs_is_the_configs_own():
-    """docs/configuration.md lists every setting as the dataclasses define it (regenerate with
-    trainer.run.cli.reference_markdown() after changing a field)."""
-    text = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
-    assert C.reference_markdown() in text
-
-
-@pytest.mark.parametrize("argv, says", [
-    (["--strategy", "fsdp2", "--lora_r", "8"], "--lora_r 8 under --strategy fsdp2"),
-    (["--strategy", "fsdp2", "--use_moe", "1"], "--use_moe 1 under --strategy fsdp2"),
-    (["--strategy", "fsdp2", "--use_compile", "1"], "--use_compile 1 under --strategy fsdp2"),
-    (["--strategy", "fsdp2", "--parallel_update", "1"], "--parallel_update 1 under --strategy fsdp2"),
-    (["--strategy", "fsdp2", "--ref_device", "cpu"], "--critic_device / --reward_device under --strategy fsdp2"),
-    (["--strategy", "fsdp2", "--cpu_offload", "1", "--device", "cpu"], "a CPU run has nothing to offload"),
-    (["--cpu_offload", "1"], "--cpu_offload 1 offloads FSDP2's shards: it needs --strategy fsdp2"),
-    (["--hsdp", "1"], "--hsdp 1 shards within a node and replicates across nodes: it needs --strategy fsdp2"),
-])
-def test_what_fsdp2_does_not_combine_with_is_one_line(argv, says):
-    with pytest.raises(SystemExit) as e:
-        C.validate(C.parse_args(argv))
-    assert str(e.value).startswith("error: ") and says in str(e.value) and "\n" not in str(e.value)
-
-
-def test_fsdp2_turns_the_side_by_side_update_off():
-    """Auto --parallel_update would run the actor's and critic's sharded backwards in two threads: off under fsdp2
-    even for one CPU process under bf16."""
-    import torch
-
-    info = DistInfo(device=torch.device("cpu"))
-    assert C.resolve(C.parse_args(["--dtype", "bfloat16", "--num_threads", "2"]), info, None).parallel_update == 1
-    assert C.resolve(C.parse_args(["--dtype", "bfloat16", "--num_threads", "2", "--strategy", "fsdp2"]), info, None).parallel_update == 0
-
-
-def test_minimind_flags_not_acted_on_say_so_in_one_line(capsys):
-    """MiniMind's --num_workers and --debug_log_ratio are accepted so its command lines run; set to anything but a
-    value that changes nothing (ours or MiniMind's default), each prints one line saying it is not acted on."""
-    for argv in ([], ["--num_workers", "8"], ["--num_workers", "0"]):
-        assert C.warn_unused(C.parse_args(argv)) == []
-    assert capsys.readouterr().err == ""
-    lines = C.warn_unused(C.parse_args(["--num_workers", "4", "--debug_log_ratio"]))
-    assert len(lines) == 2 and "--num_workers 4 is accepted for MiniMind's command lines and not acted on" in lines[0]
-    assert "--debug_log_ratio 1" in lines[1] and "ppo/ratio" in lines[1]
-    err = capsys.readouterr().err.splitlines()
-    assert err.count(lines[0]) == 2 and err.count(lines[1]) == 2  # printed by parse_args, then by the call

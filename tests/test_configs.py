@@ -1,4 +1,4 @@
-"""The shipped presets (configs/; tests/test_config.py resolves each one): the SmolLM2 + IFEval recipe runs end to
+"""The shipped presets (configs/; tests/test_cli.py resolves each one): the SmolLM2 + IFEval recipe runs end to
 end on a tiny Llama of SmolLM2's architecture (imported from a GGUF as the real one is): the IFEval reward and its
 per-type components, the held-out pass rate during training, a plain HF directory as output that
 AutoModelForCausalLM loads, scripts/chat.py talks to and scripts/eval_policy.py re-evaluates to the same figures."""
