@@ -438,7 +438,7 @@ def validate(cfg: Config) -> None:
 
 
 def reference_markdown() -> str:
-    """Every setting by group, as docs/configuration.md lists it (tests/test_config.py keeps the two equal)."""
+    """Every setting by group, as docs/configuration.md lists it (tests/test_cli.py keeps the two equal)."""
     out = []
     for _, (cls, title) in GROUPS.items():
         docs, hints = field_docs(cls), _hints(cls)
