@@ -8,6 +8,7 @@ and resume all read it), so the file costs ~4 process launches in all.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -944,3 +945,48 @@ def test_hsdp_on_one_node_is_refused_in_one_line():
     assert use_hsdp(0, D.DistInfo(world_size=16, local_world_size=8)) is False
     with pytest.raises(SystemExit, match="--hsdp 1 shards within a node and replicates across nodes, but this job runs on one node"):
         use_hsdp(1, one_node)
+
+
+def _turns_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One rank of a 2-process fsdp2 start on one node: when it built its models, and that it holds shards."""
+    from trainer.run import setup as S
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    spans = []
+    real_build = S._build
+
+    def timed_build(raw, info):
+        start = time.monotonic()
+        built = real_build(raw, info)
+        time.sleep(1.0)  # a build that takes a while: the other rank must not start meanwhile
+        spans.append((start, time.monotonic()))
+        return built
+
+    S._build = timed_build
+    flags = json.loads(Path(out_dir, "flags.json").read_text())
+    built = S.setup(T_parse(flags))
+    from trainer.dist import fsdp_modules
+    torch.save({"spans": spans, "sharded": bool(fsdp_modules(built.models.actor))}, Path(out_dir) / f"rank{rank}.pt")
+    distributed.cleanup(built.runtime.info)
+    os._exit(0)
+
+
+def T_parse(flags: list[str]):
+    import train_ppo as T
+
+    return T.parse_args(flags)
+
+
+@pytest.mark.slow  # 2 fresh interpreters building models
+def test_fsdp2_ranks_of_a_node_build_their_models_in_turns(tmp_path):
+    """Under fsdp2 every rank builds its models whole in host memory before sharding them: the ranks of a node take
+    turns, so the node holds one rank's whole models at a time, not every rank's at once."""
+    world = make_tiny_world(tmp_path / "w")
+    (tmp_path / "flags.json").write_text(json.dumps(tiny_flags(world, tmp_path, strategy="fsdp2")))
+    spawn_ranks(_turns_worker, 2, tmp_path, 240, "fsdp2 build in turns")
+    res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert all(r["sharded"] and len(r["spans"]) == 1 for r in res)
+    (a0, a1), (b0, b1) = res[0]["spans"][0], res[1]["spans"][0]
+    assert a1 <= b0 or b1 <= a0, "the two ranks built their models at the same time"

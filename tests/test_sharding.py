@@ -223,9 +223,9 @@ def test_fsdp2_builds_its_optimizers_over_the_shards_only(tmp_path, group_of_one
     alive_after_sharding: list[int] = []
     real_shard = S.shard_models
 
-    def shard_and_count(cfg, models, info):
+    def shard_and_count(cfg, models, info, mesh):
         originals.extend(weakref.ref(p) for p in [*models.actor.parameters(), *models.critic.parameters()])
-        real_shard(cfg, models, info)
+        real_shard(cfg, models, info, mesh)
         gc.collect()
         alive_after_sharding.append(sum(r() is not None for r in originals))
 

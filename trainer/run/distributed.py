@@ -191,18 +191,24 @@ def failing_together(info: D.DistInfo) -> Iterator[None]:
         stop_all(error, info)
 
 
-def main_writes(fn: Callable[[], None], info: D.DistInfo) -> None:
-    """fn() on rank 0 only (the resume file: 16-20 bytes per parameter, which on a slow shared filesystem can take
-    longer than --ddp_timeout) while the other ranks wait on a barrier of their own gloo group, whose timeout is
-    --save_timeout: not in a collective of the training group, which the NCCL watchdog (or gloo's own timeout)
-    would end at --ddp_timeout. A failure on rank 0 reaches every rank as in failing_together."""
+def in_turn(fn: Callable[[], None], info: D.DistInfo, mine: bool) -> None:
+    """fn() on the ranks whose turn it is (`mine`) while the others wait on a barrier of their own gloo group, whose
+    timeout is --save_timeout: not in a collective of the training group, which the NCCL watchdog (or gloo's own
+    timeout) would end at --ddp_timeout. Every rank reaches the barrier, also after a failure, which then reaches
+    every rank as in failing_together."""
     with failing_together(info):
         try:
-            if info.is_main:
+            if mine:
                 fn()
         finally:
             if info.enabled and _WAIT_GROUP:
                 dist.barrier(group=_WAIT_GROUP[0])
+
+
+def main_writes(fn: Callable[[], None], info: D.DistInfo) -> None:
+    """fn() on rank 0 only (the resume file: 16-20 bytes per parameter, which on a slow shared filesystem can take
+    longer than --ddp_timeout), the other ranks waiting outside the training group (`in_turn`)."""
+    in_turn(fn, info, info.is_main)
 
 
 def on_main(fn: Callable[[], T], info: D.DistInfo) -> T:

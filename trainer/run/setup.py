@@ -31,10 +31,10 @@ from trainer.ppo import AdaptiveKLController, FixedKLController, RewardNormalize
 from trainer.reward_model import RewardModelScorer
 from trainer.rewards import load_reward_fn
 from trainer.run.cli import resolve, validate
-from trainer.run.distributed import failing_together, gpu_identity, init_distributed, keep_until_exit, stop_all
+from trainer.run.distributed import failing_together, gpu_identity, in_turn, init_distributed, keep_until_exit, stop_all
 from trainer.run.hardware import layer_matmul_params, model_config, resolve_precision
 from trainer.run.seeding import seed_everything
-from trainer.run.sharding import shard_models
+from trainer.run.sharding import device_mesh, shard_models, use_hsdp
 from trainer.runtime import DTYPES, Models, Optim, Runtime, on  # noqa: F401 - re-exported for scripts
 from trainer.tools import Toolbox, ToolRunner, load_tools
 
@@ -272,19 +272,43 @@ def setup(raw: Config, info: DistInfo | None = None) -> Setup:
         info = init_distributed(raw.device, timeout_s=raw.ddp_timeout, cpu_collectives=bool(raw.cpu_offload),
                                 wait_timeout_s=raw.save_timeout,
                                 group_of_one=raw.strategy == "fsdp2")
-    with failing_together(info):  # rank-local work only: no collective runs inside
-        built = _build(raw, info)
+    if raw.strategy != "fsdp2":
+        with failing_together(info):  # rank-local work only: no collective runs inside
+            built = _build(raw, info)
+    else:
+        built = _build_sharded(raw, info)
     rt, cfg = built.runtime, built.cfg
     if info.enabled:
         check_devices_per_rank({"ref": rt.ref_device, "critic": rt.critic_device, "reward": rt.reward_device}, info)
         check_same_precision(cfg.dtype, cfg.frozen_dtype, info)
-    if cfg.strategy == "fsdp2":  # sharding replaces the parameters: the optimizers are built over the shards
-        shard_models(cfg, built.models, info)
+    if cfg.strategy == "fsdp2":  # sharding replaced the parameters: the optimizers are built over the shards
         built.optim = build_optim(cfg, built.models, rt.total_steps, DTYPES[cfg.dtype], info.device)
     wrap_for_training(cfg, built.models, info)  # DDP's constructor broadcasts rank 0's weights
     if info.enabled:
         keep_until_exit(built)  # freed by the process's exit, not by returning from main (a gloo hang)
     return built
+
+
+def _build_sharded(raw: Config, info: DistInfo) -> Setup:
+    """--strategy fsdp2: each rank builds its models whole in host memory and shards them (fully_shard is a local
+    step: each rank keeps its slice). Under torchrun the ranks of a node take turns, so a node's host memory holds
+    one rank's whole models at a time (all at once: 8 x actor, critic, reference and reward model, fp32, hundreds of
+    GB at 3B), while the others wait outside the training group's collective timeout."""
+    mesh = device_mesh(info, use_hsdp(raw.hsdp, info))  # a collective: every rank, before the turns
+    turns = (info.local_world_size or info.world_size) if info.enabled else 1
+    built: list[Setup] = []
+
+    def build_and_shard() -> None:
+        b = _build(raw, info)
+        shard_models(b.cfg, b.models, info, mesh)
+        built.append(b)
+
+    if turns == 1:
+        with failing_together(info):
+            build_and_shard()
+    for turn in range(turns if turns > 1 else 0):
+        in_turn(build_and_shard, info, info.local_rank == turn)
+    return built[0]
 
 
 def _rewards_beside_ifeval(cfg: Config, custom_fns: dict) -> bool:

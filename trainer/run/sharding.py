@@ -92,9 +92,9 @@ def shard(model: nn.Module, mesh: DeviceMesh, mp: MixedPrecisionPolicy | None = 
     return model
 
 
-def shard_models(cfg: Config, models: Models, info: DistInfo) -> None:
-    """Shard the run's models in place (before their optimizers are built: sharding replaces the parameters)."""
-    mesh = device_mesh(info, use_hsdp(cfg.hsdp, info))
+def shard_models(cfg: Config, models: Models, info: DistInfo, mesh: DeviceMesh) -> None:
+    """Shard the run's models in place over `mesh` (before their optimizers are built: sharding replaces the
+    parameters). No collective: each rank keeps its slice of each parameter."""
     gpu = info.device.type == "cuda"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if gpu and cfg.dtype == "bfloat16" else None
     offload = CPUOffloadPolicy() if cfg.cpu_offload else None
