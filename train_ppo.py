@@ -35,35 +35,27 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from model.fast_decode import reuse_decoder  # noqa: E402
-from trainer import dist as D  # noqa: E402
-from trainer.config import Config  # noqa: E402
-from trainer.evaluate import EvalSettings, evaluate_policy, training_metrics  # noqa: E402
-from trainer.multiturn import Episode, episode_components, generate_episodes  # noqa: E402
-from trainer.ppo import RewardNormalizer, kl_penalty, masked_whiten  # noqa: E402
-from trainer.registry import estimator_spec  # noqa: E402
-from trainer.rewards import RewardFnError, compute_rewards, overlong_penalty  # noqa: E402
-from trainer.rollout import (  # noqa: E402  # noqa: E402
-    Rollout,
-    Sampled,
-    attention_implementation,
-    critic_forward,
-    forward_in_row_chunks,
-    generate_rollout,
-    group_has_signal,
-    policy_forward,
-    rollout_metrics,
-    select_groups,
-)
-from trainer.run import distributed  # noqa: E402
-from trainer.run.cli import parse_args  # noqa: E402
-from trainer.run.lifecycle import Run  # noqa: E402
-from trainer.run.phases import phases  # noqa: E402
-from trainer.run.setup import setup  # noqa: E402
-from trainer.run.timing import PhaseTimer  # noqa: E402
-from trainer.runtime import Models, Phase, Runtime, on  # noqa: E402
-from trainer.tools import ToolRunner  # noqa: E402
-from trainer.update import ppo_update  # noqa: E402
+from model.fast_decode import reuse_decoder
+from trainer import dist as D
+from trainer.config import Config
+from trainer.evaluate import EvalSettings, evaluate_policy, training_metrics
+from trainer.multiturn import Episode, episode_components, generate_episodes
+from trainer.ppo import RewardNormalizer, kl_penalty, masked_whiten
+from trainer.registry import estimator_spec
+from trainer.rewards import RewardFnError, compute_rewards, overlong_penalty
+from trainer.rollout import Rollout, Sampled, attention_implementation, critic_forward, forward_in_row_chunks
+
+# isort: split
+from trainer.rollout import generate_rollout, group_has_signal, policy_forward, rollout_metrics, select_groups
+from trainer.run import distributed
+from trainer.run.cli import parse_args
+from trainer.run.lifecycle import Run
+from trainer.run.phases import phases
+from trainer.run.setup import setup
+from trainer.run.timing import PhaseTimer
+from trainer.runtime import Models, Phase, Runtime, on
+from trainer.tools import ToolRunner
+from trainer.update import ppo_update
 
 __all__ = ["parse_args", "main", "make_experience", "ppo_update"]
 

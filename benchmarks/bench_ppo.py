@@ -101,10 +101,10 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
-from trainer.run.hardware import cpu_native_bf16  # noqa: E402
-from trainer.run.timing import PhaseTimer  # noqa: E402
+from trainer.run.hardware import cpu_native_bf16
+from trainer.run.timing import PhaseTimer
 
 MB = 1024 * 1024
 # shared/notes/cpu-speed.md: MiniMind train_ppo.py, 512x8, same work, fp32, on another machine (an AMD EPYC).

@@ -66,18 +66,18 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
-import train_ppo as T  # noqa: E402
-from dataset.rlaif import collate_left_pad  # noqa: E402
-from model.lora import base_of  # noqa: E402
-from trainer.dist import DistInfo  # noqa: E402
-from trainer.ppo import masked_mean, policy_loss  # noqa: E402
-from trainer.rollout import Rollout, attention_implementation, policy_forward  # noqa: E402
-from trainer.run.distributed import resolve_device  # noqa: E402
-from trainer.run.phases import phases  # noqa: E402
-from trainer.run.setup import Setup, setup  # noqa: E402
-from trainer.run.timing import PhaseTimer  # noqa: E402
+import train_ppo as T
+from dataset.rlaif import collate_left_pad
+from model.lora import base_of
+from trainer.dist import DistInfo
+from trainer.ppo import masked_mean, policy_loss
+from trainer.rollout import Rollout, attention_implementation, policy_forward
+from trainer.run.distributed import resolve_device
+from trainer.run.phases import phases
+from trainer.run.setup import Setup, setup
+from trainer.run.timing import PhaseTimer
 
 COLUMNS = ("tok", "gap_mean", "gap_p99", "gap_max", "A_ratio", "A_clipfrac", "A_logr", "A_max", "A_out",
            "B_ratio", "B_clipfrac", "B_logr", "C_logr", "move", "cost_s", "step_s")

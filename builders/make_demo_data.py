@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dataset.demo_task import generate_all  # noqa: E402
+from dataset.demo_task import generate_all
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dataset.ifeval import describe, validate  # noqa: E402
+from dataset.ifeval import describe, validate
 
 TRAIN_TOPICS = [
     "the sea", "autumn leaves", "a city at night", "coffee", "learning to swim", "mountains", "a rainy day", "bicycles",

@@ -38,15 +38,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from transformers import LlamaForSequenceClassification, Qwen3Config, Qwen3ForSequenceClassification  # noqa: E402
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import LlamaForSequenceClassification, Qwen3Config, Qwen3ForSequenceClassification
 
-from builders.train_sft import adamw, add_dtype_flag, lr_at, resolve_dtype  # noqa: E402
-from model.loader import load_policy, load_reward_model, load_tokenizer  # noqa: E402
-from model.weights import WeightsError, read_state_dict  # noqa: E402
-from trainer.reward_model import RewardModelScorer, pad_ids  # noqa: E402
+from builders.train_sft import adamw, add_dtype_flag, lr_at, resolve_dtype
+from model.loader import load_policy, load_reward_model, load_tokenizer
+from model.weights import WeightsError, read_state_dict
+from trainer.reward_model import RewardModelScorer, pad_ids
 
 
 def encode_conversations(tokenizer: Any, conversations: list[list[dict]], max_length: int) -> list[list[int]]:

@@ -37,16 +37,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import numpy as np
+import torch
+import torch.nn.functional as F
 
-from dataset.rlaif import render_prompt  # noqa: E402
-from model.loader import build_minimind, load_tokenizer  # noqa: E402
-from model.weights import WeightsError, load_native_weights, native_weight_path, save_native_weights  # noqa: E402
-from trainer.multiturn import observation  # noqa: E402
-from trainer.run.hardware import cpu_native_bf16  # noqa: E402
-from trainer.tools import ToolError, load_tools  # noqa: E402
+from dataset.rlaif import render_prompt
+from model.loader import build_minimind, load_tokenizer
+from model.weights import WeightsError, load_native_weights, native_weight_path, save_native_weights
+from trainer.multiturn import observation
+from trainer.run.hardware import cpu_native_bf16
+from trainer.tools import ToolError, load_tools
 
 IGNORE_INDEX = -100
 THINK_PREFIX = "<think>\n"

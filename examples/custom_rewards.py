@@ -47,7 +47,7 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:  # importable outside train_ppo.py too (tests, notebooks)
     sys.path.insert(0, _ROOT)
 
-from trainer.rewards import extract_answer  # noqa: E402
+from trainer.rewards import extract_answer
 
 _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 _LATIN = re.compile(r"[A-Za-z]")

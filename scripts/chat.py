@@ -27,14 +27,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from transformers import GenerationConfig, PreTrainedTokenizerBase  # noqa: E402
-from transformers.generation.streamers import BaseStreamer  # noqa: E402
+import torch
+from torch import nn
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+from transformers.generation.streamers import BaseStreamer
 
-from dataset.rlaif import detect_assistant_prefix, render_prompt  # noqa: E402
-from model.loader import eos_token_ids, load_policy  # noqa: E402
-from model.weights import WeightsError  # noqa: E402
+from dataset.rlaif import detect_assistant_prefix, render_prompt
+from model.loader import eos_token_ids, load_policy
+from model.weights import WeightsError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DIM, RESET = "\033[2m", "\033[0m"

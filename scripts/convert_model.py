@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from transformers import (  # noqa: E402
+import torch
+from torch import nn
+from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForTokenClassification,
@@ -42,11 +42,11 @@ from transformers import (  # noqa: E402
     PreTrainedTokenizerBase,
 )
 
-from model.config import MiniMindConfig  # noqa: E402
-from model.critic import CriticModel  # noqa: E402
-from model.loader import load_policy, load_tokenizer  # noqa: E402
-from model.modeling import MiniMindForCausalLM  # noqa: E402
-from model.weights import WeightsError, check_state_dict, save_native_weights  # noqa: E402
+from model.config import MiniMindConfig
+from model.critic import CriticModel
+from model.loader import load_policy, load_tokenizer
+from model.modeling import MiniMindForCausalLM
+from model.weights import WeightsError, check_state_dict, save_native_weights
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 HF_TYPES = ("qwen3", "llama", "qwen3_moe")

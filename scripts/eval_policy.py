@@ -25,14 +25,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from dataset.rlaif import DataError, read_rlaif_jsonl  # noqa: E402
-from model.loader import load_policy, load_reward_model  # noqa: E402
-from model.weights import WeightsError  # noqa: E402
-from trainer.evaluate import EvalSettings, evaluate_policy  # noqa: E402
-from trainer.reward_model import RewardModelScorer  # noqa: E402
-from trainer.tools import ToolError, ToolRunner, load_tools  # noqa: E402
+from dataset.rlaif import DataError, read_rlaif_jsonl
+from model.loader import load_policy, load_reward_model
+from model.weights import WeightsError
+from trainer.evaluate import EvalSettings, evaluate_policy
+from trainer.reward_model import RewardModelScorer
+from trainer.tools import ToolError, ToolRunner, load_tools
 
 DEFAULT_RM = "out/demo_rm"
 

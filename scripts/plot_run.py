@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.run.plots import plot_keys, plot_run  # noqa: E402
+from trainer.run.plots import plot_keys, plot_run
 
 
 def main(argv: list[str] | None = None) -> None:

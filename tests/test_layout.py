@@ -79,3 +79,9 @@ def test_every_subprocess_starts_python_as_sys_executable():
 def test_the_argv_check_finds_a_path_python():
     assert _path_programs(ast.parse('subprocess.run(["python", "-c", "pass"])')) == [1]
     assert _path_programs(ast.parse('subprocess.run([sys.executable, "-c", "pass"])')) == []
+
+
+def test_train_ppo_stays_a_script_that_reads_as_the_algorithm():
+    """The mechanics live in trainer/run/, the math in trainer/: the script itself stays short (the house rule)."""
+    n = len((ROOT / "train_ppo.py").read_text(encoding="utf-8").splitlines())
+    assert n <= 350, f"train_ppo.py has {n} lines (at most 350): move mechanics to trainer/run/ or math to trainer/"
