@@ -8,6 +8,7 @@ import train_ppo as T
 from tests.helpers import UPDATE_BASE_FLAGS, build_update_world, fake_cuda
 from trainer.run import hardware as H
 from trainer.run import setup as S
+from trainer.runtime import DTYPES
 
 
 def _args(*flags: str):
@@ -80,7 +81,7 @@ def test_auto_precision_on_gpus_follows_native_bf16():
     cuda = torch.device("cuda", 0)
     for cap, want in (((9, 0), "bfloat16"), ((8, 0), "bfloat16"), ((7, 5), "float16"), ((7, 0), "float16"), ((6, 1), "float32")):
         with fake_cuda(1, capability=cap):
-            assert H.resolve_precision(_args(), cuda) == (want, S.DTYPES[want]), cap
+            assert H.resolve_precision(_args(), cuda) == (want, DTYPES[want]), cap
             assert H.resolve_precision(_args("--dtype", "float32"), cuda) == ("float32", torch.float32)
     with fake_cuda(1, capability=(7, 0)):
         world = build_update_world()  # the scaler is what fp16 turns on (built on the CPU here)

@@ -35,7 +35,7 @@ from trainer.run.distributed import failing_together, gpu_identity, in_turn, ini
 from trainer.run.hardware import layer_matmul_params, model_config, resolve_precision
 from trainer.run.seeding import seed_everything
 from trainer.run.sharding import device_mesh, shard_models, use_hsdp
-from trainer.runtime import DTYPES, Models, Optim, Runtime, on  # noqa: F401 - re-exported for scripts
+from trainer.runtime import DTYPES, Models, Optim, Runtime
 from trainer.tools import Toolbox, ToolRunner, load_tools
 
 # torch 2.13 renamed DDP's broadcast_buffers (deprecated, a warning on every rank) to forward_sync_buffers.
