@@ -1,6 +1,7 @@
 """Verifiable instruction following (a task beside the RLAIF data): IFEval's constraint types, checked as IFEval
 checks them (Zhou et al. 2023, "Instruction-Following Evaluation for Large Language Models", arXiv:2311.07911;
 the strict check of its instructions.py, written here from its definitions), and the sentence each adds to a prompt.
+tests/test_ifeval_reference.py runs Google's checker beside this one and they agree (docs/smollm2_ifeval.md).
 
 A constraint is a dict {"type": ..., parameters}; a prompt row of the RLAIF jsonl carries its list under
 "constraints" (builders/make_ifeval_data.py writes such files). `check(c, reply)` says whether `reply` meets it;
@@ -8,21 +9,23 @@ A constraint is a dict {"type": ..., parameters}; a prompt row of the RLAIF json
 
 | type | parameters | met when (IFEval's strict check) |
 |---|---|---|
-| lowercase | | the reply equals its lowercase (no capital letter anywhere) |
+| lowercase | | `str.islower()`: some cased letter and no capital ("" or "123" fail) |
 | number_words | relation ("less than" / "at least"), num | the count of \\w+ runs is < num / >= num |
 | no_comma | | no ',' anywhere |
-| end_phrase | phrase | the stripped reply, lowercased, ends with the stripped phrase, lowercased |
+| end_phrase | phrase | the stripped reply, less '"' at its ends, lowercased, ends with the stripped phrase, lowercased |
 | start_phrase | phrase | the stripped reply, lowercased, starts with the stripped phrase, lowercased |
 | quotation | | the stripped reply is longer than one character and starts and ends with '"' |
-| number_bullets | num | exactly num lines that start (after spaces) with '* ' (not '**') or '-' |
-| keyword_frequency | keyword, relation, num | the keyword, as a case-insensitive regex, occurs < num / >= num times |
-| title | | a <<title>> with something inside it, on one line |
-| postscript | marker ("P.S.") | a line (case-insensitive) starting with the marker, e.g. "p.s." or "p. s." |
-| forbidden_words | words | none of the words occurs as a whole word (case-insensitive) |
+| number_bullets | num | exactly num lines that start (after whitespace) with '*' and then not '*', or with '-' |
+| keyword_frequency | keyword, relation, num | the stripped keyword, a case-insensitive regex, matches < num / >= num times |
+| title | | a <<title>> on one line with more than '<', '>' and spaces inside |
+| postscript | marker ("P.S.") | "p.s." or "p. s." anywhere (case-insensitive; "P.P.S": "p.p.s", "p. p. s"; other markers: a regex) |
+| forbidden_words | words | none of the words (each a regex) occurs between word boundaries (case-insensitive) |
 | highlighted_sections | num | at least num *highlighted* (or **bold**) spans with text in them |
 
 start_phrase is not in IFEval's list (its nearest is the first word of a paragraph): it is end_phrase's
-mirror. IFEval's lowercase check also runs a language detector; here only the case is checked.
+mirror. IFEval's lowercase check also asks langdetect whether the reply is English; here only the case is checked
+(langdetect is random unless seeded and calls short English replies such as "i like the sea." other languages).
+Keywords, forbidden words and postscript markers are regexes, as in IFEval: `validate` rejects one that does not compile.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def _relation(count: int, relation: str, num: int) -> bool:
 
 
 def _lowercase(reply: str, c: dict) -> bool:
-    return reply == reply.lower()
+    return reply.islower()  # at least one cased letter, none upper: "" and "123" fail, as in IFEval
 
 
 def _number_words(reply: str, c: dict) -> bool:
@@ -54,7 +57,7 @@ def _no_comma(reply: str, c: dict) -> bool:
 
 
 def _end_phrase(reply: str, c: dict) -> bool:
-    return reply.strip().lower().endswith(c["phrase"].strip().lower())
+    return reply.strip().strip('"').lower().endswith(c["phrase"].strip().lower())
 
 
 def _start_phrase(reply: str, c: dict) -> bool:
@@ -73,21 +76,26 @@ def _number_bullets(reply: str, c: dict) -> bool:
 
 
 def _keyword_frequency(reply: str, c: dict) -> bool:
-    return _relation(len(re.findall(c["keyword"], reply, flags=re.IGNORECASE)), c["relation"], int(c["num"]))
+    return _relation(len(re.findall(c["keyword"].strip(), reply, flags=re.IGNORECASE)), c["relation"], int(c["num"]))
 
 
 def _title(reply: str, c: dict) -> bool:
-    return any(t.strip("<>").strip() for t in re.findall(r"<<[^\n]+>>", reply))
+    return any(t.lstrip("<").rstrip(">").strip() for t in re.findall(r"<<[^\n]+>>", reply))
 
 
 def _postscript(reply: str, c: dict) -> bool:
-    marker = c.get("marker", "P.S.").lower()
-    pattern = r"\s*p\.\s?s\..*$" if marker == "p.s." else r"\s*" + re.escape(marker) + r".*$"
+    marker = c.get("marker", "P.S.").strip()
+    if marker == "P.P.S":
+        pattern = r"\s*p\.\s?p\.\s?s.*$"
+    elif marker == "P.S.":
+        pattern = r"\s*p\.\s?s\..*$"
+    else:  # as IFEval: the marker, lowercased, is a regex ('.' matches any character)
+        pattern = r"\s*" + marker.lower() + r".*$"
     return bool(re.findall(pattern, reply.lower(), flags=re.MULTILINE))
 
 
 def _forbidden_words(reply: str, c: dict) -> bool:
-    return not any(re.search(r"\b" + re.escape(w) + r"\b", reply, flags=re.IGNORECASE) for w in c["words"])
+    return not any(re.search(r"\b" + w + r"\b", reply, flags=re.IGNORECASE) for w in c["words"])  # w: a regex
 
 
 def _highlighted_sections(reply: str, c: dict) -> bool:
@@ -123,6 +131,13 @@ def validate(constraints: object, where: str) -> list[dict]:
             raise ValueError(f"{at} ({c['type']}) needs {', '.join(missing)}")
         if "relation" in c and c["relation"] not in RELATIONS:
             raise ValueError(f"{at}: relation {c['relation']!r} is not one of {', '.join(RELATIONS)}")
+        patterns = {"keyword_frequency": [c.get("keyword")], "forbidden_words": list(c.get("words", [])),
+                    "postscript": [c.get("marker", "P.S.")]}.get(c["type"], [])
+        for pattern in patterns:
+            try:
+                re.compile(str(pattern).strip().lower())
+            except re.error as e:
+                raise ValueError(f"{at} ({c['type']}): {pattern!r} is not a regex ({e}); IFEval reads it as one") from None
     return constraints
 
 
