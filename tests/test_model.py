@@ -109,3 +109,19 @@ def test_save_pretrained_round_trip_through_auto_classes(tmp_path, arch, use_moe
     ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(src(input_ids=ids).logits, dst(input_ids=ids).logits)
+
+
+def test_reading_the_kv_cache_of_an_output_uses_its_current_name(monkeypatch):
+    """A forward without a cache (every scoring and update forward) must not fall back to transformers 5.x's old
+    `past_key_values` name, whose property prints a deprecation line (once per run, seen in every training log)."""
+    import transformers.utils.generic as generic
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from model.modeling import kv_cache_of
+
+    said = []
+    monkeypatch.setattr(generic.logger, "warning_once", lambda msg, *a, **k: said.append(msg))
+    assert kv_cache_of(CausalLMOutputWithPast(logits=torch.zeros(1))) is None
+    cache = object()
+    assert kv_cache_of(CausalLMOutputWithPast(logits=torch.zeros(1), cache=cache)) is cache
+    assert said == []
