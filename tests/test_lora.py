@@ -184,6 +184,7 @@ def _probe(vocab: int) -> torch.Tensor:
     return torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's loader, not ours
 def test_native_outputs_give_the_trained_policys_logits(world, tmp_path):
     """A native run writes the adapter directory (AutoPeftModelForCausalLM, base exported once) and the
     merged .pth (fp16, MiniMind's format): both give the trained policy's logits."""
@@ -222,6 +223,7 @@ def test_native_outputs_give_the_trained_policys_logits(world, tmp_path):
     assert (got - want).abs().max() < 5e-2 * want.abs().max()
 
 
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's loader, not ours
 def test_hf_actor_outputs_give_the_trained_policys_logits(tmp_path):
     """--actor_path: the adapter directory names the HF directory as its base; --save_merged 1 writes
     the merged model where a full run writes its policy (<save_weight>_hf)."""
