@@ -226,10 +226,13 @@ if pytest is not None:
             assert F.check(c, reply) is True and google_check(c, reply) is False
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """The comparison as a script (the reference venv has no torch for pytest's conftest). --require: a missing
+    checker is an error, not a skip (CI, where it was just installed)."""
+    argv = sys.argv[1:] if argv is None else argv
     if INSTRUCTION_DICT is None:
-        print(f"skipped: {WHY_NOT}")
-        return 0
+        print(f"{'error' if '--require' in argv else 'skipped'}: {WHY_NOT}")
+        return 1 if "--require" in argv else 0
     cases = all_cases()
     bad, language = compare(cases)
     print(f"{len(cases)} (constraint, reply) pairs, {len(GOOGLE)} types; {len(bad)} disagreement(s); "
@@ -238,6 +241,7 @@ def main() -> int:
         print("lowercase, language detection only (intended):\n" + _show(language))
     if bad:
         print("disagreements:\n" + _show(bad))
+    print(f"ifeval-reference: {len(cases) - len(bad)} passed, {len(bad)} failed")
     return 1 if bad else 0
 
 
