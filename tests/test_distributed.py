@@ -730,20 +730,36 @@ def _estimator_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         distributed.cleanup(info)
 
 
-@pytest.mark.slow  # one pair of gloo processes for every case (~60 s on 2 shared cores)
-def test_each_estimator_two_ranks_equal_one_process(tmp_path):
+def _one_process_updates(cases: list, tmp_path: Path, prefix: str = "", masked_rows: tuple[int, ...] = ()) -> dict:
+    """For each case: one process's rollout of the doubled batch (saved as `<prefix><case>_rollout.pt` for the ranks
+    to split), its advantages, the actor after one update, the rewards and the starting weights."""
     from tests.helpers import build_update_world, run_experience
 
     want = {}
-    for case in ESTIMATOR_CASES:
+    for case in cases:
         flags = _estimator_flags(case, 4)
         ro, _ = run_experience(build_update_world(flags))
         fields = {k: v for k, v in ro.__dict__.items() if k not in ("advantages", "returns", "values_with_grad")}
         fields["values"] = None if fields["values"] is None else fields["values"].detach()
-        torch.save(fields, tmp_path / f"{_case_name(case)}_rollout.pt")
+        torch.save(fields, tmp_path / f"{prefix}{_case_name(case)}_rollout.pt")
         w = build_update_world(flags)  # the same starting weights as the ranks build
         start = {k: v.clone() for k, v in w.models.actor.state_dict().items()}
-        want[_case_name(case)] = (*_estimator_update(w.built, fields), ro.rewards, start)
+        want[_case_name(case)] = (*_estimator_update(w.built, fields, masked_rows), ro.rewards, start)
+    return want
+
+
+def _assert_ranks_took_its_step(name: str, actor: dict, start: dict, w0: dict, w1: dict) -> None:
+    """Both ranks' actors equal (DDP keeps them so) and within DDP's tolerance of one process's update, which moved."""
+    assert max((actor[k] - start[k]).abs().max().item() for k in actor) > 1e-4, f"{name}: the update moved nothing"
+    for k, v in actor.items():
+        assert torch.equal(w0[k], w1[k]), (name, k)
+        diff = (w0[k] - v).abs()
+        assert diff.max().item() < MAX_ABS and diff.mean().item() < MEAN_ABS, (name, k)
+
+
+@pytest.mark.slow  # one pair of gloo processes for every case (~60 s on 2 shared cores)
+def test_each_estimator_two_ranks_equal_one_process(tmp_path):
+    want = _one_process_updates(ESTIMATOR_CASES, tmp_path)
     _spawn_two(_estimator_worker, tmp_path, 300, "2-process estimator updates")
     for case in ESTIMATOR_CASES:
         name = _case_name(case)
@@ -752,11 +768,7 @@ def test_each_estimator_two_ranks_equal_one_process(tmp_path):
         a0, w0 = torch.load(tmp_path / f"{name}_rank0.pt", weights_only=True)
         a1, w1 = torch.load(tmp_path / f"{name}_rank1.pt", weights_only=True)
         torch.testing.assert_close(torch.cat([a0, a1]), adv, rtol=0, atol=1e-5, msg=name)
-        assert max((actor[k] - start[k]).abs().max().item() for k in actor) > 1e-4, f"{name}: the update moved nothing"
-        for k, v in actor.items():
-            assert torch.equal(w0[k], w1[k]), (name, k)  # DDP keeps the ranks equal
-            diff = (w0[k] - v).abs()
-            assert diff.max().item() < MAX_ABS and diff.mean().item() < MEAN_ABS, (name, k)
+        _assert_ranks_took_its_step(name, actor, start, w0, w1)
 
 
 # Rows masked whole (--mask_truncated 1): global rows 1, 5 and 6, so rank 0 holds 3 rows with a token and rank 1
@@ -787,28 +799,14 @@ def _masked_rows_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow  # one pair of gloo processes (~20 s on 2 shared cores)
 def test_rows_without_tokens_two_ranks_equal_one_process(tmp_path):
-    from tests.helpers import build_update_world, run_experience
-
-    want = {}
-    for case in MASKED_CASES:
-        flags = _estimator_flags(case, 4)
-        ro, _ = run_experience(build_update_world(flags))
-        fields = {k: v for k, v in ro.__dict__.items() if k not in ("advantages", "returns", "values_with_grad")}
-        torch.save(fields, tmp_path / f"masked_{_case_name(case)}_rollout.pt")
-        w = build_update_world(flags)
-        start = {k: v.clone() for k, v in w.models.actor.state_dict().items()}
-        want[_case_name(case)] = (*_estimator_update(w.built, fields, MASKED_ROWS), start)
+    want = _one_process_updates(MASKED_CASES, tmp_path, "masked_", MASKED_ROWS)
     _spawn_two(_masked_rows_worker, tmp_path, 300, "2-process updates with masked rows")
     for case in MASKED_CASES:
         name = _case_name(case)
-        _, actor, start = want[name]
-        assert max((actor[k] - start[k]).abs().max().item() for k in actor) > 1e-4, f"{name}: the update moved nothing"
+        _, actor, _, start = want[name]
         _, w0 = torch.load(tmp_path / f"masked_{name}_rank0.pt", weights_only=True)
         _, w1 = torch.load(tmp_path / f"masked_{name}_rank1.pt", weights_only=True)
-        for k, v in actor.items():
-            assert torch.equal(w0[k], w1[k]), (name, k)
-            diff = (w0[k] - v).abs()
-            assert diff.max().item() < MAX_ABS and diff.mean().item() < MEAN_ABS, (name, k)
+        _assert_ranks_took_its_step(name, actor, start, w0, w1)
 
 
 def test_small_collectives_stay_on_the_gpu_beside_a_gloo_backend_for_offloaded_shards():
