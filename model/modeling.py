@@ -24,7 +24,7 @@ from .config import MiniMindConfig
 def kv_cache_of(out: object) -> object:
     """The KV cache a forward returned, under either of transformers 5.x's names for it (past_key_values -> cache)."""
     if "cache" in getattr(out, "__dataclass_fields__", {}):  # the new name: its old one is a property that warns
-        return out.cache
+        return getattr(out, "cache")
     cache = getattr(out, "cache", None)
     return cache if cache is not None else getattr(out, "past_key_values", None)
 
