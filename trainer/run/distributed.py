@@ -71,6 +71,10 @@ def init_distributed(device_flag: str = "auto", timeout_s: int = 1800, cpu_colle
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    if world_size % local_world_size:  # before any collective: every rank reads the same environment
+        raise SystemExit(f"error: WORLD_SIZE {world_size} is not a multiple of LOCAL_WORLD_SIZE {local_world_size}: start the "
+                         f"same number of processes on every node (torchrun --nproc_per_node)")
     device = resolve_device(device_flag, local_rank, world_size)
     backend = ""
     if (world_size > 1 or group_of_one) and device.type == "cuda" and not dist.is_initialized():
@@ -87,10 +91,6 @@ def init_distributed(device_flag: str = "auto", timeout_s: int = 1800, cpu_colle
     elif group_of_one and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1, timeout=timedelta(seconds=timeout_s))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-    if world_size % local_world_size:
-        raise SystemExit(f"error: WORLD_SIZE {world_size} is not a multiple of LOCAL_WORLD_SIZE {local_world_size}: start the "
-                         f"same number of processes on every node (torchrun --nproc_per_node)")
     return D.DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend,
                       local_world_size=local_world_size)
 

@@ -148,8 +148,10 @@ def sharded_state(models: dict[str, nn.Module | None], optims: dict[str, torch.o
             # state made by a real AdamW step at lr 0; its counter would then read 1, and the first real update would
             # be bias-corrected as the second. Step 0 with zero moments is exactly a fresh AdamW state.
             for param_state in opt.state.values():
-                if "step" in param_state:
-                    param_state["step"].zero_() if torch.is_tensor(param_state["step"]) else param_state.update(step=0)
+                if torch.is_tensor(param_state.get("step")):
+                    param_state["step"].zero_()
+                elif "step" in param_state:
+                    param_state["step"] = 0
     return state
 
 
