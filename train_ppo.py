@@ -40,15 +40,16 @@ from trainer import dist as D
 from trainer.config import Config
 from trainer.evaluate import EvalSettings, evaluate_policy, training_metrics
 from trainer.multiturn import Episode, episode_components, generate_episodes
-from trainer.ppo import RewardNormalizer, kl_penalty, masked_whiten
+from trainer.ppo import RewardNormalizer, kl_penalty, masked_whiten, rollout_is_weights
 from trainer.registry import estimator_spec
 from trainer.rewards import RewardFnError, compute_rewards, overlong_penalty
-from trainer.rollout import Rollout, Sampled, attention_implementation, critic_forward, forward_in_row_chunks
+from trainer.rollout import Rollout, Sampled, attention_implementation, critic_values, forward_in_row_chunks
 
 # isort: split
 from trainer.rollout import generate_rollout, group_has_signal, policy_forward, rollout_metrics, select_groups
 from trainer.run import distributed
 from trainer.run.cli import parse_args
+from trainer.run.engine_sync import push_weights, start_engine
 from trainer.run.lifecycle import Run
 from trainer.run.phases import phases
 from trainer.run.setup import setup
@@ -80,6 +81,8 @@ class Scores:
     values: torch.Tensor | None  # the critic's (None without one)
     values_with_grad: torch.Tensor | None  # the same values with their graph (--reuse_values)
     entropy: torch.Tensor | None
+    is_weights: torch.Tensor | None = None  # an engine's samples: pi_old / pi_engine, truncated (--rollout_is)
+    is_stats: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # the engine/trainer gap, token means
 
 
 @torch.no_grad()
@@ -99,14 +102,14 @@ def make_experience(cfg: Config, batch: dict, m: Models, rt: Runtime, kl_coef: f
             baseline = greedy_baseline(cfg, sampled, m, rt, custom_fns, phase, tools)
     ro = sampled.rollout
     sc = score(cfg, ro, m, rt, phase)  # 3
-    ro = dataclasses.replace(ro, old_logprobs=sc.old_logprobs, ref_logprobs=sc.ref_logprobs, values=sc.values,
+    ro = dataclasses.replace(ro, old_logprobs=sc.old_logprobs, ref_logprobs=sc.ref_logprobs, values=sc.values, is_weights=sc.is_weights,
                              values_with_grad=sc.values_with_grad, rewards_finite=bool(torch.isfinite(ro.rewards).all()))
     scores, baseline, norm_stats = shape_scores(cfg, ro.rewards, baseline, reward_norm, rt)
     advantages, returns = compute_advantages(cfg, ro, kl_coef, rt, scores, baseline)  # 4
     ro = dataclasses.replace(ro, advantages=advantages, returns=returns)
     metrics, weights = rollout_metrics(ro, sampled.comps, sc.entropy, kl_coef, cfg.num_generations)
-    metrics.update(filter_stats)
-    metrics.update(norm_stats)
+    metrics.update({**filter_stats, **norm_stats, **{f"rollout/{k}": v.item() for k, v in sc.is_stats.items()}})
+    weights.update({f"rollout/{k}": ro.response_mask.sum().item() for k in sc.is_stats})  # token means
     if baseline is not None:
         metrics["reward/greedy_baseline"] = baseline.float().mean().item()
     if cfg.mask_truncated:  # DAPO: a response cut off without EOS takes no part in the update
@@ -121,7 +124,7 @@ def sample_and_reward(cfg: Config, batch: dict, m: Models, rt: Runtime, custom_f
                       tools: ToolRunner | None = None) -> Sampled:
     """1. rollout: [B*N, P+R] sequences, N = --num_generations (with --tools, multi-turn episodes); 2. reward.
     Rank-local: a failure on some ranks only (reward function, reward model, OOM) stops every rank with its line."""
-    with D.unsharded(m.actor), phase("generate", rank_local=True):  # --strategy fsdp2: whole weights, no collective per token
+    with D.unsharded(None if m.engine else m.actor), phase("generate", rank_local=True):  # fsdp2: whole weights, no collective per token
         ro, episodes = sample_rollout(cfg, batch, m, rt, tools)
     with D.unsharded(m.rm_module), phase("score", autocast=False, rank_local=True), phase("score_reward", autocast=False):
         rewards, responses, comps = score_responses(cfg, batch, ro, m, custom_fns, phase, episodes=episodes)
@@ -130,19 +133,19 @@ def sample_and_reward(cfg: Config, batch: dict, m: Models, rt: Runtime, custom_f
 
 def sample_rollout(cfg: Config, batch: dict, m: Models, rt: Runtime, tools: ToolRunner | None,
                    greedy: bool = False) -> tuple[Rollout, list[Episode] | None]:
-    """Responses to the batch's prompts (one greedy one per prompt with `greedy`, for ReMax's baseline): single turns,
-    or with --tools multi-turn episodes, whose old log-probs are then scored by a forward (tool replies sit between
-    the sampled tokens)."""
+    """Responses to the batch's prompts (one greedy one per prompt with `greedy`, for ReMax's baseline) from the actor
+    or the rollout engine: single turns, or with --tools multi-turn episodes, whose old log-probs are then scored by a
+    forward (tool replies sit between the sampled tokens)."""
     n = 1 if greedy else cfg.num_generations
     sampling = dict(temperature=1.0, top_k=0, top_p=1.0, greedy=True) if greedy else dict(
         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, greedy=bool(cfg.greedy), suppress_eos=bool(cfg.suppress_eos))
-    eos = m.eos_ids or m.tok.eos_token_id
+    eos, policy = m.eos_ids or m.tok.eos_token_id, m.engine or m.actor
     if tools is not None:
-        return generate_episodes(m.actor, m.tok, tools, batch, max_turns=cfg.max_turns, max_total_len=cfg.max_total_len,
+        return generate_episodes(policy, m.tok, tools, batch, max_turns=cfg.max_turns, max_total_len=cfg.max_total_len,
                                  max_new_tokens=cfg.max_gen_len, eos_token_id=eos, pad_token_id=m.tok.pad_token_id,
                                  num_generations=n, device=rt.device, fast_decode=bool(cfg.fast_decode), **sampling)
     ro = generate_rollout(
-        m.actor, batch["input_ids"].to(rt.device), batch["attention_mask"].to(rt.device), max_new_tokens=cfg.max_gen_len,
+        policy, batch["input_ids"].to(rt.device), batch["attention_mask"].to(rt.device), max_new_tokens=cfg.max_gen_len,
         eos_token_id=eos, pad_token_id=m.tok.pad_token_id, num_generations=n, fast_decode=bool(cfg.fast_decode),
         return_logprobs=bool(cfg.rollout_logprobs) and m.old_actor is None and not greedy, **sampling)
     return ro, None
@@ -182,7 +185,7 @@ def greedy_baseline(cfg: Config, sampled: Sampled, m: Models, rt: Runtime, custo
     samples are). Rank-local like the sampling."""
     n, ro = cfg.num_generations, sampled.rollout
     prompts = {**sampled.batch, "input_ids": ro.sequences[::n, :ro.prompt_len], "attention_mask": ro.attention_mask[::n, :ro.prompt_len]}
-    with D.unsharded(m.actor), phase("generate", rank_local=True):
+    with D.unsharded(None if m.engine else m.actor), phase("generate", rank_local=True):
         greedy, episodes = sample_rollout(cfg, prompts, m, rt, tools, greedy=True)
     with D.unsharded(m.rm_module), phase("score", autocast=False, rank_local=True), phase("score_reward", autocast=False):
         rewards, _, _ = score_responses(cfg, sampled.batch, greedy, m, custom_fns, phase, rep=1, episodes=episodes)
@@ -251,19 +254,10 @@ def score(cfg: Config, ro: Rollout, m: Models, rt: Runtime, phase: Phase) -> Sco
     if cfg.reuse_values:  # the update's own (DDP) forward, which may talk to the other ranks: outside the rank-local block
         with phase("score"), phase("score_critic", device=rt.critic_device):
             values, values_with_grad = critic_values(cfg, ro, m, rt)
-    return Scores(old_logprobs, ref_logprobs, values, values_with_grad, entropy)
-
-
-def critic_values(cfg: Config, ro: Rollout, m: Models, rt: Runtime) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The critic's values [B, R] of the sampled tokens, and with --reuse_values the same values with their
-    graph: the update's own forward, so the update does not run it again."""
-    seqs, mask = on(rt.critic_device, ro.sequences, ro.attention_mask)
-    if cfg.reuse_values:
-        with torch.enable_grad(), attention_implementation(cfg.train_attn, m.critic_train):
-            graph = critic_forward(m.critic_train, seqs, mask, ro.response_len)
-        return graph.detach().float().to(rt.device), graph
-    values = forward_in_row_chunks(critic_forward, m.critic, seqs, mask, ro.response_len, rows=cfg.forward_batch_size)
-    return values.float().to(rt.device), None
+    if ro.rollout_logprobs is None:
+        return Scores(old_logprobs, ref_logprobs, values, values_with_grad, entropy)
+    is_weights, is_stats = rollout_is_weights(old_logprobs, ro.rollout_logprobs, ro.response_mask, cfg.rollout_is, cfg.rollout_is_cap)
+    return Scores(old_logprobs, ref_logprobs, values, values_with_grad, entropy, is_weights, is_stats)
 
 
 def shape_scores(cfg: Config, rewards: torch.Tensor, baseline: torch.Tensor | None, reward_norm: RewardNormalizer | None,
@@ -314,6 +308,8 @@ def main(argv: list[str] | None = None) -> None:
             return distributed.on_main(lambda: evaluate(cfg, m, rt, built.eval_records, built.tools), rt.info)
 
     with Run(cfg, built) as run:  # resume, run.json, logger; marks the run's end however it ends
+        if m.engine is not None:  # the engine samples the start (or resumed) weights, as version run.step
+            run.logger.info(start_engine(cfg, m, rt, run.step))
         if built.eval_records and run.step == 0:
             run.log_eval(held_out(), 0)  # where the policy starts
         for batch in run.batches():
@@ -326,8 +322,11 @@ def main(argv: list[str] | None = None) -> None:
                                       built.reward_norm, built.tools)  # 1-4
                 with phase("update", autocast=False):
                     stats = ppo_update(cfg, exp.rollout, m, opt, run.step, rt, kl_ctl.value, phase)  # 5
+                if m.engine is not None and (run.step + 1) % cfg.engine_sync_interval == 0:
+                    with phase("engine_sync", autocast=False):  # the engine samples the updated policy next
+                        push_weights(cfg, m, rt, version=run.step + 1)
             times = {f"time/{k}": v for k, v in timer.wall.items()
-                     if k in ("generate", "score", "update", "step") or k.startswith("reward/")}
+                     if k in ("generate", "score", "update", "step", "engine_sync") or k.startswith("reward/")}
             metrics = {**exp.metrics, **stats, **times, **{f"lr/{k}": o.param_groups[0]["lr"] for k, o in opt.optims.items()}}
             # Reduce first: the adaptive KL controller must see the global kl_ref, or each rank
             # steers its own coefficient and the ranks (and the resume file) disagree.

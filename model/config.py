@@ -112,3 +112,16 @@ class MiniMindConfig(PreTrainedConfig):
                 **common,
             )
         return Qwen3Config(**common)
+
+
+def stock_hf_config(config: MiniMindConfig, *, token_classification: bool = False) -> PreTrainedConfig:
+    """The transformers config (model_type qwen3 / llama / qwen3_moe) of a MiniMind model, with `architectures` set
+    to the stock class a plain `from_pretrained` (or an inference engine) should build."""
+    hf = config.to_hf_config()
+    family = {"qwen3": "Qwen3", "llama": "Llama", "qwen3_moe": "Qwen3Moe"}[hf.model_type]
+    hf.architectures = [f"{family}{'ForTokenClassification' if token_classification else 'ForCausalLM'}"]
+    if token_classification:
+        hf.num_labels = 1
+        hf.id2label, hf.label2id = {0: "value"}, {"value": 0}
+        hf.classifier_dropout = 0.0  # the value head has no dropout; keep train-mode values equal too
+    return hf

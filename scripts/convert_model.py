@@ -43,6 +43,7 @@ from transformers import (
 )
 
 from model.config import MiniMindConfig
+from model.config import stock_hf_config as stock_config
 from model.critic import CriticModel
 from model.loader import load_policy, load_tokenizer
 from model.modeling import MiniMindForCausalLM
@@ -96,19 +97,6 @@ def _check_equal(ours: torch.Tensor, theirs: torch.Tensor, what: str, exact: boo
     if not exact and diff > 1e-1 * max(1.0, ours.abs().max().item()):
         raise ConvertError(f"{what}: outputs differ by {diff:.3g} after a lossy dtype cast; convert with --dtype float32")
     return diff
-
-
-def stock_config(config: MiniMindConfig, *, token_classification: bool = False) -> PreTrainedConfig:
-    """The transformers config (model_type qwen3 / llama / qwen3_moe) of a MiniMind model, with
-    `architectures` set to the stock class a plain `from_pretrained` should build."""
-    hf = config.to_hf_config()
-    family = {"qwen3": "Qwen3", "llama": "Llama", "qwen3_moe": "Qwen3Moe"}[hf.model_type]
-    hf.architectures = [f"{family}{'ForTokenClassification' if token_classification else 'ForCausalLM'}"]
-    if token_classification:
-        hf.num_labels = 1
-        hf.id2label, hf.label2id = {0: "value"}, {"value": 0}
-        hf.classifier_dropout = 0.0  # the value head has no dropout; keep train-mode values equal too
-    return hf
 
 
 def _write_tokenizer(tok: PreTrainedTokenizerBase, config: PreTrainedConfig, out_dir: Path) -> None:

@@ -90,7 +90,7 @@ def test_two_turn_episode_token_by_token(tok, runner, monkeypatch):
     batch = batch_of(tok, ["37乘以8等于多少？", "What is 2 + 3?"], tools)
     turns = {prompt_key(batch, 0): [CALL, ANSWER], prompt_key(batch, 1): ["\n</think>\n5"]}
     fake = scripted(tok, turns)
-    monkeypatch.setattr(multiturn, "sample", fake)
+    monkeypatch.setattr(multiturn, "draw", fake)
     ro, eps = multiturn.generate_episodes(None, tok, runner, batch, max_turns=3, max_total_len=1024, max_new_tokens=64,
                                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
@@ -122,7 +122,7 @@ def test_two_turn_episode_token_by_token(tok, runner, monkeypatch):
 
 def test_only_the_policys_tokens_carry_kl_advantages_and_returns(tok, runner, monkeypatch):
     batch = batch_of(tok, ["37乘以8等于多少？"], runner.toolbox.schema_list())
-    monkeypatch.setattr(multiturn, "sample", scripted(tok, {prompt_key(batch, 0): [CALL, ANSWER]}))
+    monkeypatch.setattr(multiturn, "draw", scripted(tok, {prompt_key(batch, 0): [CALL, ANSWER]}))
     ro, _ = multiturn.generate_episodes(None, tok, runner, batch, max_turns=3, max_total_len=1024, max_new_tokens=64,
                                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     mask, R = ro.response_mask, ro.response_len
@@ -176,7 +176,7 @@ def test_every_policy_loss_has_no_gradient_on_tool_tokens(name):
 def test_failures_are_messages_the_policy_reads(tok, runner, monkeypatch):
     bad = '\n</think>\n<tool_call>\n{"name": "calculator", "arguments": {"expression": 37 * 8}\n</tool_call>'
     batch = batch_of(tok, ["37乘以8等于多少？"], runner.toolbox.schema_list())
-    monkeypatch.setattr(multiturn, "sample", scripted(tok, {prompt_key(batch, 0): [bad, ANSWER]}))
+    monkeypatch.setattr(multiturn, "draw", scripted(tok, {prompt_key(batch, 0): [bad, ANSWER]}))
     ro, eps = multiturn.generate_episodes(None, tok, runner, batch, max_turns=3, max_total_len=1024, max_new_tokens=64,
                                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     assert eps[0].calls == 1 and eps[0].failed == 1 and eps[0].finished  # a reward signal, and the episode goes on
@@ -187,7 +187,7 @@ def test_failures_are_messages_the_policy_reads(tok, runner, monkeypatch):
 def test_a_call_in_the_last_turn_and_the_length_limit_end_the_episode(tok, runner, monkeypatch):
     batch = batch_of(tok, ["37乘以8等于多少？"], runner.toolbox.schema_list())
     key = prompt_key(batch, 0)
-    monkeypatch.setattr(multiturn, "sample", scripted(tok, {key: [CALL, ANSWER]}))
+    monkeypatch.setattr(multiturn, "draw", scripted(tok, {key: [CALL, ANSWER]}))
     kw = dict(max_new_tokens=64, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     ro, eps = multiturn.generate_episodes(None, tok, runner, batch, max_turns=1, max_total_len=1024, **kw)
     assert eps[0].calls == 1 and not eps[0].finished and len(eps[0].turns) == 1 and ro.has_eos.item()

@@ -69,14 +69,18 @@ def test_random_init_is_the_same_on_every_rank_and_sampling_is_not():
     assert torch.equal(torch.rand(3), draw0)  # one process = rank 0
 
 
-def test_minimind_flags_are_accepted_and_sglang_is_one_line():
+def test_minimind_flags_are_accepted_and_engine_flags_without_an_engine_warn(capsys):
     args = T.parse_args(["--rollout_engine", "torch", "--sglang_base_url", "http://localhost:8998", "--sglang_model_path",
                          "../model", "--sglang_shared_path", "./sglang_ckpt_ppo", "--debug_mode", "--debug_interval", "20",
                          "--debug_log_ratio"])
     assert (args.debug_mode, args.debug_interval, args.debug_log_ratio) == (1, 20, 1)
     C.validate(args)
-    with pytest.raises(SystemExit, match=r"^error: --rollout_engine sglang is not supported: minippo samples with the policy in-process"):
-        C.validate(T.parse_args(["--rollout_engine", "sglang"]))
+    lines = C.warn_unused(args)
+    assert any(line.startswith("warning: --sglang_base_url, --sglang_model_path, --sglang_shared_path are not acted on: "
+                               "the policy samples in this process") for line in lines)
+    # MiniMind's --rollout_engine sglang alone: its default server URL, a shared folder of its own
+    cfg = C.resolve(T.parse_args(["--rollout_engine", "sglang"]), DistInfo())
+    assert cfg.engine_url == "http://localhost:8998" and cfg.engine_shared_path
 
 
 def test_deterministic_mode_sets_what_it_says(monkeypatch):

@@ -132,6 +132,34 @@ class RolloutArgs:
 
 
 @dataclass(frozen=True)
+class EngineArgs:
+    rollout_engine: Literal["torch", "vllm", "sglang"] = "torch"
+    """Who samples the rollouts: torch = the policy in this process; vllm / sglang = an inference server started
+    beforehand in its own virtualenv (docs/engines.md), sent token IDs, synced with the policy's weights."""
+    engine_url: str | None = None
+    """The engine's URL (comma-separated: rank r uses the (r mod n)-th); sglang: default --sglang_base_url."""
+    engine_sync_interval: int = 1
+    """Push the policy's weights to the engine every N updates (1: every rollout samples the current policy)."""
+    engine_shared_path: str | None = None
+    """Folder the pushed weights are written to; the engine must read the same path (default: a folder in /dev/shm
+    named after the engine's URL, else under --checkpoint_dir; sglang: --sglang_shared_path)."""
+    engine_timeout: float = 600.0
+    """Seconds an engine request (a batch of samples, a weight reload) may take before the run stops."""
+    rollout_is: Literal["token", "sequence", "none"] = "token"
+    """An engine's samples: truncated importance weights pi_old / pi_engine on the policy loss, per token or per
+    response (none: measured and logged, not applied)."""
+    rollout_is_cap: float = 2.0
+    """Upper truncation of --rollout_is weights."""
+    sglang_base_url: str | None = None
+    """MiniMind's name for --engine_url with --rollout_engine sglang (default http://localhost:8998)."""
+    sglang_model_path: str | None = None
+    """MiniMind: the directory the SGLang server was started from; its config and tokenizer files go with every
+    weight push (MiniMind reads its tokenizer from it; minippo uses the actor's)."""
+    sglang_shared_path: str | None = None
+    """MiniMind's name for --engine_shared_path with --rollout_engine sglang."""
+
+
+@dataclass(frozen=True)
 class RewardArgs:
     reasoning: Flag = 1
     """Reward-model score = 0.4 x the whole reply + 0.6 x its <answer> content."""
@@ -373,14 +401,6 @@ class OutputArgs:
 class MiniMindArgs:
     """Accepted so MiniMind command lines run as they are."""
 
-    rollout_engine: Literal["torch", "sglang"] = "torch"
-    """torch: sampling in-process (sglang: not supported)."""
-    sglang_base_url: str | None = None
-    """Accepted; used only with --rollout_engine sglang (not supported)."""
-    sglang_model_path: str | None = None
-    """Accepted; as above."""
-    sglang_shared_path: str | None = None
-    """Accepted; as above."""
     debug_mode: int = opt(0, const=1)
     """1: the sample table every --debug_interval steps."""
     debug_interval: int = 20
@@ -403,6 +423,7 @@ GROUPS: dict[str, tuple[type, str]] = {
     "model": (ModelArgs, "models"),
     "data": (DataArgs, "data"),
     "rollout": (RolloutArgs, "rollout"),
+    "engine": (EngineArgs, "rollout engine: vLLM / SGLang servers (docs/engines.md)"),
     "reward": (RewardArgs, "reward"),
     "ppo": (PPOArgs, "ppo: estimator, loss, optimisation"),
     "eval": (EvalArgs, "evaluation during training (greedy, held-out prompts)"),
@@ -417,7 +438,8 @@ GAE_ONLY_FLAGS = ("critic_learning_rate", "vf_coef", "cliprange_value", "lam", "
 # The bases in reverse: a dataclass lists its bases' fields from the last base to the first, so the flat field
 # order is the groups' order (ModelArgs first), as --help, run.json and the resume files have it.
 @dataclass(frozen=True)
-class Config(MiniMindArgs, OutputArgs, SystemArgs, EvalArgs, PPOArgs, RewardArgs, RolloutArgs, DataArgs, ModelArgs):
+class Config(MiniMindArgs, OutputArgs, SystemArgs, EvalArgs, PPOArgs, RewardArgs, EngineArgs, RolloutArgs, DataArgs,
+             ModelArgs):
     """A run's settings: every group's fields as its own. `resolve()` returns one with every `auto` filled in."""
 
     config: str | None = None

@@ -1,7 +1,9 @@
 """Policy losses, each registered by name with its metadata (trainer/registry.py).
 
 A loss maps the update's `logprobs`, the sampling policy's `old_logprobs`, the `advantages` and the
-`response_mask` (all [B, R]), the run's config and the collectives `comm` (None in one process) to
+`response_mask` (all [B, R]), the run's config, the collectives `comm` (None in one process) and, for an engine's
+samples, the rollout importance weights `is_weights` [B, R] (None otherwise: each token's loss is multiplied by
+its weight before aggregation; a loss defined per response, GMPO, by the response's mean weight) to
 (loss, stats): the loss aggregated by the resolved --loss_agg_mode (the update scales it to the global
 token or row count, so N ranks give one process's gradient), stats 0-d tensors (approx_kl, ratio,
 clipfrac, and what the loss adds). Every log-ratio is clamped before exp() (trainer/ppo.py: MAX_LOG_RATIO).
@@ -34,7 +36,11 @@ from trainer.registry import register_policy_loss
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk")
 
 
-def _agg(token_loss: Tensor, mask: Tensor, cfg) -> Tensor:
+def _agg(token_loss: Tensor, mask: Tensor, cfg, is_weights: Tensor | None = None) -> Tensor:
+    """The resolved --loss_agg_mode of the per-token losses, each first multiplied by its rollout importance weight
+    (an engine's samples: trainer/ppo.py rollout_is_weights; verl multiplies its pg_losses the same way)."""
+    if is_weights is not None:
+        token_loss = _zero(token_loss * is_weights.detach(), mask)
     return aggregate_loss(token_loss, mask, cfg.loss_agg_mode, cfg.max_gen_len)
 
 
@@ -51,16 +57,16 @@ def _inputs(logprobs: Tensor, advantages: Tensor, response_mask: Tensor) -> tupl
 
 @register_policy_loss("vanilla", paper="Schulman et al. 2017, PPO, eq. (7); clip-higher: Yu et al. 2025, DAPO, sec. 3.1")
 def vanilla(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg,
-            comm: Comm | None = None) -> tuple[Tensor, dict]:
+            comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict]:
     """PPO's clipped surrogate: max(-A r, -A clip(r, 1 - eps, 1 + eps_high))."""
     token_loss, stats = clipped_surrogate(logprobs, old_logprobs, advantages, response_mask, cfg.clip_epsilon,
                                           cfg.clip_epsilon_high)
-    return _agg(token_loss, response_mask, cfg), stats
+    return _agg(token_loss, response_mask, cfg, is_weights), stats
 
 
 @register_policy_loss("dual_clip", paper="Ye et al. 2020, Mastering Complex Control in MOBA Games, eq. (5)")
 def dual_clip(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg,
-              comm: Comm | None = None) -> tuple[Tensor, dict]:
+              comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict]:
     """PPO's loss, and for A < 0 at most -A c (c = --clip_ratio_c): a token whose ratio grew far past 1 under a
     negative advantage otherwise pushes an unbounded step."""
     logprobs, adv, m = _inputs(logprobs, advantages, response_mask)
@@ -69,12 +75,12 @@ def dual_clip(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, respon
     dual = (adv < 0) & (token_loss > cap) & m
     token_loss = torch.where(dual, cap, token_loss)
     stats["clipfrac_lower"] = masked_mean(dual.float(), m)
-    return _agg(token_loss, m, cfg), stats
+    return _agg(token_loss, m, cfg, is_weights), stats
 
 
 @register_policy_loss("cispo", paper="MiniMax 2025, MiniMax-M1, sec. 3.1 (CISPO)")
 def cispo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg,
-          comm: Comm | None = None) -> tuple[Tensor, dict]:
+          comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict]:
     """REINFORCE with a clipped, detached importance weight: -sg(min(r, --cispo_max_weight)) A log pi. No token
     is dropped from the gradient (PPO's clip zeroes it), so rare tokens keep learning; the paper bounds only
     the weight's top."""
@@ -83,13 +89,14 @@ def cispo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_m
     ratio = torch.exp(log_ratio)
     weight = ratio.clamp(max=cfg.cispo_max_weight).detach()
     token_loss = _zero(-weight * adv * logprobs, m)
-    return _agg(token_loss, m, cfg), ratio_stats(log_ratio, ratio, m, clipfrac=masked_mean((ratio > cfg.cispo_max_weight).float(), m))
+    clipfrac = masked_mean((ratio > cfg.cispo_max_weight).float(), m)
+    return _agg(token_loss, m, cfg, is_weights), ratio_stats(log_ratio, ratio, m, clipfrac=clipfrac)
 
 
 @register_policy_loss("gspo", paper="Zheng et al. 2025, GSPO (Qwen), eq. (5)-(7), (13)-(14)", estimators=GROUP_ESTIMATORS,
                       needs_groups=True, loss_agg="seq_mean_token_mean", seq_advantages=True)
 def gspo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg,
-         comm: Comm | None = None) -> tuple[Tensor, dict]:
+         comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict]:
     """The clip on the sequence's ratio s = (pi(y)/pi_old(y))^(1/|y|) = exp(mean_t log r_t) (the length-normalised
     log-ratio), in the GSPO-token form: s_t = sg(s) pi_t / sg(pi_t), whose value is s and whose gradient is s's when
     every token of the response shares its advantage. Clip range [1 - --gspo_clip_low, 1 + --gspo_clip_high]."""
@@ -103,14 +110,14 @@ def gspo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_ma
     token_loss = _zero(torch.maximum(unclipped, clipped), m)
     stats = ratio_stats(log_ratio, torch.exp(log_ratio), m, clipfrac=masked_mean((clipped > unclipped).float(), m),
                         seq_ratio=masked_mean(s, m))
-    return _agg(token_loss, m, cfg), stats
+    return _agg(token_loss, m, cfg, is_weights), stats
 
 
 @register_policy_loss("gmpo", paper="Zhao et al. 2025, Geometric-Mean Policy Optimization, eq. (4)",
                       estimators=GROUP_ESTIMATORS, needs_groups=True, loss_agg="seq_mean_token_mean", agg_fixed=True,
                       seq_advantages=True)
 def gmpo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg,
-         comm: Comm | None = None) -> tuple[Tensor, dict]:
+         comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict]:
     """The geometric mean of the token ratios instead of their arithmetic mean: per response
     -A exp(mean_t clip_sgn(log r_t)), where each log-ratio is clipped to [-c, c] (c = --gmpo_clip) only on the side
     that would help (PPO's pessimism, in log space); the mean over the responses with a token (a row with none, e.g.
@@ -126,7 +133,10 @@ def gmpo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_ma
     seq_ratio = torch.exp(_zero(pessimistic, m).sum(dim=1) / n)
     rows = m.any(dim=1)
     n_rows = response_rows(m).clamp(min=1)
-    loss = _zero(-adv * seq_ratio, rows).sum() / n_rows
+    row_loss = -adv * seq_ratio
+    if is_weights is not None:  # a per-response loss: each response's mean rollout importance weight
+        row_loss = row_loss * masked_mean(is_weights.detach(), m, dim=1)
+    loss = _zero(row_loss, rows).sum() / n_rows
     clipped = (pessimistic != log_ratio) & m
     return loss, ratio_stats(log_ratio, torch.exp(log_ratio), m, clipfrac=masked_mean(clipped.float(), m),
                              seq_ratio=masked_mean(seq_ratio, rows))
@@ -179,7 +189,7 @@ def _covariance(logprobs: Tensor, advantages: Tensor, m: Tensor, comm: Comm | No
 
 @register_policy_loss("clip_cov", paper="Cui et al. 2025, The Entropy Mechanism of RL for Reasoning LMs, sec. 4 (Clip-Cov)")
 def clip_cov(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg,
-             comm: Comm | None = None) -> tuple[Tensor, dict]:
+             comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict]:
     """PPO's loss, with max(1, --clip_cov_ratio x N) tokens of the N taken out of the gradient, drawn at random among
     those PPO kept whose covariance lies in [--clip_cov_lb, --clip_cov_ub]: the tokens whose update drives the
     entropy down fastest. The draw is over every rank's tokens (each rank draws uniform keys; the global
@@ -195,12 +205,12 @@ def clip_cov(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, respons
     chosen = candidates & (keys <= _kth(keys.flatten(), k, largest=False, comm=comm))
     token_loss = torch.where(chosen, 0.0, token_loss)  # no gradient through the chosen tokens
     stats["cov_frac"] = masked_mean(chosen.float(), m)
-    return _agg(token_loss, m, cfg), stats
+    return _agg(token_loss, m, cfg, is_weights), stats
 
 
 @register_policy_loss("kl_cov", paper="Cui et al. 2025, The Entropy Mechanism of RL for Reasoning LMs, sec. 4 (KL-Cov)")
 def kl_cov(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg,
-           comm: Comm | None = None) -> tuple[Tensor, dict]:
+           comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict]:
     """The unclipped surrogate -A r, plus --kl_cov_coef |log r| on the max(1, --kl_cov_ratio x N) tokens of the N
     with the largest covariance (over every rank's tokens): a KL leash only where entropy collapses fastest."""
     logprobs, adv, m = _inputs(logprobs, advantages, response_mask)
@@ -211,13 +221,13 @@ def kl_cov(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_
     chosen = _top_k(torch.where(m, cov, torch.full((), float("-inf"), device=m.device)), m, k, comm)
     token_loss = -adv * ratio + torch.where(chosen, cfg.kl_cov_coef * log_ratio.abs(), 0.0)
     stats = ratio_stats(log_ratio, ratio, m, clipfrac=torch.zeros((), device=m.device), cov_frac=masked_mean(chosen.float(), m))
-    return _agg(_zero(token_loss, m), m, cfg), stats
+    return _agg(_zero(token_loss, m), m, cfg, is_weights), stats
 
 
 @register_policy_loss("sapo", paper="Gao et al. 2025, Soft Adaptive Policy Optimization (Qwen), eq. (5)-(7)",
                       loss_agg="seq_mean_token_mean")
 def sapo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg,
-         comm: Comm | None = None) -> tuple[Tensor, dict]:
+         comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict]:
     """A soft gate instead of the hard clip: -A f(r), f(r) = sigmoid(tau (r - 1)) 4 / tau, whose slope is 1 at r = 1
     and fades smoothly off-policy; tau = --sapo_tau_pos for A > 0, --sapo_tau_neg (steeper: negative updates
     destabilise more) otherwise."""
@@ -227,5 +237,5 @@ def sapo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_ma
     tau = torch.where(adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     token_loss = _zero(-gate * adv, m)
-    return _agg(token_loss, m, cfg), ratio_stats(log_ratio, ratio, m, clipfrac=torch.zeros((), device=m.device),
+    return _agg(token_loss, m, cfg, is_weights), ratio_stats(log_ratio, ratio, m, clipfrac=torch.zeros((), device=m.device),
                                                  gate=masked_mean(gate, m))

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from dataset.rlaif import detect_assistant_prefix
-from model.generation import sample
-from trainer.rollout import Rollout
+from trainer.engine import Engine
+from trainer.rollout import Rollout, draw
 from trainer.tools import ToolError, ToolRunner, parse_tool_calls
 
 
@@ -63,7 +63,7 @@ def observation(tok: Any, messages: list[dict], tool_messages: list[dict], tools
 
 
 @torch.no_grad()
-def generate_episodes(policy: nn.Module, tok: Any, runner: ToolRunner, batch: dict, *, max_turns: int, max_total_len: int,
+def generate_episodes(policy: nn.Module | Engine, tok: Any, runner: ToolRunner, batch: dict, *, max_turns: int, max_total_len: int,
                       max_new_tokens: int, eos_token_id: int | list[int], pad_token_id: int, num_generations: int = 1,
                       generator: torch.Generator | None = None, device: torch.device | None = None,
                       **sampling: Any) -> tuple[Rollout, list[Episode]]:
@@ -72,6 +72,7 @@ def generate_episodes(policy: nn.Module, tok: Any, runner: ToolRunner, batch: di
     temperature, top_k, top_p, greedy, suppress_eos, fast_decode (as model.generation.sample takes them).
     Rank-local: no collective, whatever the number of turns. The rollout is on `device` (default: the batch's)."""
     device = device or batch["input_ids"].device
+    engine = isinstance(policy, Engine)
     rep = lambda xs: [x for x in xs for _ in range(num_generations)]  # noqa: E731
     prompts = [row[m.bool()].tolist() for row, m in zip(batch["input_ids"].cpu(), batch["attention_mask"].cpu())]
     prompts, messages = rep(prompts), [[dict(m) for m in ms] for ms in rep(batch["messages"])]
@@ -79,6 +80,7 @@ def generate_episodes(policy: nn.Module, tok: Any, runner: ToolRunner, batch: di
     B = len(prompts)
     resp: list[list[int]] = [[] for _ in range(B)]
     mask: list[list[int]] = [[] for _ in range(B)]
+    lps: list[list[float]] = [[] for _ in range(B)]  # an engine's log-probs of the policy's tokens (0 at tool replies)
     turns: list[list[str]] = [[] for _ in range(B)]
     calls, failed, finished, has_eos = [0] * B, [0] * B, [False] * B, [False] * B
     active = list(range(B))
@@ -93,9 +95,10 @@ def generate_episodes(policy: nn.Module, tok: Any, runner: ToolRunner, batch: di
         att = torch.zeros((len(active), width), dtype=torch.long)
         for r, c in enumerate(ctx):
             ids[r, width - len(c):], att[r, width - len(c):] = torch.tensor(c), 1
-        s = sample(policy, ids.to(device), att.to(device), max_new_tokens=min(max_new_tokens, max(room.values())),
-                   eos_token_id=eos_token_id, pad_token_id=pad_token_id, generator=generator, **sampling)
+        s = draw(policy, ids.to(device), att.to(device), max_new_tokens=min(max_new_tokens, max(room.values())),
+                 eos_token_id=eos_token_id, pad_token_id=pad_token_id, generator=generator, **sampling)
         new = s.sequences[:, width:].cpu()
+        new_lps = s.logprobs.cpu() if engine else None
         new_mask, eos = s.response_mask.cpu().bool(), s.has_eos.cpu().tolist()
         still = []
         for r, i in enumerate(active):
@@ -103,6 +106,8 @@ def generate_episodes(policy: nn.Module, tok: Any, runner: ToolRunner, batch: di
             ended = bool(eos[r]) and len(toks) == int(new_mask[r].sum())  # stopped by itself, inside the budget
             resp[i] += toks
             mask[i] += [1] * len(toks)
+            if new_lps is not None:
+                lps[i] += new_lps[r][new_mask[r]].tolist()[: room[i]]
             text = prefixes[i] + tok.decode(toks, skip_special_tokens=True)
             turns[i].append(text)
             has_eos[i] = ended
@@ -123,6 +128,7 @@ def generate_episodes(policy: nn.Module, tok: Any, runner: ToolRunner, batch: di
             messages[i] += replies
             resp[i] += obs
             mask[i] += [0] * len(obs)
+            lps[i] += [0.0] * len(obs)
             still.append(i)
         active = still
 
@@ -130,13 +136,17 @@ def generate_episodes(policy: nn.Module, tok: Any, runner: ToolRunner, batch: di
     seqs = torch.full((B, P + R), pad_token_id, dtype=torch.long)
     attention = torch.zeros((B, P + R), dtype=torch.long)
     response_mask = torch.zeros((B, R), dtype=torch.float32)
+    rollout_lps = torch.zeros((B, R), dtype=torch.float32) if engine else None
     for i in range(B):
         p, n = len(prompts[i]), len(resp[i])
         seqs[i, P - p:P], attention[i, P - p:P] = torch.tensor(prompts[i]), 1
         seqs[i, P:P + n], attention[i, P:P + n] = torch.tensor(resp[i], dtype=torch.long), 1
         response_mask[i, :n] = torch.tensor(mask[i], dtype=torch.float32)
+        if rollout_lps is not None:
+            rollout_lps[i, :n] = torch.tensor(lps[i], dtype=torch.float32)
     ro = Rollout(sequences=seqs.to(device), attention_mask=attention.to(device), response_mask=response_mask.to(device),
-                 has_eos=torch.tensor(has_eos, device=device), prompt_len=P)
+                 has_eos=torch.tensor(has_eos, device=device), prompt_len=P,
+                 rollout_logprobs=None if rollout_lps is None else rollout_lps.to(device))
     episodes = [Episode(tuple(turns[i]), calls[i], failed[i], finished[i]) for i in range(B)]
     return ro, episodes
 

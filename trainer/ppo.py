@@ -286,6 +286,40 @@ def clipped_surrogate(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor
     return token_loss, ratio_stats(log_ratio, ratio, m, clipfrac=masked_mean((clipped > unclipped).float(), m))
 
 
+ROLLOUT_IS_MODES = ("token", "sequence", "none")
+
+
+def rollout_is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, response_mask: Tensor, mode: str,
+                       cap: float) -> tuple[Tensor | None, dict[str, Tensor]]:
+    """Truncated importance weights for the engine/trainer mismatch, and their statistics (0-d tensors).
+
+    The engine samples from mu (its kernels, its precision); the update's ratio is taken against the trainer's
+    own pi_old. E_mu[w f] = E_pi_old[f] with w = pi_old / mu, so each token's policy loss is multiplied by
+        token:    w_t = min(exp(log pi_old(y_t) - log mu(y_t)), cap)
+        sequence: w   = min(exp(sum_t log pi_old(y_t) - log mu(y_t)), cap), the same for every token of the response
+    (Ionides 2008's truncated IS; verl's rollout_is token / sequence with rollout_is_threshold, TRL's
+    vllm_importance_sampling_correction token_truncate / sequence_truncate). Detached; 0 at pads; the log-ratio is
+    clamped to +-MAX_LOG_RATIO before exp(). mode "none": no weights (None), the statistics still measured.
+
+    Statistics: engine_kl, mean(log mu - log pi_old) over the tokens (k1 of KL(mu || pi_old) from mu's samples,
+    verl's rollout_corr/kl); logprob_diff, mean |log mu - log pi_old|; is_weight, the mean weight before
+    truncation; is_clipped, the share of tokens (sequence: of responses' tokens) whose weight the cap cut."""
+    m = _as_bool(response_mask)
+    with torch.no_grad():
+        log_ratio = _zero_pads(old_logprobs.float() - rollout_logprobs.float(), m)
+        if mode == "sequence":
+            log_ratio = _zero_pads(log_ratio.sum(dim=1, keepdim=True).expand_as(log_ratio), m)
+        raw = _zero_pads(torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)), m)
+        stats = {"engine_kl": masked_mean(-_zero_pads(old_logprobs.float() - rollout_logprobs.float(), m), m),
+                 "logprob_diff": masked_mean((old_logprobs.float() - rollout_logprobs.float()).abs(), m),
+                 "is_weight": masked_mean(raw, m), "is_clipped": masked_mean((raw > cap).float(), m)}
+        if mode == "none":
+            return None, stats
+        if mode != "token" and mode != "sequence":
+            raise ValueError(f"unknown rollout IS mode {mode!r}: expected one of {', '.join(ROLLOUT_IS_MODES)}")
+        return raw.clamp(max=cap), stats
+
+
 def value_loss(
     values: Tensor,
     old_values: Tensor,

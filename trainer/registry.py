@@ -18,7 +18,7 @@ from typing import Literal
 
 # (scores [B], kl [B, R] | None, values [B, R] | None, response_mask [B, R], kl_coef, cfg) -> (advantages, returns)
 EstimatorFn = Callable[..., tuple]
-# (logprobs, old_logprobs, advantages, response_mask, cfg, comm) -> (loss, stats)
+# (logprobs, old_logprobs, advantages, response_mask, cfg, comm, is_weights=None) -> (loss, stats)
 PolicyLossFn = Callable[..., tuple]
 
 

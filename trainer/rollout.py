@@ -12,13 +12,18 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from model.generation import sample, token_logprobs
+from model.generation import Samples, sample, token_logprobs
+from trainer.engine import Engine
 from trainer.ppo import masked_mean
+from trainer.runtime import Models, Runtime, on
+
+if TYPE_CHECKING:
+    from trainer.config import Config
 
 
 def _hf_models(module: nn.Module) -> list[nn.Module]:
@@ -200,6 +205,8 @@ class Rollout:
     advantages: torch.Tensor | None = None  # [B, R]
     returns: torch.Tensor | None = None  # [B, R]
     entropy: torch.Tensor | None = None  # [B, R] policy entropy per token, from the sampling pass (return_logprobs)
+    rollout_logprobs: torch.Tensor | None = None  # [B, R] a rollout engine's log-probs of its samples (trainer/engine.py)
+    is_weights: torch.Tensor | None = None  # [B, R] their truncated importance weights pi_old / mu (--rollout_is)
     rewards_finite: bool = True  # False: a reward was NaN/inf, and the update skips this step on every rank
 
     @property
@@ -231,7 +238,7 @@ def cat_rollouts(parts: list[tuple[Rollout, torch.Tensor]], pad_token_id: int) -
         return None if t is None else torch.nn.functional.pad(t, (left, right), value=value)
 
     cols: dict[str, list] = {k: [] for k in ("sequences", "attention_mask", "response_mask", "has_eos", "old_logprobs",
-                                             "entropy", "rewards")}
+                                             "entropy", "rewards", "rollout_logprobs")}
     for ro, idx in parts:
         p, r = P - ro.prompt_len, R - ro.response_len
         seq = torch.cat([pad(ro.sequences[idx, :ro.prompt_len], p, 0, pad_token_id),
@@ -240,7 +247,8 @@ def cat_rollouts(parts: list[tuple[Rollout, torch.Tensor]], pad_token_id: int) -
         for k, v in (("sequences", seq), ("attention_mask", att), ("response_mask", pad(ro.response_mask[idx], 0, r)),
                      ("has_eos", ro.has_eos[idx]), ("rewards", ro.rewards[idx]),
                      ("old_logprobs", None if ro.old_logprobs is None else pad(ro.old_logprobs[idx], 0, r)),
-                     ("entropy", None if ro.entropy is None else pad(ro.entropy[idx], 0, r))):
+                     ("entropy", None if ro.entropy is None else pad(ro.entropy[idx], 0, r)),
+                     ("rollout_logprobs", None if ro.rollout_logprobs is None else pad(ro.rollout_logprobs[idx], 0, r))):
             cols[k].append(v)
     joined = {k: (None if v[0] is None else torch.cat(v)) for k, v in cols.items()}
     return Rollout(prompt_len=P, **joined)
@@ -283,9 +291,17 @@ def select_groups(chosen: list[tuple[Sampled, int]], n: int, pad_token_id: int) 
     return Sampled(cat_rollouts(parts, pad_token_id), fields, responses, {k: torch.cat(v) for k, v in comps.items()})
 
 
+def draw(policy: nn.Module | Engine, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any) -> Samples:
+    """model.generation.sample's draws from the policy's weights in this process, or from a rollout engine serving
+    them (its Samples carry the engine's log-probs)."""
+    if isinstance(policy, Engine):
+        return policy.sample(input_ids, attention_mask, **kwargs)
+    return sample(policy, input_ids, attention_mask, **kwargs)
+
+
 @torch.no_grad()
 def generate_rollout(
-    policy: nn.Module,
+    policy: nn.Module | Engine,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     *,
@@ -302,23 +318,27 @@ def generate_rollout(
     fast_decode: bool = True,
     generator: torch.Generator | None = None,
 ) -> Rollout:
-    """Sample `num_generations` responses per prompt; with N > 1 the prompt batch is repeated
-    row-wise (prompt i's samples are rows i*N .. i*N+N-1) and generated in one call.
+    """Sample `num_generations` responses per prompt (prompt i's samples are rows i*N .. i*N+N-1): in this process
+    the prompt batch is repeated row-wise and generated in one call; an engine gets each prompt once with n = N.
 
-    return_logprobs fills `old_logprobs` and `entropy` from the sampling pass itself. `generator`: the draws'
-    random stream (evaluation's own); None = torch's default one, training's."""
+    return_logprobs fills `old_logprobs` and `entropy` from the sampling pass itself (in this process only: an
+    engine's log-probs go to `rollout_logprobs`, and the old log-probs are the trainer's forward). `generator`: the
+    draws' random stream (evaluation's own); None = torch's default one, training's."""
+    kw = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id, temperature=temperature,
+              top_k=top_k, top_p=top_p, greedy=greedy, suppress_eos=suppress_eos, generator=generator)
+    engine = isinstance(policy, Engine)
+    if engine:
+        s = draw(policy, input_ids, attention_mask, num_generations=num_generations, **kw)
     if num_generations > 1:
         input_ids = input_ids.repeat_interleave(num_generations, dim=0)
         attention_mask = attention_mask.repeat_interleave(num_generations, dim=0)
-    s = sample(
-        policy, input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
-        suppress_eos=suppress_eos, return_logprobs=return_logprobs, fast_decode=fast_decode, generator=generator,
-    )
+    if not engine:
+        s = draw(policy, input_ids, attention_mask, return_logprobs=return_logprobs, fast_decode=fast_decode, **kw)
     full_mask = torch.cat([attention_mask, s.response_mask.to(attention_mask.dtype)], dim=1)  # [B, P+R]
     return Rollout(
-        sequences=s.sequences, attention_mask=full_mask, response_mask=s.response_mask.float(),
-        has_eos=s.has_eos, prompt_len=input_ids.shape[1], old_logprobs=s.logprobs, entropy=s.entropy,
+        sequences=s.sequences, attention_mask=full_mask, response_mask=s.response_mask.float(), has_eos=s.has_eos,
+        prompt_len=input_ids.shape[1], old_logprobs=None if engine else s.logprobs, entropy=s.entropy,
+        rollout_logprobs=s.logprobs if engine else None,
     )
 
 
@@ -348,3 +368,15 @@ def rollout_metrics(ro: Rollout, comps: dict[str, torch.Tensor], entropy: torch.
         metrics["reward/group_std"] = rewards.view(-1, num_generations).std(dim=1).mean().item()
     metrics["tokens_generated"] = float(n_tok.sum().item())
     return metrics, weights
+
+
+def critic_values(cfg: Config, ro: Rollout, m: Models, rt: Runtime) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The critic's values [B, R] of the sampled tokens, and with --reuse_values the same values with their
+    graph: the update's own forward, so the update does not run it again."""
+    seqs, mask = on(rt.critic_device, ro.sequences, ro.attention_mask)
+    if cfg.reuse_values:
+        with torch.enable_grad(), attention_implementation(cfg.train_attn, m.critic_train):
+            graph = critic_forward(m.critic_train, seqs, mask, ro.response_len)
+        return graph.detach().float().to(rt.device), graph
+    values = forward_in_row_chunks(critic_forward, m.critic, seqs, mask, ro.response_len, rows=cfg.forward_batch_size)
+    return values.float().to(rt.device), None

@@ -33,6 +33,7 @@ class Models:
     eos_ids: list[int]  # HF chat models may stop on several ids (tokenizer EOS + generation_config)
     actor_train: nn.Module | None = None
     critic_train: nn.Module | None = None
+    engine: Any = None  # trainer.engine.Engine: the rollout engine that samples for this rank (None: the actor itself)
 
     @property
     def rm_module(self) -> nn.Module | None:

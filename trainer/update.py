@@ -121,8 +121,9 @@ def actor_backward(cfg: Config, actor, part: Rollout, scale: torch.Tensor | floa
             logprobs, entropy = policy_forward(actor, part.sequences, part.attention_mask, part.response_len,
                                                cfg.sample_temperature, with_entropy=cfg.entropy_coef > 0)
         agg = functools.partial(aggregate_loss, response_mask=part.response_mask, mode=cfg.loss_agg_mode, max_len=cfg.max_gen_len)
+        is_w = {} if part.is_weights is None else {"is_weights": part.is_weights}  # an engine's samples (--rollout_is)
         pg_loss, pg_stats = policy_loss_spec(cfg.policy_loss).fn(logprobs, part.old_logprobs, part.advantages,
-                                                                 part.response_mask, cfg, D.comm(rt.info))
+                                                                 part.response_mask, cfg, D.comm(rt.info), **is_w)
         loss = pg_loss * scale
         if cfg.kl_placement == "loss":
             kl = agg(kl_penalty(logprobs, part.ref_logprobs, cfg.kl_estimator))

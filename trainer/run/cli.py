@@ -118,6 +118,9 @@ MINIMIND_NOT_ACTED_ON = {
     "debug_log_ratio": ((0,), "ppo/ratio and ppo/approx_kl are logged every step anyway"),
 }
 _UNSET = object()
+# Settings only a rollout engine reads (--rollout_engine torch ignores them, with a warning).
+ENGINE_ONLY_FLAGS = ("engine_url", "engine_sync_interval", "engine_shared_path", "engine_timeout", "rollout_is", "rollout_is_cap",
+                     "sglang_base_url", "sglang_model_path", "sglang_shared_path")
 
 
 def given_flags(argv: list[str]) -> set[str]:
@@ -155,6 +158,11 @@ def warn_unused(cfg: Config) -> list[str]:
     if unused:
         lines.append(f"warning: --advantage_estimator {cfg.advantage_estimator} builds no critic: {', '.join(unused)} "
                      f"{'is' if len(unused) == 1 else 'are'} ignored")
+    if cfg.rollout_engine == "torch":
+        given = [f"--{k}" for k in ENGINE_ONLY_FLAGS if getattr(cfg, k) != getattr(defaults, k)]
+        if given:
+            lines.append(f"warning: {', '.join(given)} {'is' if len(given) == 1 else 'are'} not acted on: the policy samples "
+                         f"in this process (--rollout_engine torch); give --rollout_engine vllm / sglang to use an engine")
     for flag, (inert, why) in MINIMIND_NOT_ACTED_ON.items():
         if getattr(cfg, flag) not in inert:
             lines.append(f"warning: --{flag} {getattr(cfg, flag)} is accepted for MiniMind's command lines and not acted on: {why}")
@@ -244,7 +252,8 @@ def resolve(raw: Config, info: DistInfo, mc: object | None = _UNREAD) -> Config:
     --kl_placement / --kl_estimator (the estimator's own), --clip_epsilon_high, --loss_agg_mode (the loss's own),
     --mini_batch_size 0 (every row), --eval_data_path,
     --train_attn_implementation, --parallel_update, --save_merged, --hidden_size (an --actor_path model's
-    own), --sample_interval (MiniMind's --debug_mode uses --debug_interval), --swanlab_mode (--use_wandb 0)."""
+    own), --sample_interval (MiniMind's --debug_mode uses --debug_interval), --swanlab_mode (--use_wandb 0),
+    --engine_url / --engine_shared_path (MiniMind's --sglang_* names, the defaults)."""
     if raw.resolved:
         return raw
     validate(raw)
@@ -273,6 +282,7 @@ def resolve(raw: Config, info: DistInfo, mc: object | None = _UNREAD) -> Config:
         save_merged=raw.save_merged if raw.save_merged >= 0 else int(not raw.actor_path),
         hidden_size=hidden or raw.hidden_size, sample_interval=raw.debug_interval if raw.debug_mode else raw.sample_interval,
         swanlab_mode=raw.swanlab_mode if raw.use_wandb else "disabled",
+        engine_url=",".join(engine_urls(raw)) or None, engine_shared_path=engine_shared_path(raw),
     )._resolved()
 
 
@@ -318,6 +328,53 @@ def fsdp2_checks(cfg: Config) -> list[tuple[bool, str]]:
     ]
 
 
+def engine_checks(cfg: Config) -> list[tuple[bool, str]]:
+    """What a rollout engine needs and does not combine with, as validate's (ok, message) pairs."""
+    if cfg.rollout_engine == "torch":
+        return []
+    eng = f"--rollout_engine {cfg.rollout_engine}"
+    return [
+        (cfg.rollout_engine != "vllm" or bool(cfg.engine_url),
+         f"{eng} needs --engine_url http://HOST:PORT of a running vLLM server (scripts/serve_engine.sh vllm MODEL_DIR "
+         f"starts one; docs/engines.md)"),
+        (cfg.rollout_engine != "vllm" or not (cfg.sglang_base_url or cfg.sglang_shared_path),
+         f"{eng}: --sglang_base_url / --sglang_shared_path are SGLang's; give --engine_url / --engine_shared_path"),
+        (not (cfg.engine_url and cfg.sglang_base_url),
+         "--sglang_base_url is MiniMind's name for --engine_url: give one of them"),
+        (not (cfg.engine_shared_path and cfg.sglang_shared_path),
+         "--sglang_shared_path is MiniMind's name for --engine_shared_path: give one of them"),
+        (all(re.fullmatch(r"https?://[^\s,/]+(/\S*)?", u) for u in engine_urls(cfg)),
+         f"--engine_url {cfg.engine_url or cfg.sglang_base_url}: expected http://HOST:PORT (comma-separated for several)"),
+        (cfg.engine_sync_interval >= 1, "--engine_sync_interval must be >= 1 (updates between weight pushes)"),
+        (math.isfinite(cfg.engine_timeout) and cfg.engine_timeout > 0, "--engine_timeout must be a number of seconds > 0"),
+        (math.isfinite(cfg.rollout_is_cap) and cfg.rollout_is_cap >= 1,
+         f"--rollout_is_cap {cfg.rollout_is_cap} must be a finite number >= 1 (an on-policy token's weight is 1)"),
+        (not cfg.suppress_eos, f"--suppress_eos 1 with {eng}: the engine's sampler cannot forbid EOS; drop one"),
+        (cfg.sglang_model_path is None or Path(cfg.sglang_model_path).is_dir(),
+         f"--sglang_model_path {cfg.sglang_model_path}: not a directory (the model directory the SGLang server was "
+         f"started from)"),
+    ]
+
+
+def engine_urls(cfg: Config) -> list[str]:
+    """The engines' URLs: --engine_url (comma-separated), for sglang --sglang_base_url or MiniMind's default."""
+    raw = cfg.engine_url or cfg.sglang_base_url or ("http://localhost:8998" if cfg.rollout_engine == "sglang" else "")
+    return [u.strip() for u in raw.split(",") if u.strip()]
+
+
+def engine_shared_path(cfg: Config) -> str | None:
+    """Where pushed weights go: the flag, or a folder in /dev/shm (memory, no disk write) named after the first
+    engine's host and port, or under --checkpoint_dir where there is no /dev/shm."""
+    if cfg.rollout_engine == "torch":
+        return cfg.engine_shared_path
+    given = cfg.engine_shared_path or cfg.sglang_shared_path
+    if given:
+        return given
+    tag = re.sub(r"[^A-Za-z0-9]+", "_", engine_urls(cfg)[0].split("://", 1)[-1]).strip("_")
+    shm = Path("/dev/shm")
+    return str(shm / f"minippo_engine_{tag}") if shm.is_dir() else str(Path(cfg.checkpoint_dir) / f"engine_{tag}")
+
+
 def validate(cfg: Config) -> None:
     """One-line errors for settings that would otherwise fail deep inside the run."""
     rows = cfg.rows
@@ -345,8 +402,6 @@ def validate(cfg: Config) -> None:
         (cfg.reward_model_path in (None, "none") or Path(cfg.reward_model_path).is_dir() or cfg.rm_weight == 0,
          f"--reward_model_path {cfg.reward_model_path}: not a directory (use 'none' or --rm_weight 0 to run without a reward model)"),
         (cfg.actor_path is None or Path(cfg.actor_path).is_dir(), f"--actor_path {cfg.actor_path}: not a directory"),
-        (cfg.rollout_engine == "torch", "--rollout_engine sglang is not supported: minippo samples with the policy "
-                                        "in-process (--rollout_engine torch, the default); drop the --sglang_* flags"),
         (cfg.ddp_timeout > 0, "--ddp_timeout must be > 0 seconds"),
         (cfg.save_timeout > 0, "--save_timeout must be > 0 seconds"),
         (cfg.num_generations >= 2 or est is None or not est.needs_groups,
@@ -402,6 +457,7 @@ def validate(cfg: Config) -> None:
            f"or nothing (the actor's device)")
           for f in ("ref_device", "critic_device", "reward_device")],
         *fsdp2_checks(cfg),
+        *engine_checks(cfg),
     ]
     # nan compares False with everything, so "x > 0" alone would let it through.
     for flag, lowest in (("beta", ">= 0"), ("epsilon", "> 0"), ("epsilon_high", "> 0"), ("learning_rate", "> 0"),

@@ -32,6 +32,7 @@ from trainer.reward_model import RewardModelScorer
 from trainer.rewards import load_reward_fn
 from trainer.run.cli import resolve, validate
 from trainer.run.distributed import failing_together, gpu_identity, in_turn, init_distributed, keep_until_exit, stop_all
+from trainer.run.engine_sync import connect_engine
 from trainer.run.hardware import layer_matmul_params, model_config, resolve_precision
 from trainer.run.seeding import seed_everything
 from trainer.run.sharding import device_mesh, shard_models, use_hsdp
@@ -284,6 +285,7 @@ def setup(raw: Config, info: DistInfo | None = None) -> Setup:
     if cfg.strategy == "fsdp2":  # sharding replaced the parameters: the optimizers are built over the shards
         built.optim = build_optim(cfg, built.models, rt.total_steps, DTYPES[cfg.dtype], info.device)
     wrap_for_training(cfg, built.models, info)  # DDP's constructor broadcasts rank 0's weights
+    built.models.engine = connect_engine(cfg, info)  # --rollout_engine vllm / sglang: this rank's, reachable
     if info.enabled:
         keep_until_exit(built)  # freed by the process's exit, not by returning from main (a gloo hang)
     return built

@@ -1,0 +1,339 @@
+"""Rollout engines: the policy samples in an inference server that runs out of process, in its own virtualenv.
+
+    --rollout_engine vllm   --engine_url http://HOST:8000   vLLM's OpenAI server (`vllm serve`, scripts/serve_engine.sh)
+    --rollout_engine sglang --sglang_base_url http://HOST:8998   SGLang's native server (MiniMind's flags)
+
+The trainer sends token IDs (left padding stripped: no re-tokenisation) and gets back, per response, the sampled
+token IDs, the finish reason and each sampled token's log-prob under the engine's sampling distribution. Old
+log-probs stay the trainer's own forward (the first PPO ratio is exactly 1); the engine's log-probs only measure the
+engine/trainer gap that trainer/ppo.py's `rollout_is_weights` corrects.
+
+Which log-probs each engine returns (both: after temperature, the distribution the trainer scores):
+- vLLM: with `--logprobs-mode processed_logprobs` (scripts/serve_engine.sh sets it), log softmax(logits / T) after
+  top-k / top-p, i.e. renormalised over the kept tokens: with --top_k / --top_p the weight also corrects the
+  truncation. vLLM's default, raw_logprobs, is before temperature: the start-up probe refuses it.
+- SGLang: log softmax(logits / T) over the whole vocabulary (its default; greedy: T = 1).
+
+Weights: the trainer writes the policy as safetensors into a folder both can read (`push_dir`) and the engine
+reloads it (vLLM: the worker's `reload_weights` through `/collective_rpc`, which needs VLLM_SERVER_DEV_MODE=1; SGLang:
+`/update_weights_from_disk`), then records the weight version (the number of updates in those weights). Every
+response is stamped with the version it was sampled with (SGLang: per response; vLLM: the server's version read
+before and after the batch); any other version than the last pushed one stops the run (EngineError).
+
+Only the standard library talks HTTP here: the trainer's requirements do not grow for an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model.generation import Samples
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+class EngineError(RuntimeError):
+    """An engine that cannot be reached, refuses a request, serves other weights or fails a weight push: the
+    message is one line that names the engine and what to do."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled response: its token IDs (EOS included when it stopped there), their log-probs, why it ended
+    ("stop": a stop token; "length": --max_gen_len) and the weight version it was sampled with (None: unknown)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: str | None = None
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What decides the distribution; the same meaning as model.generation.sample's arguments."""
+
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    greedy: bool
+    stop_ids: tuple[int, ...]
+
+
+class Engine:
+    """A rollout engine's HTTP client. Subclasses speak one server's API: `_complete` and `_load`."""
+
+    kind = "engine"
+    start_hint = "start it first"
+
+    def __init__(self, url: str, timeout: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.version: int | None = None  # the weight version last pushed (None: none yet)
+
+    # ---- HTTP
+    def _request(self, path: str, body: dict | None = None, *, method: str | None = None,
+                 timeout: float | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method or ("POST" if body is not None else "GET"),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            raise EngineError(f"the {self.kind} engine at {self.url} refused {path}: HTTP {e.code} {_error_text(e)}") from None
+        except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError) as e:
+            reason = getattr(e, "reason", e)
+            raise EngineError(f"the {self.kind} engine at {self.url} is not reachable ({reason}); {self.start_hint}") from None
+        if not raw.strip():
+            return None
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            raise EngineError(f"the {self.kind} engine at {self.url} answered {path} with something that is not JSON: "
+                              f"{raw[:80]!r}") from None
+
+    def health(self) -> None:
+        """Raise EngineError unless the server answers its health check."""
+        self._request("/health", timeout=min(self.timeout, 30.0))
+
+    # ---- what each server implements
+    def _complete(self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int]) -> list[list[Completion]]:
+        raise NotImplementedError
+
+    def _load(self, folder: Path, version: int) -> None:
+        raise NotImplementedError
+
+    def server_version(self) -> str | None:
+        """The weight version the server reports now (None where it reports none)."""
+        return None
+
+    def max_model_len(self) -> int | None:
+        """The longest prompt + response the server accepts (None: unknown)."""
+        return None
+
+    # ---- weights
+    def load_weights(self, folder: str | os.PathLike, version: int) -> None:
+        """Make the engine serve the weights in `folder` (written by `write_weights`) as weight version `version`."""
+        self._load(Path(folder).resolve(), version)
+        self.version = version
+
+    def check_version(self, seen: Sequence[str | None]) -> None:
+        """Stop when a response came from other weights than the last push (a restarted engine, another trainer)."""
+        want = None if self.version is None else str(self.version)
+        for v in seen:
+            if v is not None and v != want:
+                raise EngineError(
+                    f"the {self.kind} engine at {self.url} sampled with weight version {v!r} but the trainer pushed "
+                    f"{want!r} last (was the engine restarted, or does another run push to it?); nothing was trained "
+                    f"on it: restart the run with --from_resume 1 so the engine gets the trainer's weights again")
+
+    # ---- sampling
+    def sample(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
+               eos_token_id: int | list[int], pad_token_id: int, temperature: float = 1.0, top_k: int = 0,
+               top_p: float = 1.0, greedy: bool = False, suppress_eos: bool = False, num_generations: int = 1,
+               generator: torch.Generator | None = None, **_ignored: Any) -> Samples:
+        """model.generation.sample's contract, sampled by the engine: `num_generations` responses per prompt row
+        (rows i*N .. i*N+N-1), right-padded, on the inputs' device; `logprobs` are the engine's. Each prompt gets
+        its own seed, drawn from `generator` (None: torch's default stream), so a seeded run asks for the same
+        draws. `fast_decode` and the like are the local decoder's and mean nothing here."""
+        if suppress_eos:
+            raise EngineError("--suppress_eos is not available with a rollout engine (its samplers cannot forbid EOS)")
+        eos = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+        prompts = [row[m.bool()].tolist() for row, m in zip(input_ids.cpu(), attention_mask.cpu())]
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator,
+                              device=generator.device if generator is not None else "cpu").tolist()
+        params = SamplingParams(max_new_tokens, 0.0 if greedy else temperature, top_k, top_p, greedy, tuple(eos))
+        groups = self._complete(prompts, num_generations, params, seeds)
+        done = [c for g in groups for c in g]
+        if len(done) != len(prompts) * num_generations or any(len(g) != num_generations for g in groups):
+            raise EngineError(f"the {self.kind} engine at {self.url} returned {len(done)} responses for "
+                              f"{len(prompts)} prompts x {num_generations}")
+        self.check_version([c.weight_version for c in done])
+        return _as_samples(done, input_ids.repeat_interleave(num_generations, dim=0), eos, pad_token_id, max_new_tokens,
+                           self.url)
+
+
+def _error_text(e: urllib.error.HTTPError) -> str:
+    """The server's own message of an HTTP error, on one line."""
+    try:
+        body = e.read().decode(errors="replace")
+        parsed = json.loads(body)
+        msg = parsed.get("error", parsed) if isinstance(parsed, dict) else parsed
+        if isinstance(msg, dict):
+            msg = msg.get("message") or msg.get("detail") or msg
+        text = str(msg)
+    except Exception:  # noqa: BLE001 - any body at all; the status code is the message then
+        text = e.reason if isinstance(e.reason, str) else ""
+    return " ".join(text.split())[:300]
+
+
+def _as_samples(done: list[Completion], input_ids: torch.Tensor, eos: list[int], pad_token_id: int,
+                max_new_tokens: int, url: str) -> Samples:
+    """Completions -> Samples: responses right-padded to the longest, the mask 1 up to and including EOS."""
+    R = max(1, max(len(c.token_ids) for c in done))
+    B = len(done)
+    tokens = torch.full((B, R), pad_token_id, dtype=torch.long)
+    mask = torch.zeros(B, R)
+    logprobs = torch.zeros(B, R)
+    has_eos = torch.zeros(B, dtype=torch.bool)
+    for i, c in enumerate(done):
+        n = len(c.token_ids)
+        if n > max_new_tokens or len(c.logprobs) != n:
+            raise EngineError(f"the engine at {url} returned {n} tokens with {len(c.logprobs)} log-probs "
+                              f"(at most {max_new_tokens} asked)")
+        if n:
+            tokens[i, :n] = torch.tensor(c.token_ids)
+            mask[i, :n] = 1
+            logprobs[i, :n] = torch.tensor(c.logprobs, dtype=torch.float32)
+            has_eos[i] = c.finish_reason == "stop" and c.token_ids[-1] in eos
+    device = input_ids.device
+    return Samples(sequences=torch.cat([input_ids, tokens.to(device)], dim=1), response_mask=mask.to(device),
+                   has_eos=has_eos.to(device), logprobs=logprobs.to(device), entropy=None)
+
+
+class VLLMEngine(Engine):
+    """vLLM's OpenAI-compatible server (`vllm serve DIR --logprobs-mode processed_logprobs`, VLLM_SERVER_DEV_MODE=1):
+    /v1/completions with token-ID prompts (one request per prompt with n = --num_generations and its own seed; the
+    server batches them), /collective_rpc reload_weights, /update_weight_version, /weight_info."""
+
+    kind = "vllm"
+    start_hint = "start one with scripts/serve_engine.sh vllm MODEL_DIR (docs/engines.md)"
+
+    def __init__(self, url: str, timeout: float = 600.0, concurrency: int = 64) -> None:
+        super().__init__(url, timeout)
+        self.concurrency = concurrency
+        self._model: str | None = None
+        self._max_len: int | None = None
+
+    def _models(self) -> None:
+        data = (self._request("/v1/models", timeout=min(self.timeout, 30.0)) or {}).get("data") or []
+        if not data:
+            raise EngineError(f"the vllm engine at {self.url} serves no model (GET /v1/models is empty)")
+        self._model, self._max_len = data[0]["id"], data[0].get("max_model_len")
+
+    def max_model_len(self) -> int | None:
+        if self._model is None:
+            self._models()
+        return self._max_len
+
+    def server_version(self) -> str | None:
+        return (self._request("/weight_info", timeout=min(self.timeout, 30.0)) or {}).get("weight_version")
+
+    def _complete(self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int]) -> list[list[Completion]]:
+        if self._model is None:
+            self._models()
+        before = self.server_version()
+
+        def one(prompt: list[int], seed: int) -> list[Completion]:
+            body = {"model": self._model, "prompt": prompt, "n": n, "max_tokens": params.max_new_tokens,
+                    "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or -1,
+                    "seed": seed, "logprobs": 0, "return_token_ids": True, "stop_token_ids": list(params.stop_ids),
+                    "skip_special_tokens": False}
+            out = self._request("/v1/completions", body)
+            choices = sorted(out["choices"], key=lambda c: c["index"])
+            return [Completion(list(c["token_ids"]), [float(x) for x in c["logprobs"]["token_logprobs"]],
+                               c["finish_reason"], before) for c in choices]
+
+        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(prompts)))) as pool:
+            groups = list(pool.map(one, prompts, seeds))
+        self.check_version([self.server_version()])  # the server's version did not change under the batch
+        return groups
+
+    def _load(self, folder: Path, version: int) -> None:
+        try:
+            self._request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
+        except EngineError as e:
+            if "HTTP 404" in str(e):
+                raise EngineError(f"the vllm engine at {self.url} has no /collective_rpc: start it with "
+                                  f"VLLM_SERVER_DEV_MODE=1 (scripts/serve_engine.sh does)") from None
+            raise EngineError(f"the vllm engine at {self.url} could not load the weights in {folder} (does it serve "
+                              f"another model than the actor?): {e}") from None
+        self._request("/update_weight_version", {"new_version": str(version)})
+        self._request("/reset_prefix_cache", {})
+
+
+class SGLangEngine(Engine):
+    """SGLang's native server (`python -m sglang.launch_server --model-path DIR --port 8998`, as MiniMind's README
+    starts it): /generate with a batch of input_ids and return_logprob, /update_weights_from_disk, /get_model_info."""
+
+    kind = "sglang"
+    start_hint = ("start one with python -m sglang.launch_server --model-path MODEL_DIR --host 0.0.0.0 --port 8998 "
+                  "(docs/engines.md)")
+
+    def server_version(self) -> str | None:
+        v = (self._request("/get_model_info", timeout=min(self.timeout, 30.0)) or {}).get("weight_version")
+        return None if v is None else str(v)
+
+    def _complete(self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int]) -> list[list[Completion]]:
+        sp = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
+              "top_k": params.top_k or -1, "stop_token_ids": list(params.stop_ids), "skip_special_tokens": False}
+        rows = [p for p in prompts for _ in range(n)]  # MiniMind's form: each prompt repeated, one request
+        out = self._request("/generate", {"input_ids": rows, "sampling_params": sp, "return_logprob": True})
+        out = out if isinstance(out, list) else [out]
+        done = []
+        for item in out:
+            meta = item.get("meta_info") or {}
+            ids = list(item.get("output_ids") or meta.get("output_ids") or [])
+            lps = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
+            reason = (meta.get("finish_reason") or {}).get("type", "length")
+            version = meta.get("weight_version")
+            done.append(Completion(ids, lps, reason, None if version is None else str(version)))
+        return [done[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _load(self, folder: Path, version: int) -> None:
+        out = self._request("/update_weights_from_disk", {"model_path": str(folder), "weight_version": str(version),
+                                                          "flush_cache": True}) or {}
+        if not out.get("success", False):
+            raise EngineError(f"the sglang engine at {self.url} could not load the weights in {folder}: "
+                              f"{' '.join(str(out.get('message', out)).split())[:300]}")
+
+
+ENGINES: dict[str, type[Engine]] = {"vllm": VLLMEngine, "sglang": SGLangEngine}
+
+
+def connect(kind: str, urls: Sequence[str], rank: int, timeout: float = 600.0) -> Engine:
+    """This rank's engine (rank r uses urls[r % len(urls)]: one engine may serve every rank), checked reachable."""
+    engine = ENGINES[kind](urls[rank % len(urls)], timeout)
+    engine.health()
+    return engine
+
+
+def write_weights(state_dict: dict[str, torch.Tensor], config_json: dict, folder: str | os.PathLike,
+                  extra_files: Sequence[Path] = ()) -> Path:
+    """The policy as an HF checkpoint an engine reloads: `model.safetensors` (tied lm_head left out, as
+    save_pretrained does) and config.json (+ `extra_files`, e.g. tokenizer files), each written under a temporary
+    name and renamed into place, so an engine never reads half a file."""
+    from safetensors.torch import save_file  # transformers' own dependency
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    others = sorted(f.name for f in folder.glob("*.safetensors") if f.name != WEIGHTS_FILE)
+    if others:  # an engine reloads every *.safetensors of the folder: a model's own files would mix in
+        raise EngineError(f"{folder} holds other weight files ({', '.join(others[:3])}): give --engine_shared_path an "
+                          f"empty folder of its own, not a model directory")
+    tied = config_json.get("tie_word_embeddings", False) and "model.embed_tokens.weight" in state_dict
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items() if not (tied and k == "lm_head.weight")}
+    tmp = folder / f".{WEIGHTS_FILE}.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, folder / WEIGHTS_FILE)
+    tmp_cfg = folder / ".config.json.tmp"
+    tmp_cfg.write_text(json.dumps(config_json, indent=2), encoding="utf-8")
+    os.replace(tmp_cfg, folder / "config.json")
+    for f in extra_files:
+        if f.name not in (WEIGHTS_FILE, "config.json") and f.is_file():
+            tmp_f = folder / f".{f.name}.tmp"
+            tmp_f.write_bytes(f.read_bytes())
+            os.replace(tmp_f, folder / f.name)
+    return folder

@@ -1,0 +1,149 @@
+"""A rollout engine's part of the run (--rollout_engine vllm / sglang; trainer/engine.py speaks to the servers):
+connect every rank to its engine at start, push the policy's weights before the first rollout (the start or the
+resumed weights) and after every --engine_sync_interval updates, and check once that the engine samples the policy.
+
+Who talks to whom: rank r samples from engine r mod n of --engine_url (one engine may serve every rank: it batches
+their requests). Rank 0 writes the weights once into --engine_shared_path and has every engine reload them, while
+the other ranks wait outside the training group (as for a save: a reload may outlast --ddp_timeout); the folder
+must be readable by every engine (one node: /dev/shm; several nodes: a shared filesystem path). Under
+--strategy fsdp2 every rank takes part in gathering the whole weights to rank 0 first; a LoRA actor pushes its
+merged weights (W + B A scale: the engine serves a plain model).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from model.config import MiniMindConfig, stock_hf_config
+from model.lora import base_of, is_lora, merged_state_dict
+from trainer import dist as D
+from trainer.config import Config
+from trainer.engine import ENGINES, Engine, EngineError, connect, write_weights
+from trainer.rollout import policy_forward
+from trainer.run.distributed import failing_together, main_writes
+from trainer.run.sharding import full_state_dict, is_sharded
+from trainer.runtime import Models, Runtime
+
+# Mean |log-prob gap| per token on the start-up probe above which the engine is not sampling the policy (bf16
+# engines measure ~1e-3 to 5e-3 here: docs/engines.md).
+PROBE_LIMIT = 0.5
+
+
+def connect_engine(cfg: Config, info: D.DistInfo) -> Engine | None:
+    """This rank's engine, reachable (None: --rollout_engine torch). A rank that cannot reach its engine stops every rank."""
+    if cfg.rollout_engine == "torch":
+        return None
+    urls = (cfg.engine_url or "").split(",")
+    engine = None
+    with failing_together(info):
+        try:
+            engine = connect(cfg.rollout_engine, urls, info.rank, cfg.engine_timeout)
+            limit = engine.max_model_len()
+            need = cfg.max_total_len if cfg.tools else cfg.max_seq_len + cfg.max_gen_len
+            if limit is not None and limit < need:
+                raise EngineError(f"the {cfg.rollout_engine} engine at {engine.url} serves at most {limit} tokens per "
+                                  f"sequence; this run needs {need} (prompt + response): start it with --max-model-len {need}")
+        except EngineError as e:
+            raise SystemExit(f"error: {e}") from None
+    return engine
+
+
+def _config_json(actor: torch.nn.Module) -> dict:
+    """The served model's config.json: an HF actor's own, a native MiniMind actor's stock Qwen3 / Llama config."""
+    conf = base_of(actor).config
+    if isinstance(conf, MiniMindConfig):
+        conf = stock_hf_config(conf)
+    return json.loads(conf.to_json_string(use_diff=False))
+
+
+def _extra_files(cfg: Config) -> list[Path]:
+    """Files of the server's own model directory that go with every push (--sglang_model_path: tokenizer, generation
+    config), never its weights or their index."""
+    if not cfg.sglang_model_path:
+        return []
+    return sorted(f for f in Path(cfg.sglang_model_path).iterdir()
+                  if f.is_file() and f.suffix in (".json", ".txt", ".model", ".jinja", ".tiktoken")
+                  and not f.name.endswith(".index.json") and f.name != "config.json")
+
+
+def push_weights(cfg: Config, m: Models, rt: Runtime, version: int) -> float:
+    """Make every engine serve the actor's current weights as weight version `version` (the number of updates in
+    them). Every rank calls this at the same point; a failure on rank 0 (a full disk, an engine that refuses the
+    weights) stops every rank with one line, and nothing else is written. Returns the seconds it took."""
+    t0 = time.perf_counter()
+    engine = m.engine
+    assert engine is not None
+    if is_sharded(m.actor):
+        state = full_state_dict(m.actor)  # a collective: every rank takes part; rank 0 receives the whole weights
+    elif rt.info.is_main:
+        state = merged_state_dict(m.actor) if is_lora(m.actor) else base_of(m.actor).state_dict()
+    else:
+        state = {}
+    folder = Path(cfg.engine_shared_path or "")
+
+    def write_and_reload() -> None:
+        try:
+            write_weights(state, _config_json(m.actor), folder, _extra_files(cfg))
+        except EngineError as e:
+            raise SystemExit(f"error: {e}") from None
+        except OSError as e:
+            raise SystemExit(f"error: writing the weights for the engine to {folder} failed: {e.strerror or e}; "
+                             f"give --engine_shared_path a folder with room") from None
+        try:
+            for url in dict.fromkeys((cfg.engine_url or "").split(",")):  # every engine once, this rank's too
+                same = url.rstrip("/") == engine.url
+                (engine if same else ENGINES[cfg.rollout_engine](url, cfg.engine_timeout)).load_weights(folder, version)
+        except EngineError as e:
+            raise SystemExit(f"error: {e}") from None
+
+    main_writes(write_and_reload, rt.info)
+    engine.version = version  # every rank expects its engine to sample version `version` from now on
+    return time.perf_counter() - t0
+
+
+@torch.no_grad()
+def probe_engine(cfg: Config, m: Models, rt: Runtime) -> dict[str, float]:
+    """Once, after the first push: a few samples of the engine scored by the trainer. A mean |log-prob gap| over
+    PROBE_LIMIT means the engine is not sampling the policy: vLLM's raw log-probs (before temperature: the gap
+    vanishes at T = 1) or another model. Returns the gap (engine/probe_logprob_diff). Every rank probes its engine."""
+    engine = m.engine
+    assert engine is not None
+    temp = cfg.sample_temperature
+    text = "Hello! Please tell me one short fact about the sea."
+    ids = torch.tensor([m.tok.encode(text)[:32]], device=rt.device)
+    gaps: dict[float, float] = {}
+    with D.unsharded(m.actor), failing_together(rt.info):
+        try:
+            s = engine.sample(ids, torch.ones_like(ids), max_new_tokens=16, eos_token_id=m.eos_ids or m.tok.eos_token_id,
+                              pad_token_id=m.tok.pad_token_id if m.tok.pad_token_id is not None else 0, temperature=temp,
+                              num_generations=4, generator=torch.Generator().manual_seed(cfg.seed))
+        except EngineError as e:
+            raise SystemExit(f"error: {e}") from None
+        mask = torch.cat([torch.ones_like(ids).repeat(4, 1), s.response_mask.long()], dim=1)
+        R = s.response_mask.shape[1]
+        for t in {temp, 1.0}:
+            with rt.autocast():
+                lp, _ = policy_forward(m.actor, s.sequences, mask, R, t)
+            gaps[t] = float(((lp.float() - s.logprobs).abs() * s.response_mask).sum() / s.response_mask.sum().clamp(min=1))
+        if gaps[temp] > PROBE_LIMIT:
+            if temp != 1.0 and gaps[1.0] < gaps[temp] / 4:
+                raise SystemExit(f"error: the {cfg.rollout_engine} engine at {engine.url} returns log-probs before temperature "
+                                 f"(vLLM's default --logprobs-mode raw_logprobs): start it with --logprobs-mode "
+                                 f"processed_logprobs (scripts/serve_engine.sh does)")
+            raise SystemExit(f"error: the {cfg.rollout_engine} engine at {engine.url} does not sample the actor after a weight "
+                             f"push (mean |log-prob gap| {gaps[temp]:.3g} per token on a probe): does it serve another model "
+                             f"or tokenizer than --actor_path / --from_weight?")
+    return {"engine/probe_logprob_diff": gaps[temp]}
+
+
+def start_engine(cfg: Config, m: Models, rt: Runtime, step: int) -> str:
+    """Before the first rollout: push the weights the run starts from (version `step`: the updates in them, a
+    resumed run's too) and probe the engine once. Returns the line to log."""
+    push_weights(cfg, m, rt, version=step)
+    gap = probe_engine(cfg, m, rt)["engine/probe_logprob_diff"]
+    return (f"engine: {cfg.rollout_engine} at {cfg.engine_url} samples weight version {step} (pushed to "
+            f"{cfg.engine_shared_path}); probe log-prob gap {gap:.2e} per token")
