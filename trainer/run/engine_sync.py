@@ -29,8 +29,10 @@ from trainer.run.sharding import full_state_dict, is_sharded
 from trainer.runtime import Models, Runtime
 
 # Mean |log-prob gap| per token on the start-up probe above which the engine is not sampling the policy (bf16
-# engines measure ~1e-3 to 5e-3 here: docs/engines.md).
+# engines measure ~1e-3 to 5e-3 here: docs/engines.md), and above which, when the gap at T = 1 is less than half of
+# it, the engine's log-probs are before temperature.
 PROBE_LIMIT = 0.5
+RAW_LIMIT = 0.01
 
 
 def connect_engine(cfg: Config, info: D.DistInfo) -> Engine | None:
@@ -129,11 +131,11 @@ def probe_engine(cfg: Config, m: Models, rt: Runtime) -> dict[str, float]:
             with rt.autocast():
                 lp, _ = policy_forward(m.actor, s.sequences, mask, R, t)
             gaps[t] = float(((lp.float() - s.logprobs).abs() * s.response_mask).sum() / s.response_mask.sum().clamp(min=1))
+        if temp != 1.0 and gaps[temp] > RAW_LIMIT and gaps[1.0] < gaps[temp] / 2:
+            raise SystemExit(f"error: the {cfg.rollout_engine} engine at {engine.url} returns log-probs before temperature "
+                             f"(vLLM's default --logprobs-mode raw_logprobs): start it with --logprobs-mode "
+                             f"processed_logprobs (scripts/serve_engine.sh does)")
         if gaps[temp] > PROBE_LIMIT:
-            if temp != 1.0 and gaps[1.0] < gaps[temp] / 4:
-                raise SystemExit(f"error: the {cfg.rollout_engine} engine at {engine.url} returns log-probs before temperature "
-                                 f"(vLLM's default --logprobs-mode raw_logprobs): start it with --logprobs-mode "
-                                 f"processed_logprobs (scripts/serve_engine.sh does)")
             raise SystemExit(f"error: the {cfg.rollout_engine} engine at {engine.url} does not sample the actor after a weight "
                              f"push (mean |log-prob gap| {gaps[temp]:.3g} per token on a probe): does it serve another model "
                              f"or tokenizer than --actor_path / --from_weight?")
