@@ -521,3 +521,43 @@ def test_minimind_grpo_defaults_and_conflicts(capsys):
     for argv in (["--use_wandb"], ["--use_wandb", "1"]):
         assert _resolved(argv).swanlab_mode == "local"
     assert _resolved(["--use_wandb", "0"]).swanlab_mode == "disabled"
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_rollout_is_weights_multiply_each_tokens_loss(name):
+    """An engine's samples: the loss with weights w equals the loss of the per-token losses times w (verl's
+    pg_losses * rollout_is_weights; TRL's per_token_loss * importance_sampling_ratio); weights of 1 change nothing.
+    GMPO, defined per response, weighs each response by its mean weight."""
+    g = torch.Generator().manual_seed(3)
+    old = torch.log(torch.rand(3, 4, generator=g) * 0.9 + 0.05)
+    lp = old + 0.1 * torch.randn(3, 4, generator=g)
+    adv = torch.tensor([1.0, -0.5, 2.0])[:, None].expand(3, 4).contiguous()
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]], dtype=torch.float32)
+    c = cfg(loss_agg_mode=policy_loss_spec(name).loss_agg, clip_cov_ratio=0.3, clip_cov_lb=-0.01, clip_cov_ub=10.0,
+            kl_cov_ratio=0.3, gspo_clip_low=0.5, gspo_clip_high=0.5)
+
+    def fn(*args, **kw):  # clip_cov draws its tokens: the same draw for every call
+        torch.manual_seed(0)
+        return policy_loss_spec(name).fn(*args, **kw)
+
+    plain, _ = fn(lp, old, adv, mask, c)
+    ones, _ = fn(lp, old, adv, mask, c, None, is_weights=torch.ones(3, 4))
+    assert ones.item() == pytest.approx(plain.item(), rel=1e-6)
+    w = torch.tensor([[0.5, 1.0, 2.0, 1.5], [1.0, 0.25, 9.0, 9.0], [2.0, 2.0, 2.0, 0.0]])
+    weighted, _ = fn(lp, old, adv, mask, c, None, is_weights=w)
+    if name == "gmpo":  # -A * seq_ratio per response, times the response's mean weight: rescale each row's share
+        rows = []
+        for i in range(3):
+            one, _ = fn(lp[i:i + 1], old[i:i + 1], adv[i:i + 1], mask[i:i + 1], c)
+            rows.append(one.item() * (w[i] * mask[i]).sum().item() / mask[i].sum().item())
+        assert weighted.item() == pytest.approx(sum(rows) / 3, rel=1e-5)
+        return
+    # Each row alone with a constant weight scales that row's contribution; the weights enter linearly.
+    a = torch.zeros_like(w)
+    a[0] = w[0]
+    b = w - a
+    wa, _ = fn(lp, old, adv, mask, c, None, is_weights=a)
+    wb, _ = fn(lp, old, adv, mask, c, None, is_weights=b)
+    assert weighted.item() == pytest.approx(wa.item() + wb.item(), rel=1e-5, abs=1e-7)
+    assert weighted.item() != pytest.approx(plain.item(), rel=1e-3)
+

@@ -19,6 +19,7 @@ from trainer.ppo import (
     masked_whiten,
     policy_loss,
     response_rows,
+    rollout_is_weights,
     value_loss,
 )
 
@@ -363,3 +364,45 @@ def test_reward_normalizer_batch_running_and_clip_by_hand():
     assert none.apply(torch.tensor([3.0, -1.0]), 0.0, 1.0).tolist() == [2.0, -1.0]
     with pytest.raises(ValueError, match="unknown --reward_norm"):
         RewardNormalizer("welford")
+
+
+# ------------------------------------------------------------------ rollout importance sampling (engines)
+def _is_batch():
+    """Two responses; log pi_old - log mu per token: row 0 (ln 1.5, -ln 2, ln 3), row 1 (ln 1.8, pad, pad)."""
+    old = torch.log(torch.tensor([[0.3, 0.2, 0.6], [0.36, 0.9, 0.9]]))
+    mu = torch.log(torch.tensor([[0.2, 0.4, 0.2], [0.2, 0.1, 0.1]]))
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.float32)
+    return old, mu, mask
+
+
+def test_rollout_is_token_weights_by_hand():
+    """verl's rollout_is "token" / TRL's token_truncate: w_t = min(pi_old / mu, cap), 0 at pads, detached."""
+    old, mu, mask = _is_batch()
+    w, stats = rollout_is_weights(old, mu, mask, "token", cap=2.0)
+    close(w, [[1.5, 0.5, 2.0], [1.8, 0.0, 0.0]])
+    close(stats["is_weight"], (1.5 + 0.5 + 3.0 + 1.8) / 4)  # before truncation
+    close(stats["is_clipped"], 1 / 4)  # only 3.0 passes the cap
+    close(stats["engine_kl"], -(math.log(1.5) - LN2 + math.log(3.0) + math.log(1.8)) / 4)  # mean(log mu - log pi_old)
+    close(stats["logprob_diff"], (math.log(1.5) + LN2 + math.log(3.0) + math.log(1.8)) / 4)
+    assert not w.requires_grad
+
+
+def test_rollout_is_sequence_weights_by_hand():
+    """verl's rollout_is "sequence" / TRL's sequence_truncate: one weight per response, exp of the summed log-ratio."""
+    old, mu, mask = _is_batch()
+    w, stats = rollout_is_weights(old, mu, mask, "sequence", cap=5.0)
+    close(w, [[2.25, 2.25, 2.25], [1.8, 0.0, 0.0]])  # 1.5 x 0.5 x 3 = 2.25
+    w, _ = rollout_is_weights(old, mu, mask, "sequence", cap=2.0)
+    close(w, [[2.0, 2.0, 2.0], [1.8, 0.0, 0.0]])
+
+
+def test_rollout_is_is_one_where_engine_and_trainer_agree_and_none_only_measures():
+    old, _, mask = _is_batch()
+    w, stats = rollout_is_weights(old, old.clone(), mask, "token", cap=2.0)
+    assert torch.equal(w, mask)
+    assert stats["engine_kl"].item() == 0 and stats["is_clipped"].item() == 0
+    w, stats = rollout_is_weights(old, old - 50.0, mask, "none", cap=2.0)
+    assert w is None and math.isfinite(stats["is_weight"].item())  # the log-ratio is clamped before exp()
+    with pytest.raises(ValueError, match="unknown rollout IS mode"):
+        rollout_is_weights(old, old, mask, "tokens", cap=2.0)
+
