@@ -39,6 +39,8 @@ Reported per step (medians over the timed steps):
   update_actor_fwd / update_critic_fwd / update_optimizer (grad clipping + AdamW steps) / update_backward
                      (the rest: losses, backward)
   sync_old           old_actor.load_state_dict(actor.state_dict()) when --update_old_actor_freq > 0
+  engine_sync        with --extra "--rollout_engine vllm --engine_url URL": the weight push after the update (the
+                     server must serve a model of the same shape; the bench pushes its weights before the first step)
 With --parallel_update on (train_ppo's default for CPU bf16), the actor's and the critic's forward
 overlap in time: each is its own thread's wall time, so the remainder update_backward is understated;
 `update` itself is exact.
@@ -112,7 +114,8 @@ MB = 1024 * 1024
 # ~5.4 s and MiniMind measured 9.6 s (README), so compare against a same-machine figure (--minimind_s).
 MINIMIND_REFERENCE_S = 5.9
 TIME_KEYS = ("step", "generate", "score", "score_old", "score_ref", "score_critic", "score_reward", "score_other",
-             "update", "update_actor_fwd", "update_critic_fwd", "update_optimizer", "update_backward", "sync_old")
+             "update", "update_actor_fwd", "update_critic_fwd", "update_optimizer", "update_backward", "sync_old",
+             "engine_sync")
 RESULT_KEYS = ("config", "ok", "error", "params", "time_s", "time_s_all", "cpu_s", "first_step_s", "build_s",
                "tokens_per_s_generate", "tokens_per_s_step", "flops", "update_tflops_per_s", "update_peak_share",
                "generate_weight_mb_per_token", "generate_bandwidth_limit_s", "generate_bandwidth_share",
@@ -250,7 +253,7 @@ class BenchTimer(PhaseTimer):
 def split_step(acc: dict[str, float]) -> dict[str, float]:
     """One step's TIME_KEYS from a timer's per-phase sums (wall or CPU seconds)."""
     rec = {k: acc.get(k, 0.0) for k in TIME_KEYS}
-    rec["score"] = rec["step"] - rec["sync_old"] - rec["generate"] - rec["update"]  # the rest of make_experience
+    rec["score"] = rec["step"] - rec["sync_old"] - rec["generate"] - rec["update"] - rec["engine_sync"]  # the rest of make_experience
     rec["score_other"] = rec["score"] - rec["score_old"] - rec["score_ref"] - rec["score_critic"] - rec["score_reward"]
     rec["update_backward"] = rec["update"] - rec["update_actor_fwd"] - rec["update_critic_fwd"] - rec["update_optimizer"]
     return rec
@@ -328,6 +331,10 @@ class ConfigRun:
         self.args = args = self.built.cfg  # resolved
         self.build_s = time.perf_counter() - t_build
         self.rss_models = rss_now_mb()
+        if self.args.rollout_engine != "torch":  # --extra "--rollout_engine vllm --engine_url URL": as main() starts it
+            from trainer.run.engine_sync import start_engine
+
+            print(start_engine(self.args, self.built.models, self.built.runtime, 0), file=sys.stderr)
         self.batch = make_batch(self.built.models.tok, args.batch_size, cfg["prompt_len"], cfg["prompts"], args.seed)
         self.per_step: list[dict[str, float]] = []
         self.per_step_cpu: list[dict[str, float]] = []
@@ -356,6 +363,11 @@ class ConfigRun:
                 exp = T.make_experience(args, self.batch, m, s, kl_ctl.value, {}, phase)
                 with timer("update"):
                     T.ppo_update(args, exp.rollout, m, opt, step, s, kl_ctl.value, phase)
+                if m.engine is not None:  # the engine samples the updated policy next (train_ppo.main's push)
+                    from trainer.run.engine_sync import push_weights
+
+                    with timer("engine_sync"):
+                        push_weights(args, m, s, version=step + 1)
             ro = exp.rollout
             if counting:
                 self.flops_counted = dict(timer.flops)
@@ -445,7 +457,7 @@ class ConfigRun:
             "generate_weight_mb_per_token": weight_mb, "generate_bandwidth_limit_s": None, "generate_bandwidth_share": None,
             # Shares of the summed step time (medians of the phases would not add up to the step's).
             "phase_share": ({k: sum(r[k] for r in per_step) / sum(r["step"] for r in per_step)
-                             for k in ("generate", "score", "update", "sync_old")} if per_step else {}),
+                             for k in ("generate", "score", "update", "sync_old", "engine_sync")} if per_step else {}),
             "minimind_ratio": None,
             "memory_mb": memory,
         }
@@ -640,7 +652,8 @@ def summary_line(r: dict, o: argparse.Namespace) -> str:
     line = (f"{c['name']} {c['dtype']} old={c['update_old_actor_freq']} cmp={c['use_compile']} "
             f"threads={c['num_threads'] or 'def'}: {t['step']:.2f} s/step; of the summed steps generate {ps['generate']:.0%} + "
             f"score {ps['score']:.0%} + update {ps['update']:.0%}"
-            + (f" + sync {ps['sync_old']:.0%}" if ps["sync_old"] >= 0.005 else ""))
+            + (f" + sync {ps['sync_old']:.0%}" if ps["sync_old"] >= 0.005 else "")
+            + (f" + engine weight push {ps['engine_sync']:.0%} ({t['engine_sync']:.2f} s)" if t.get("engine_sync") else ""))
     if r.get("generate_bandwidth_share") is not None:  # CPU configs: against the CPU's measured limits
         line += (f"; generate {t['generate']:.2f} s = {r['generate_bandwidth_share']:.1%} bandwidth-bound "
                  f"({r['generate_weight_mb_per_token']:.0f} MB/token x {c['gen_len']} tokens at "

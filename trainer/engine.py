@@ -69,6 +69,7 @@ class SamplingParams:
     top_p: float
     greedy: bool
     stop_ids: tuple[int, ...]
+    ignore_eos: bool = False  # --suppress_eos (benchmarks): run to max_new_tokens; EOS may still be drawn as a token
 
 
 class Engine:
@@ -148,21 +149,20 @@ class Engine:
         (rows i*N .. i*N+N-1), right-padded, on the inputs' device; `logprobs` are the engine's. Each prompt gets
         its own seed, drawn from `generator` (None: torch's default stream), so a seeded run asks for the same
         draws. `fast_decode` and the like are the local decoder's and mean nothing here."""
-        if suppress_eos:
-            raise EngineError("--suppress_eos is not available with a rollout engine (its samplers cannot forbid EOS)")
         eos = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
         prompts = [row[m.bool()].tolist() for row, m in zip(input_ids.cpu(), attention_mask.cpu())]
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator,
                               device=generator.device if generator is not None else "cpu").tolist()
-        params = SamplingParams(max_new_tokens, 0.0 if greedy else temperature, top_k, top_p, greedy, tuple(eos))
+        params = SamplingParams(max_new_tokens, 0.0 if greedy else temperature, top_k, top_p, greedy,
+                                () if suppress_eos else tuple(eos), suppress_eos)
         groups = self._complete(prompts, num_generations, params, seeds)
         done = [c for g in groups for c in g]
         if len(done) != len(prompts) * num_generations or any(len(g) != num_generations for g in groups):
             raise EngineError(f"the {self.kind} engine at {self.url} returned {len(done)} responses for "
                               f"{len(prompts)} prompts x {num_generations}")
         self.check_version([c.weight_version for c in done])
-        return _as_samples(done, input_ids.repeat_interleave(num_generations, dim=0), eos, pad_token_id, max_new_tokens,
-                           self.url)
+        return _as_samples(done, input_ids.repeat_interleave(num_generations, dim=0), [] if suppress_eos else eos,
+                           pad_token_id, max_new_tokens, self.url)
 
 
 def _error_text(e: urllib.error.HTTPError) -> str:
@@ -240,7 +240,7 @@ class VLLMEngine(Engine):
             body = {"model": self._model, "prompt": prompt, "n": n, "max_tokens": params.max_new_tokens,
                     "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or -1,
                     "seed": seed, "logprobs": 0, "return_token_ids": True, "stop_token_ids": list(params.stop_ids),
-                    "skip_special_tokens": False}
+                    "ignore_eos": params.ignore_eos, "skip_special_tokens": False}
             out = self._request("/v1/completions", body)
             choices = sorted(out["choices"], key=lambda c: c["index"])
             return [Completion(list(c["token_ids"]), [float(x) for x in c["logprobs"]["token_logprobs"]],
@@ -278,7 +278,8 @@ class SGLangEngine(Engine):
 
     def _complete(self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int]) -> list[list[Completion]]:
         sp = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
-              "top_k": params.top_k or -1, "stop_token_ids": list(params.stop_ids), "skip_special_tokens": False}
+              "top_k": params.top_k or -1, "stop_token_ids": list(params.stop_ids), "ignore_eos": params.ignore_eos,
+              "skip_special_tokens": False}
         rows = [p for p in prompts for _ in range(n)]  # MiniMind's form: each prompt repeated, one request
         out = self._request("/generate", {"input_ids": rows, "sampling_params": sp, "return_logprob": True})
         out = out if isinstance(out, list) else [out]

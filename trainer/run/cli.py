@@ -349,7 +349,6 @@ def engine_checks(cfg: Config) -> list[tuple[bool, str]]:
         (math.isfinite(cfg.engine_timeout) and cfg.engine_timeout > 0, "--engine_timeout must be a number of seconds > 0"),
         (math.isfinite(cfg.rollout_is_cap) and cfg.rollout_is_cap >= 1,
          f"--rollout_is_cap {cfg.rollout_is_cap} must be a finite number >= 1 (an on-policy token's weight is 1)"),
-        (not cfg.suppress_eos, f"--suppress_eos 1 with {eng}: the engine's sampler cannot forbid EOS; drop one"),
         (cfg.sglang_model_path is None or Path(cfg.sglang_model_path).is_dir(),
          f"--sglang_model_path {cfg.sglang_model_path}: not a directory (the model directory the SGLang server was "
          f"started from)"),
