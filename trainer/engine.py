@@ -124,6 +124,19 @@ class Engine:
         """The longest prompt + response the server accepts (None: unknown)."""
         return None
 
+    def model_path(self) -> str | None:
+        """The model directory the server was started from, as it reports it (None: unknown)."""
+        return None
+
+    def served_config(self) -> dict | None:
+        """The served model's config.json where its directory is readable from here (None: another machine, a hub
+        name), to compare with the actor's before any weight is pushed."""
+        path = self.model_path()
+        try:
+            return json.loads((Path(path) / "config.json").read_text(encoding="utf-8")) if path else None
+        except (OSError, ValueError):
+            return None
+
     # ---- weights
     def load_weights(self, folder: str | os.PathLike, version: int) -> None:
         """Make the engine serve the weights in `folder` (written by `write_weights`) as weight version `version`."""
@@ -228,6 +241,10 @@ class VLLMEngine(Engine):
             self._models()
         return self._max_len
 
+    def model_path(self) -> str | None:
+        data = (self._request("/v1/models", timeout=min(self.timeout, 30.0)) or {}).get("data") or [{}]
+        return data[0].get("root") or data[0].get("id")
+
     def server_version(self) -> str | None:
         return (self._request("/weight_info", timeout=min(self.timeout, 30.0)) or {}).get("weight_version")
 
@@ -275,6 +292,9 @@ class SGLangEngine(Engine):
     def server_version(self) -> str | None:
         v = (self._request("/get_model_info", timeout=min(self.timeout, 30.0)) or {}).get("weight_version")
         return None if v is None else str(v)
+
+    def model_path(self) -> str | None:
+        return (self._request("/get_model_info", timeout=min(self.timeout, 30.0)) or {}).get("model_path")
 
     def _complete(self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int]) -> list[list[Completion]]:
         sp = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
@@ -338,3 +358,16 @@ def write_weights(state_dict: dict[str, torch.Tensor], config_json: dict, folder
             tmp_f.write_bytes(f.read_bytes())
             os.replace(tmp_f, folder / f.name)
     return folder
+
+
+def model_mismatch(served: dict, actor: dict) -> str | None:
+    """What differs between the served model's config and the actor's (architecture, vocabulary, shape), or None."""
+    def shape(c: dict) -> tuple:
+        arch = (c.get("architectures") or ["?"])[0]
+        return arch, c.get("vocab_size"), c.get("num_hidden_layers"), c.get("hidden_size")
+
+    if shape(served) == shape(actor):
+        return None
+    fmt = lambda s: f"{s[0]}, vocab {s[1]}, {s[2]} layers x {s[3]}"  # noqa: E731
+    return f"it serves {fmt(shape(served))} but the actor is {fmt(shape(actor))}"
+

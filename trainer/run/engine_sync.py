@@ -22,7 +22,7 @@ from model.config import MiniMindConfig, stock_hf_config
 from model.lora import base_of, is_lora, merged_state_dict
 from trainer import dist as D
 from trainer.config import Config
-from trainer.engine import ENGINES, Engine, EngineError, connect, write_weights
+from trainer.engine import ENGINES, Engine, EngineError, connect, model_mismatch, write_weights
 from trainer.rollout import policy_forward
 from trainer.run.distributed import failing_together, main_writes
 from trainer.run.sharding import full_state_dict, is_sharded
@@ -145,6 +145,12 @@ def probe_engine(cfg: Config, m: Models, rt: Runtime) -> dict[str, float]:
 def start_engine(cfg: Config, m: Models, rt: Runtime, step: int) -> str:
     """Before the first rollout: push the weights the run starts from (version `step`: the updates in them, a
     resumed run's too) and probe the engine once. Returns the line to log."""
+    with failing_together(rt.info):  # every rank's engine, where its model directory is readable from here
+        served = m.engine.served_config()
+        why = model_mismatch(served, _config_json(m.actor)) if served else None
+        if why:
+            raise SystemExit(f"error: the {cfg.rollout_engine} engine at {m.engine.url} does not serve the actor: {why}; start it "
+                             f"on the actor's model directory (scripts/convert_model.py to_hf writes one for MiniMind weights)")
     push_weights(cfg, m, rt, version=step)
     gap = probe_engine(cfg, m, rt)["engine/probe_logprob_diff"]
     return (f"engine: {cfg.rollout_engine} at {cfg.engine_url} samples weight version {step} (pushed to "
