@@ -112,7 +112,8 @@ class RolloutArgs:
     """Decode steps of dense Qwen3/Llama policies by model/fast_decode.py (same math, fewer ops); 0 = transformers' forward."""
     rollout_logprobs: Flag = 1
     """With no old-actor copy, old_logprobs come from the sampling pass itself instead of a second forward
-    (the same numbers in fp32; under bf16 slightly apart, see docs/speed-and-memory.md). 0 = score the samples again."""
+    (the same numbers in fp32; under bf16 slightly apart, see docs/speed-and-memory.md). 0 = score the samples again
+    (always, with a rollout engine: its log-probs only weigh the samples, --rollout_is)."""
     filter_groups: Flag = 0
     """DAPO dynamic sampling: drop groups whose --num_generations rewards are all equal (no signal) and sample
     the next prompts until the batch is full."""
