@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from model.generation import Samples, sample, token_logprobs
-from trainer.engine import Engine
+from trainer.engine import Engine, EngineError
 from trainer.ppo import masked_mean
 from trainer.runtime import Models, Runtime, on
 
@@ -293,9 +293,13 @@ def select_groups(chosen: list[tuple[Sampled, int]], n: int, pad_token_id: int) 
 
 def draw(policy: nn.Module | Engine, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any) -> Samples:
     """model.generation.sample's draws from the policy's weights in this process, or from a rollout engine serving
-    them (its Samples carry the engine's log-probs)."""
+    them (its Samples carry the engine's log-probs). An engine that fails (unreachable, a refused request, another
+    weight version than the last push) stops the run with its one line."""
     if isinstance(policy, Engine):
-        return policy.sample(input_ids, attention_mask, **kwargs)
+        try:
+            return policy.sample(input_ids, attention_mask, **kwargs)
+        except EngineError as e:
+            raise SystemExit(f"error: {e}") from None
     return sample(policy, input_ids, attention_mask, **kwargs)
 
 

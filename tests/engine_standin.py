@@ -1,0 +1,274 @@
+"""A protocol stand-in for the rollout engines (trainer/engine.py's clients), on our own decoder, for tests.
+
+It speaks SGLang's native API (/generate, /update_weights_from_disk, /get_model_info, /flush_cache, /health) or the
+subset of vLLM's OpenAI server the vLLM client uses (/v1/models, /v1/completions with token-ID prompts, /collective_rpc
+reload_weights, /update_weight_version, /weight_info, /reset_prefix_cache, /health), with the real servers' response
+shapes and status codes. The model is a plain HF directory loaded in fp32 (scripts/convert_model.py to_hf); sampling
+is model.generation.sample, so a greedy reply is token for token ours. Log-probs: SGLang's, log softmax(logits / T)
+over the whole vocabulary (greedy: T = 1); vLLM's --logprobs-mode processed_logprobs (after top-k / top-p,
+renormalised) or raw_logprobs (before temperature). Weight reloads check every key and shape before they copy.
+
+    python -m tests.engine_standin --model DIR --port 8998 [--protocol sglang|vllm] [--logprobs_mode raw_logprobs]
+    standin = start(DIR, protocol="vllm")  # in this process: standin.url, standin.pushes, standin.stop()
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model.generation import filter_logits, sample
+
+
+class StandIn:
+    """The served model and its state; `pushes` lists the weight versions set, in order, `requests` every (path, body)."""
+
+    def __init__(self, model_dir: str | Path, protocol: str = "sglang", logprobs_mode: str = "processed_logprobs") -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_path, self.protocol, self.logprobs_mode = str(model_dir), protocol, logprobs_mode
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
+        try:
+            self.tok: Any = AutoTokenizer.from_pretrained(self.model_path)
+        except (OSError, ValueError):
+            self.tok = None
+        eos = self.model.config.eos_token_id
+        self.eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        self.version: str | None = "default"
+        self.pushes: list[str] = []
+        self.requests: list[tuple[str, dict]] = []
+        self.lock = threading.Lock()
+        self.rng = random.Random(0)
+        self.server: ThreadingHTTPServer | None = None
+        self.url = ""
+
+    # ---- the model
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int, temperature: float, top_k: int, top_p: float,
+                 max_new: int, stop: list[int], seed: int | None) -> list[tuple[list[int], list[float], str]]:
+        """n responses per prompt: (token IDs, their log-probs, finish reason "stop" / "length")."""
+        rows = [p for p in prompts for _ in range(n)]
+        P = max(len(r) for r in rows)
+        ids = torch.tensor([[0] * (P - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows])
+        greedy, top_k = temperature < 1e-5, max(top_k, 0)
+        gen = torch.Generator().manual_seed(self.rng.randrange(2**31) if seed is None else seed)
+        with self.lock:
+            s = sample(self.model, ids, mask, max_new_tokens=max_new, eos_token_id=list(dict.fromkeys(stop + self.eos)),
+                       pad_token_id=0, temperature=1.0 if greedy else temperature, top_k=top_k, top_p=top_p,
+                       greedy=greedy, return_logprobs=True, generator=gen)
+            lps = s.logprobs
+            if self.protocol == "vllm" and (self.logprobs_mode == "raw_logprobs" or (not greedy and (top_k or top_p < 1))):
+                lps = self.rescore(s.sequences, torch.cat([mask, s.response_mask], 1), P,
+                                   *((1.0, 0, 1.0) if self.logprobs_mode == "raw_logprobs" or greedy
+                                     else (temperature, top_k, top_p)))
+        out = []
+        for i in range(len(rows)):
+            k = int(s.response_mask[i].sum())
+            out.append((s.sequences[i, P:P + k].tolist(), lps[i, :k].tolist(), "stop" if s.has_eos[i] else "length"))
+        return out
+
+    def rescore(self, seqs: torch.Tensor, mask: torch.Tensor, P: int, temperature: float, top_k: int,
+                top_p: float) -> torch.Tensor:
+        """log-probs of the sampled tokens under filter_logits(logits, T, top-k, top-p), renormalised."""
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self.model(input_ids=seqs, attention_mask=mask, position_ids=pos).logits[:, P - 1:-1].float()
+        logp = torch.log_softmax(filter_logits(logits, temperature, top_k, top_p), -1)
+        return logp.gather(-1, seqs[:, P:, None]).squeeze(-1)
+
+    def load(self, folder: str) -> str | None:
+        """Load every *.safetensors of `folder` (None), or say why not and change nothing."""
+        from safetensors.torch import load_file
+
+        path = Path(folder)
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+        if not files:
+            return f"no *.safetensors weights found in {folder}"
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        own = self.model.state_dict()
+        if self.model.config.tie_word_embeddings and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]  # save_pretrained writes a tied head once
+        problems = {"missing keys": sorted(own.keys() - state.keys()), "unexpected keys": sorted(state.keys() - own.keys()),
+                    "size mismatch": [f"{k}: {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
+                                      for k in sorted(own.keys() & state.keys()) if state[k].shape != own[k].shape]}
+        if any(problems.values()):
+            return f"Failed to load weights from {folder}: " + "; ".join(
+                f"{what} {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}" for what, keys in problems.items() if keys)
+        with self.lock:
+            self.model.load_state_dict(state, strict=True)
+        return None
+
+    def set_version(self, v: Any) -> None:
+        self.version = None if v is None else str(v)
+        self.pushes.append(str(v))
+
+    # ---- SGLang
+    def sg_generate(self, body: dict) -> tuple[int, Any]:
+        single = bool(body.get("input_ids")) and isinstance(body["input_ids"][0], int)
+        prompts = [body["input_ids"]] if single else body.get("input_ids")
+        if not prompts or not all(prompts):
+            return 400, {"error": {"message": "input_ids must be a non-empty token list or a batch of them"}}
+        sp = body.get("sampling_params") or {}
+        outs = self.generate(prompts, 1, float(sp.get("temperature", 1.0)), int(sp.get("top_k", -1)),
+                             float(sp.get("top_p", 1.0)), int(sp.get("max_new_tokens", 128)),
+                             list(sp.get("stop_token_ids") or []), sp.get("sampling_seed"))
+        items = []
+        for prompt, (ids, lps, reason) in zip(prompts, outs):
+            finish = {"type": "stop", "matched": ids[-1]} if reason == "stop" else {"type": "length", "length": len(ids)}
+            meta = {"id": uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(prompt),
+                    "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": self.version}
+            if body.get("return_logprob"):
+                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids)]
+            items.append({"text": self.tok.decode(ids) if self.tok else "", "output_ids": ids, "meta_info": meta})
+        return 200, items[0] if single else items
+
+    def sg_update(self, body: dict) -> tuple[int, Any]:
+        err = self.load(str(body.get("model_path", "")))
+        if err:
+            return 400, {"success": False, "message": err, "num_paused_requests": 0}
+        self.set_version(body.get("weight_version", self.version))
+        return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    def sg_info(self, body: dict) -> tuple[int, Any]:
+        return 200, {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
+                     "preferred_sampling_params": None, "weight_version": self.version}
+
+    # ---- vLLM
+    def v_models(self, body: dict) -> tuple[int, Any]:
+        card = {"id": self.model_path, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+                "root": self.model_path, "parent": None, "max_model_len": self.model.config.max_position_embeddings,
+                "permission": []}
+        return 200, {"object": "list", "data": [card]}
+
+    def v_complete(self, body: dict) -> tuple[int, Any]:
+        if body.get("model") != self.model_path:
+            return 404, _v_error(f"The model `{body.get('model')}` does not exist.", "NotFoundError", 404)
+        prompt, max_new = body.get("prompt"), int(body.get("max_tokens") or 16)
+        if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+            return 400, _v_error("prompt must be a list of token IDs here", "BadRequestError", 400)
+        if len(prompt) + max_new > self.model.config.max_position_embeddings:
+            return 400, _v_error("This model's maximum context length is exceeded", "BadRequestError", 400)
+        stop = list(body.get("stop_token_ids") or [])
+        outs = self.generate([prompt], int(body.get("n", 1)), float(body.get("temperature", 1.0)),
+                             int(body.get("top_k") or -1), float(body.get("top_p", 1.0)), max_new, stop, body.get("seed"))
+        choices = []
+        for i, (ids, lps, reason) in enumerate(outs):
+            logprobs = None if body.get("logprobs") is None else {
+                "text_offset": [], "token_logprobs": lps, "tokens": [f"token_id:{t}" for t in ids],
+                "top_logprobs": [{f"token_id:{t}": lp} for t, lp in zip(ids, lps)]}
+            choices.append({"index": i, "text": self.tok.decode(ids) if self.tok else "", "logprobs": logprobs,
+                            "finish_reason": reason, "stop_reason": ids[-1] if reason == "stop" and ids[-1] in stop else None,
+                            "token_ids": ids if body.get("return_token_ids") else None,
+                            "prompt_token_ids": prompt if body.get("return_token_ids") else None})
+        n_out = sum(len(c[0]) for c in outs)
+        return 200, {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                     "model": self.model_path, "choices": choices,
+                     "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_out, "total_tokens": len(prompt) + n_out}}
+
+    def v_rpc(self, body: dict) -> tuple[int, Any]:
+        if body.get("method") != "reload_weights":
+            return 400, _v_error(f"the stand-in runs reload_weights only, not {body.get('method')!r}", "BadRequestError", 400)
+        err = self.load(str((body.get("kwargs") or {}).get("weights_path", "")))
+        return (500, _v_error(err, "InternalServerError", 500)) if err else (200, {"results": [None]})
+
+    def v_version(self, body: dict) -> tuple[int, Any]:
+        self.set_version(body["new_version"])
+        return 200, {"success": True, "new_version": body["new_version"]}
+
+    def v_info(self, body: dict) -> tuple[int, Any]:
+        return 200, {"weight_version": self.version}
+
+    def v_reset(self, body: dict) -> tuple[int, Any]:
+        return 200, {"success": True}
+
+    ROUTES = {
+        "sglang": {"/generate": "sg_generate", "/update_weights_from_disk": "sg_update", "/get_model_info": "sg_info",
+                   "/model_info": "sg_info", "/flush_cache": None, "/health": None},
+        "vllm": {"/v1/models": "v_models", "/v1/completions": "v_complete", "/collective_rpc": "v_rpc",
+                 "/update_weight_version": "v_version", "/weight_info": "v_info", "/reset_prefix_cache": "v_reset",
+                 "/health": None},
+    }
+
+    # ---- the server
+    def serve(self, port: int = 0, host: str = "127.0.0.1") -> StandIn:
+        """Serve in a background thread; self.url is then http://host:port."""
+        standin = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                path = self.path.split("?", 1)[0]
+                routes = StandIn.ROUTES[standin.protocol]
+                if path not in routes:
+                    return self._send(404, {"detail": "Not Found"})
+                size = int(self.headers.get("Content-Length") or 0)
+                try:
+                    body = json.loads(self.rfile.read(size) or b"{}")
+                    standin.requests.append((path, body))
+                    name = routes[path]
+                    code, out = (200, None) if name is None else getattr(standin, name)(body)
+                except Exception as e:  # noqa: BLE001 - a server answers every request, a bad one with 500
+                    code, out = 500, _v_error(f"{type(e).__name__}: {e}", "InternalServerError", 500)
+                self._send(code, out)
+
+            def _send(self, code: int, out: Any) -> None:
+                data = b"" if out is None else json.dumps(out).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://{host}:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+
+def _v_error(message: str, kind: str, code: int) -> dict:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def start(model_dir: str | Path, protocol: str = "sglang", port: int = 0, **kw: Any) -> StandIn:
+    """A stand-in serving `model_dir` in this process (a daemon thread); its URL is `.url`."""
+    return StandIn(model_dir, protocol, **kw).serve(port)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--protocol", choices=list(StandIn.ROUTES), default="sglang")
+    p.add_argument("--logprobs_mode", choices=["processed_logprobs", "raw_logprobs"], default="processed_logprobs")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    s = StandIn(a.model, a.protocol, a.logprobs_mode).serve(a.port, a.host)
+    print(f"serving {a.model} ({a.protocol}) at {s.url}", flush=True)
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()

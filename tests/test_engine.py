@@ -1,0 +1,358 @@
+"""Rollout engines (trainer/engine.py, trainer/run/engine_sync.py) against tests/engine_standin.py, a stand-in that
+speaks SGLang's native API and vLLM's OpenAI subset on our own decoder (fp32): the clients' samples, log-probs,
+weight pushes and version stamps, and whole runs of the demo with --rollout_engine sglang / vllm, their failures
+included (each one line, never a traceback)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.generation import sample
+from tests.engine_standin import start
+from tests.helpers import ROOT, free_port, read_metrics, resume_state, run_main, run_train, scramble
+from trainer.engine import EngineError, SamplingParams, SGLangEngine, VLLMEngine, write_weights
+from trainer.ppo import rollout_is_weights
+from trainer.rollout import policy_forward
+from trainer.run.engine_sync import _config_json
+
+SFT = ROOT / "out" / "full_sft_128.pth"
+HOOKS = ROOT / "tests" / "fixtures" / "engine_hooks.py"
+CLIENTS = {"sglang": SGLangEngine, "vllm": VLLMEngine}
+BOTH = pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from model.loader import load_policy
+
+    actor, tok = load_policy(weights=SFT, hidden_size=128, num_hidden_layers=4)
+    return actor.eval(), tok
+
+
+@pytest.fixture(scope="module")
+def hf_dir(demo, tmp_path_factory) -> Path:
+    """The demo actor as the HF directory an engine is started from (scripts/convert_model.py to_hf)."""
+    from scripts.convert_model import policy_to_hf
+
+    out = tmp_path_factory.mktemp("engine_model") / "full_sft_128_hf"
+    policy_to_hf(copy.deepcopy(demo[0]), demo[1], out)
+    return out
+
+
+@pytest.fixture
+def standin(request, hf_dir):
+    """An in-process stand-in of the protocol the test is parametrized with (sglang by default), stopped after."""
+    callspec = getattr(request.node, "callspec", None)
+    s = start(hf_dir, callspec.params.get("protocol", "sglang") if callspec else "sglang")
+    yield s
+    s.stop()
+
+
+def prompts(tok, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """n held-out demo prompts, left-padded as the trainer batches them."""
+    from dataset.rlaif import RLAIFDataset, collate_left_pad, read_rlaif_jsonl
+
+    records, _ = read_rlaif_jsonl(ROOT / "dataset" / "demo_eval.jsonl")
+    ds = RLAIFDataset(records[:n], tok, max_prompt_len=64, seed=0)
+    batch = collate_left_pad([ds[i] for i in range(n)], pad_id=tok.pad_token_id)
+    return batch["input_ids"], batch["attention_mask"]
+
+
+def push(engine, model: torch.nn.Module, folder: Path, version: int) -> None:
+    """What push_weights does on one process: write the weights, have the engine reload them."""
+    write_weights(model.state_dict(), _config_json(model), folder)
+    engine.load_weights(folder, version)
+
+
+def demo_flags(tmp: Path, url: str, protocol: str = "sglang", **over) -> list[str]:
+    """A short GRPO run of the demo (the shipped policy and reward model) sampled by the engine at `url`."""
+    out = tmp / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / SFT.name).exists():
+        shutil.copy(SFT, out / SFT.name)
+    flags = {"save_dir": out, "hidden_size": 128, "num_hidden_layers": 4, "checkpoint_dir": tmp / "ckpt",
+             "run_dir": tmp / "run", "swanlab_mode": "disabled", "eval_data_path": "none", "dtype": "float32",
+             "num_threads": 1, "max_steps": 3, "batch_size": 4, "num_generations": 4, "mini_batch_size": 16,
+             "max_gen_len": 16, "save_interval": 1, "advantage_estimator": "grpo", "sample_interval": 0,
+             "data_path": ROOT / "dataset" / "demo_train.jsonl", "reward_model_path": ROOT / "out" / "demo_rm",
+             "rollout_engine": protocol, "engine_url": url, "engine_shared_path": tmp / "push", **over}
+    return [x for k, v in flags.items() if v is not None for x in (f"--{k}", str(v))]
+
+
+def one_line_error(code, out: str) -> str:
+    assert isinstance(code, str) and code.startswith("error: ") and "\n" not in code, (code, out[-3000:])
+    assert "Traceback" not in out, out[-3000:]
+    return code
+
+
+# ------------------------------------------------------------------ the clients
+@BOTH
+def test_greedy_samples_are_our_decoders_and_follow_each_push(protocol, standin, demo, tmp_path):
+    """After a push the engine's greedy replies are our decoder's, token for token, of the pushed weights; after
+    a push of other weights (the actor scrambled), of those; every response carries the version pushed."""
+    actor, tok = demo
+    engine = CLIENTS[protocol](standin.url)
+    ids, mask = prompts(tok, 3)
+    kw = dict(max_new_tokens=16, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, greedy=True)
+    replies = []
+    for version, model in enumerate([actor, scramble(copy.deepcopy(actor), seed=1, std=0.05).eval()]):
+        push(engine, model, tmp_path / "push", version)
+        got = engine.sample(ids, mask, num_generations=2, **kw)
+        want = sample(model, ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0), **kw)
+        assert torch.equal(got.sequences, want.sequences)
+        assert torch.equal(got.response_mask, want.response_mask.float()) and torch.equal(got.has_eos, want.has_eos)
+        params = SamplingParams(8, 0.0, 0, 1.0, True, (tok.eos_token_id,))
+        stamps = {c.weight_version for g in engine._complete([ids[0][mask[0].bool()].tolist()], 2, params, [0]) for c in g}
+        assert stamps == {str(version)}
+        replies.append(got.sequences)
+    assert not torch.equal(*replies)  # the second push changed what the engine samples
+    assert standin.pushes == ["0", "1"]
+
+
+@BOTH
+def test_engine_logprobs_are_the_trainers_so_the_is_weights_are_one(protocol, standin, demo, tmp_path):
+    actor, tok = demo
+    engine = CLIENTS[protocol](standin.url)
+    push(engine, actor, tmp_path / "push", 0)
+    ids, mask = prompts(tok)
+    s = engine.sample(ids, mask, max_new_tokens=24, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      temperature=0.8, num_generations=4, generator=torch.Generator().manual_seed(0))
+    rm = s.response_mask
+    assert rm.sum() > 40 and s.logprobs is not None
+    lp, _ = policy_forward(actor, s.sequences, torch.cat([mask.repeat_interleave(4, 0), rm.long()], 1), rm.shape[1], 0.8)
+    gap = (lp - s.logprobs).abs() * rm
+    assert gap.sum() / rm.sum() < 1e-5 and gap.max() < 1e-4  # fp32: the decode's KV cache against a full forward
+    weights, stats = rollout_is_weights(lp, s.logprobs, rm, "token", 2.0)
+    assert weights is not None and ((weights - 1).abs() * rm).max() < 1e-4 and abs(stats["engine_kl"]) < 1e-6
+    assert abs(stats["is_weight"] - 1) < 1e-5 and stats["is_clipped"] == 0
+
+
+@BOTH
+def test_a_version_changed_behind_the_trainers_back_is_refused(protocol, standin, demo, tmp_path):
+    actor, tok = demo
+    engine, other = CLIENTS[protocol](standin.url), CLIENTS[protocol](standin.url)
+    push(engine, actor, tmp_path / "push", 2)
+    other.load_weights(tmp_path / "push", 7)  # a second trainer pushing to the same engine
+    ids, mask = prompts(tok, 2)
+    with pytest.raises(EngineError) as e:
+        engine.sample(ids, mask, max_new_tokens=8, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    msg = str(e.value)
+    assert "\n" not in msg and standin.url in msg and "'7'" in msg and "'2'" in msg and "--from_resume 1" in msg
+
+
+@BOTH
+def test_an_engine_serving_another_model_refuses_the_push_in_one_line(protocol, demo, tmp_path):
+    from model.loader import build_minimind
+    from scripts.convert_model import policy_to_hf
+
+    torch.manual_seed(0)
+    policy_to_hf(build_minimind(64, 2), demo[1], tmp_path / "small_hf")
+    s = start(tmp_path / "small_hf", protocol)
+    try:
+        engine = CLIENTS[protocol](s.url)
+        with pytest.raises(EngineError) as e:
+            push(engine, demo[0], tmp_path / "push", 0)
+        msg = str(e.value)
+        assert "\n" not in msg and s.url in msg and "size mismatch" in msg and str(tmp_path / "push") in msg, msg
+        assert s.pushes == [] and engine.version is None  # the engine serves its own weights, unchanged
+        assert "could not load the weights" in msg if protocol == "vllm" else "HTTP 400" in msg
+    finally:
+        s.stop()
+
+
+def test_lora_pushes_the_merged_weights_and_the_engine_samples_them(standin, tmp_path):
+    """--lora_r 4: the folder holds W + B A scale (not the base weights), and the engine's greedy replies are
+    the LoRA actor's."""
+    from safetensors.torch import load_file
+
+    from model.lora import base_of, merged_state_dict
+    from tests.helpers import build_update_world
+    from trainer.run.engine_sync import push_weights
+
+    world = build_update_world(["--hidden_size", "128", "--num_hidden_layers", "4", "--from_weight", "full_sft",
+                                "--save_dir", str(ROOT / "out"), "--lora_r", "4", "--rollout_engine", "sglang",
+                                "--engine_url", standin.url, "--engine_shared_path", str(tmp_path / "push")])
+    with torch.no_grad():
+        for name, p in world.actor.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    push_weights(world.cfg, world.models, world.runtime, version=0)
+    pushed, merged = load_file(str(tmp_path / "push" / "model.safetensors")), merged_state_dict(world.actor)
+    base = base_of(world.actor).state_dict()
+    assert pushed.keys() == merged.keys() - {"lm_head.weight"}  # tied: written once, as save_pretrained does
+    assert all(torch.equal(pushed[k], merged[k]) for k in pushed)
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(pushed[key], base["model.layers.0.self_attn.q_proj.base_layer.weight"])
+    ids, mask = world.batch["input_ids"], world.batch["attention_mask"]
+    kw = dict(max_new_tokens=16, eos_token_id=world.models.tok.eos_token_id, pad_token_id=world.models.tok.pad_token_id,
+              greedy=True)
+    assert torch.equal(world.models.engine.sample(ids, mask, **kw).sequences, sample(world.actor, ids, mask, **kw).sequences)
+
+
+# ------------------------------------------------------------------ bad input: one line at start
+def test_vllm_without_engine_url_is_one_line(tmp_path):
+    code, out = run_main(demo_flags(tmp_path, None, "vllm"))  # type: ignore[arg-type]
+    assert one_line_error(code, out).startswith("error: --rollout_engine vllm needs --engine_url http://HOST:PORT")
+
+
+def test_an_unreachable_engine_is_one_line_naming_it_and_how_to_start_one(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    code, out = run_main(demo_flags(tmp_path, None, sglang_base_url=url))
+    msg = one_line_error(code, out)
+    assert f"the sglang engine at {url} is not reachable" in msg and "python -m sglang.launch_server" in msg
+
+
+# ------------------------------------------------------------------ whole runs
+@pytest.mark.slow
+@BOTH
+def test_grpo_run_samples_through_the_engine_and_pushes_every_update(protocol, standin, tmp_path):
+    url = {"sglang_base_url": standin.url, "engine_url": None} if protocol == "sglang" else {}
+    code, out = run_main(demo_flags(tmp_path, standin.url, protocol, **url))
+    assert code is None, out[-3000:]
+    assert f"engine: {protocol} at {standin.url} samples weight version 0" in out
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert abs(r["rollout/engine_kl"]) < 1e-5 and abs(r["rollout/is_weight"] - 1) < 1e-4, r
+        assert r["rollout/is_clipped"] == 0 and r["time/engine_sync"] > 0
+    assert standin.pushes == ["0", "1", "2", "3"]  # the start, then after each update
+
+
+@pytest.mark.slow
+def test_remax_and_filter_groups_sample_through_the_engine(standin, tmp_path):
+    code, out = run_main(demo_flags(tmp_path / "remax", standin.url, advantage_estimator="remax", max_steps=2,
+                                    num_generations=2, mini_batch_size=8))
+    assert code is None, out[-3000:]
+    assert all("reward/greedy_baseline" in r for r in read_metrics(tmp_path / "remax" / "run"))
+    temps = [b["sampling_params"]["temperature"] for p, b in standin.requests if p == "/generate"]
+    assert temps == [0.8, 0.8, 0.0, 0.8, 0.0]  # the probe, then per step the samples and ReMax's greedy baseline
+    code, out = run_main(demo_flags(tmp_path / "filter", standin.url, filter_groups=1, max_steps=2))
+    assert code is None, out[-3000:]
+    rows = read_metrics(tmp_path / "filter" / "run")
+    assert all("filter/groups_dropped" in r and abs(r["rollout/is_weight"] - 1) < 1e-4 for r in rows)
+    assert standin.pushes == ["0", "1", "2", "0", "1", "2"]
+
+
+@pytest.mark.slow
+def test_multi_turn_tool_episodes_sample_through_the_engine(standin, tmp_path):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    shutil.copy(ROOT / "out" / "tool_sft_128.pth", out_dir)
+    flags = ["--config", str(ROOT / "configs" / "demo_tools.yaml"),
+             *demo_flags(tmp_path, standin.url, from_weight="tool_sft", max_steps=2, batch_size=4, mini_batch_size=16,
+                         num_generations=4, max_gen_len=64, data_path=ROOT / "dataset" / "demo_tools_train.jsonl",
+                         reward_model_path="none")]
+    code, out = run_main(flags)
+    assert code is None, out[-3000:]
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2] and all(abs(r["rollout/is_weight"] - 1) < 1e-4 for r in rows)
+    assert sum(r["reward/tool_calls"] for r in rows) > 0  # some episode called the calculator: a second turn
+    assert sum(p == "/generate" for p, _ in standin.requests) > 1 + 2  # the probe, and a step of two turns
+    assert standin.pushes == ["0", "1", "2"]
+
+
+def test_an_engine_serving_another_model_stops_the_run_in_one_line(demo, tmp_path):
+    from model.loader import build_minimind
+    from scripts.convert_model import policy_to_hf
+
+    policy_to_hf(build_minimind(64, 2), demo[1], tmp_path / "small_hf")
+    s = start(tmp_path / "small_hf")
+    try:
+        code, out = run_main(demo_flags(tmp_path, s.url))
+    finally:
+        s.stop()
+    msg = one_line_error(code, out)
+    assert f"the sglang engine at {s.url} refused /update_weights_from_disk" in msg and "size mismatch" in msg, msg
+
+
+def test_a_version_changed_mid_run_stops_it_in_one_line(standin, tmp_path, monkeypatch):
+    """Another trainer pushes to the engine during step 1; with --engine_sync_interval 2 step 2 samples again with
+    what the engine now serves (version 99, not 0), and the run refuses it."""
+    monkeypatch.setenv("ENGINE_HOOK_URL", standin.url)
+    monkeypatch.setenv("ENGINE_HOOK_DIR", str(tmp_path / "push"))
+    monkeypatch.setenv("ENGINE_HOOK_AFTER", "0")  # its first call: during step 1
+    code, out = run_main(demo_flags(tmp_path, standin.url, engine_sync_interval=2, reward_fn=f"{HOOKS}:push_elsewhere"))
+    msg = one_line_error(code, out)
+    assert f"engine at {standin.url} sampled with weight version '99' but the trainer pushed '0'" in msg
+    assert "--from_resume 1" in msg and [r["step"] for r in read_metrics(tmp_path / "run")] == [1]
+
+
+def test_an_engine_returning_logprobs_before_temperature_is_refused_at_start(hf_dir, tmp_path):
+    """vLLM's default --logprobs-mode raw_logprobs: the start-up probe tells it apart (gap at T = 0.8, none at T = 1)."""
+    s = start(hf_dir, "vllm", logprobs_mode="raw_logprobs")
+    try:
+        code, out = run_main(demo_flags(tmp_path, s.url, "vllm"))
+    finally:
+        s.stop()
+    msg = one_line_error(code, out)
+    assert f"the vllm engine at {s.url} returns log-probs before temperature" in msg and "processed_logprobs" in msg
+
+
+def spawn_standin(model_dir: Path, port: int, log: Path) -> subprocess.Popen:
+    """`python -m tests.engine_standin` as a process of its own (a test can SIGKILL it), up and serving."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.engine_standin", "--model", str(model_dir), "--port",
+                                 str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+    line = proc.stdout.readline() if proc.stdout else ""
+    assert "serving" in line, f"the stand-in did not start: {line!r} {log.read_text()[-2000:]}"
+    return proc
+
+
+@pytest.mark.slow
+def test_an_engine_dying_mid_run_is_one_line_and_the_run_resumes_on_a_new_one(hf_dir, tmp_path, monkeypatch):
+    """The engine (a process) is killed during step 2: the run stops in one line with step 1's checkpoint intact;
+    --from_resume 1 with a new engine pushes the resumed weights (version 1) before its first rollout, and goes on."""
+    port = free_port()
+    proc = spawn_standin(hf_dir, port, tmp_path / "standin.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        monkeypatch.setenv("ENGINE_HOOK_PID", str(proc.pid))
+        monkeypatch.setenv("ENGINE_HOOK_AFTER", "16")  # 4 prompts x 4 samples: its first call of step 2
+        code, out = run_main(demo_flags(tmp_path, url, reward_fn=f"{HOOKS}:kill_engine"))
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
+    msg = one_line_error(code, out)
+    assert f"the sglang engine at {url} is not reachable" in msg, msg
+    ckpts = sorted((tmp_path / "ckpt").glob("*_resume_step*.pth"))
+    assert [p.name[-12:-4] for p in ckpts] == ["00000001"]
+    assert resume_state(ckpts[0])["step"] == 1
+    s = start(hf_dir, port=port)  # the engine restarted at the same address, with its own weights
+    monkeypatch.setenv("ENGINE_HOOK_AFTER", str(10**9))  # the same command, and nothing to kill this time
+    try:
+        code, out = run_main(demo_flags(tmp_path, url, reward_fn=f"{HOOKS}:kill_engine", from_resume=1))
+    finally:
+        s.stop()
+    assert code is None, out[-3000:]
+    assert s.pushes == ["1", "2", "3"]  # the resumed weights first, as version 1
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "reward/total" in r][-2:] == [2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_gloo_ranks_share_one_engine(strategy, standin, tmp_path):
+    """torchrun 2 ranks, one engine: rank 0 pushes once per update (the whole weights under fsdp2: the last push
+    equals the step-2 checkpoint's actor), each rank samples its own prompts from it."""
+    from safetensors.torch import load_file
+
+    flags = demo_flags(tmp_path, standin.url, max_steps=2, batch_size=2, mini_batch_size=8, device="cpu",
+                       strategy=strategy)
+    run_train(flags, cwd=tmp_path, torchrun_procs=2, timeout=300)
+    assert standin.pushes == ["0", "1", "2"]
+    assert sum(p == "/generate" for p, _ in standin.requests) == 2 * (1 + 2)  # a probe and 2 steps per rank
+    actor = resume_state(sorted((tmp_path / "ckpt").glob("*_resume_step*.pth"))[-1])["actor"]
+    pushed = load_file(str(tmp_path / "push" / "model.safetensors"))
+    assert all(torch.equal(pushed[k], actor[k].float()) for k in pushed) and len(pushed) == len(actor) - 1
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2] and all(abs(r["rollout/is_weight"] - 1) < 1e-4 for r in rows)
