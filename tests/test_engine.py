@@ -325,6 +325,7 @@ def test_an_engine_dying_mid_run_is_one_line_and_the_run_resumes_on_a_new_one(hf
             proc.stdout.close()
     msg = one_line_error(code, out)
     assert f"the sglang engine at {url} is not reachable" in msg, msg
+    assert "the last checkpoint is intact: restart the engine, then continue with --from_resume 1" in msg, msg
     ckpts = sorted((tmp_path / "ckpt").glob("*_resume_step*.pth"))
     assert [p.name[-12:-4] for p in ckpts] == ["00000001"]
     assert resume_state(ckpts[0])["step"] == 1

@@ -96,7 +96,9 @@ class Engine:
             raise EngineError(f"the {self.kind} engine at {self.url} refused {path}: HTTP {e.code} {_error_text(e)}") from None
         except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError) as e:
             reason = getattr(e, "reason", e)
-            raise EngineError(f"the {self.kind} engine at {self.url} is not reachable ({reason}); {self.start_hint}") from None
+            hint = self.start_hint if self.version is None else (  # mid-run: the engine died or restarted
+                "the last checkpoint is intact: restart the engine, then continue with --from_resume 1")
+            raise EngineError(f"the {self.kind} engine at {self.url} is not reachable ({reason}); {hint}") from None
         if not raw.strip():
             return None
         try:
