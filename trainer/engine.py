@@ -48,6 +48,10 @@ class EngineError(RuntimeError):
     message is one line that names the engine and what to do."""
 
 
+class EngineUnreachable(EngineError):
+    """No answer at all (connection refused, a timeout): the engine is gone or was never started."""
+
+
 @dataclass(frozen=True)
 class Completion:
     """One sampled response: its token IDs (EOS included when it stopped there), their log-probs, why it ended
@@ -95,7 +99,7 @@ class Engine:
             raise EngineError(f"the {self.kind} engine at {self.url} refused {path}: HTTP {e.code} {_error_text(e)}") from None
         except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError) as e:
             reason = getattr(e, "reason", e)
-            raise EngineError(f"the {self.kind} engine at {self.url} is not reachable ({reason}); {self.start_hint}") from None
+            raise EngineUnreachable(f"the {self.kind} engine at {self.url} is not reachable ({reason}); {self.start_hint}") from None
         if not raw.strip():
             return None
         try:
@@ -254,6 +258,8 @@ class VLLMEngine(Engine):
     def _load(self, folder: Path, version: int) -> None:
         try:
             self._request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
+        except EngineUnreachable:
+            raise  # gone, not refusing: its own message says so
         except EngineError as e:
             if "HTTP 404" in str(e):
                 raise EngineError(f"the vllm engine at {self.url} has no /collective_rpc: start it with "

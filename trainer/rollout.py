@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from model.generation import Samples, sample, token_logprobs
-from trainer.engine import Engine
+from trainer.engine import Engine, EngineError
 from trainer.ppo import masked_mean
 from trainer.runtime import Models, Runtime, on
 
@@ -295,7 +295,10 @@ def draw(policy: nn.Module | Engine, input_ids: torch.Tensor, attention_mask: to
     """model.generation.sample's draws from the policy's weights in this process, or from a rollout engine serving
     them (its Samples carry the engine's log-probs)."""
     if isinstance(policy, Engine):
-        return policy.sample(input_ids, attention_mask, **kwargs)
+        try:
+            return policy.sample(input_ids, attention_mask, **kwargs)
+        except EngineError as e:  # an engine gone, or serving other weights, mid-run: one line, not a traceback
+            raise SystemExit(f"error: {e}") from None
     return sample(policy, input_ids, attention_mask, **kwargs)
 
 
