@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import os
 import sys
 from pathlib import Path
 
@@ -25,13 +26,17 @@ PATH_PROGRAMS = {"python", "python3", "torchrun", "pytest"}
 OUR_FOLDERS = {"tests", "trainer", "model", "dataset", "scripts", "builders", "benchmarks", "examples"}
 
 
+def _skipped(folder: str) -> bool:
+    """Not our code: build and cache folders, and virtualenvs (.venv, scripts/setup_engine.sh's .venv-engine)."""
+    return folder in SKIP_DIRS or folder.startswith(".venv")
+
+
 def _python_files() -> list[Path]:
     files = []
-    for path in sorted(ROOT.rglob("*.py")):
-        rel = path.relative_to(ROOT)
-        if not SKIP_DIRS.intersection(rel.parts[:-1]):
-            files.append(rel)
-    return files
+    for top, dirs, names in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not _skipped(d)]  # pruned: a virtualenv is not walked at all
+        files += [(Path(top) / n).relative_to(ROOT) for n in names if n.endswith(".py")]
+    return sorted(files)
 
 
 def test_no_module_or_package_shadows_the_standard_library_or_a_dependency():

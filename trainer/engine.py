@@ -48,6 +48,10 @@ class EngineError(RuntimeError):
     message is one line that names the engine and what to do."""
 
 
+class EngineUnreachable(EngineError):
+    """No answer at all (connection refused, a timeout): the engine is gone or was never started."""
+
+
 @dataclass(frozen=True)
 class Completion:
     """One sampled response: its token IDs (EOS included when it stopped there), their log-probs, why it ended
@@ -98,7 +102,7 @@ class Engine:
             reason = getattr(e, "reason", e)
             hint = self.start_hint if self.version is None else (  # mid-run: the engine died or restarted
                 "the last checkpoint is intact: restart the engine, then continue with --from_resume 1")
-            raise EngineError(f"the {self.kind} engine at {self.url} is not reachable ({reason}); {hint}") from None
+            raise EngineUnreachable(f"the {self.kind} engine at {self.url} is not reachable ({reason}); {hint}") from None
         if not raw.strip():
             return None
         try:
@@ -273,6 +277,8 @@ class VLLMEngine(Engine):
     def _load(self, folder: Path, version: int) -> None:
         try:
             self._request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
+        except EngineUnreachable:
+            raise  # gone, not refusing: its own message says so
         except EngineError as e:
             if "HTTP 404" in str(e):
                 raise EngineError(f"the vllm engine at {self.url} has no /collective_rpc: start it with "
@@ -335,9 +341,10 @@ def connect(kind: str, urls: Sequence[str], rank: int, timeout: float = 600.0) -
 
 def write_weights(state_dict: dict[str, torch.Tensor], config_json: dict, folder: str | os.PathLike,
                   extra_files: Sequence[Path] = ()) -> Path:
-    """The policy as an HF checkpoint an engine reloads: `model.safetensors` (tied lm_head left out, as
-    save_pretrained does) and config.json (+ `extra_files`, e.g. tokenizer files), each written under a temporary
-    name and renamed into place, so an engine never reads half a file."""
+    """The policy as an HF checkpoint an engine reloads: `model.safetensors` (a tied lm_head too, as a copy of the
+    embeddings: an engine that serves the model untied reloads it, one that serves it tied skips it) and config.json
+    (+ `extra_files`, e.g. tokenizer files), each written under a temporary name and renamed into place, so an engine
+    never reads half a file."""
     from safetensors.torch import save_file  # transformers' own dependency
 
     folder = Path(folder)
@@ -346,8 +353,13 @@ def write_weights(state_dict: dict[str, torch.Tensor], config_json: dict, folder
     if others:  # an engine reloads every *.safetensors of the folder: a model's own files would mix in
         raise EngineError(f"{folder} holds other weight files ({', '.join(others[:3])}): give --engine_shared_path an "
                           f"empty folder of its own, not a model directory")
-    tied = config_json.get("tie_word_embeddings", False) and "model.embed_tokens.weight" in state_dict
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items() if not (tied and k == "lm_head.weight")}
+    # vLLM's CPU backend packs the LM head's weights once and a reload never repacks a tied head (it loads no
+    # lm_head.weight): scripts/serve_engine.sh serves a tied model untied there, so the head must be in every push.
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+    if embed is not None and (head is None and config_json.get("tie_word_embeddings", False)
+                              or head is not None and head.data_ptr() == embed.data_ptr()):
+        tensors["lm_head.weight"] = embed.clone()  # safetensors refuses tensors that share memory
     tmp = folder / f".{WEIGHTS_FILE}.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, folder / WEIGHTS_FILE)

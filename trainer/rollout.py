@@ -298,7 +298,7 @@ def draw(policy: nn.Module | Engine, input_ids: torch.Tensor, attention_mask: to
     if isinstance(policy, Engine):
         try:
             return policy.sample(input_ids, attention_mask, **kwargs)
-        except EngineError as e:
+        except EngineError as e:  # an engine gone, or serving other weights, mid-run: one line, not a traceback
             raise SystemExit(f"error: {e}") from None
     return sample(policy, input_ids, attention_mask, **kwargs)
 
