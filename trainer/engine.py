@@ -1,6 +1,6 @@
 """Rollout engines: the policy samples in an inference server that runs out of process, in its own virtualenv.
 
-    --rollout_engine vllm   --engine_url http://HOST:8000   vLLM's OpenAI server (`vllm serve`, scripts/serve_engine.sh)
+    --rollout_engine vllm   --engine_url http://HOST:8000   vLLM's OpenAI server (scripts/serve_engine.sh)
     --rollout_engine sglang --sglang_base_url http://HOST:8998   SGLang's native server (MiniMind's flags)
 
 The trainer sends token IDs (left padding stripped: no re-tokenisation) and gets back, per response, the sampled
@@ -223,7 +223,8 @@ def _as_samples(done: list[Completion], input_ids: torch.Tensor, eos: list[int],
 
 
 class VLLMEngine(Engine):
-    """vLLM's OpenAI-compatible server (`vllm serve DIR --logprobs-mode processed_logprobs`, VLLM_SERVER_DEV_MODE=1):
+    """vLLM's OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server --model DIR --logprobs-mode
+    processed_logprobs` with VLLM_SERVER_DEV_MODE=1, as scripts/serve_engine.sh starts it):
     /v1/completions with token-ID prompts (one request per prompt with n = --num_generations and its own seed; the
     server batches them), /collective_rpc reload_weights, /update_weight_version, /weight_info."""
 
