@@ -62,7 +62,7 @@ class PromptRecord:
     constraints: list[dict] | None = None  # verifiable instructions (dataset/ifeval.py) the reply must meet
     tools: list[dict] | None = None  # tool schemas offered in this chat (MiniMind agent rows: the system message's "tools")
     gt: list[str] | None = None  # MiniMind agent rows: values the final answer must contain (numbers by value)
-    rg: dict | None = None  # a reasoning-gym row (dataset/reasoning_gym.py): {"task", "config", "entry"}, its verifier's input
+    rg: dict | None = None  # a reasoning-gym row (dataset/rgym.py): {"task", "config", "entry"}, its verifier's input
 
 
 def is_placeholder(content: str) -> bool:

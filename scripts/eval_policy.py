@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:
 
 import torch
 
-from dataset import reasoning_gym as rgym
+from dataset import rgym
 from dataset.rlaif import DataError, read_rlaif_jsonl
 from model.loader import load_policy, load_reward_model
 from model.weights import WeightsError

@@ -21,8 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dataset import ifeval
-from dataset import reasoning_gym as rgym
+from dataset import ifeval, rgym
 from dataset.rlaif import PromptRecord, RLAIFDataset, collate_left_pad
 from trainer.multiturn import Episode, generate_episodes
 from trainer.reward_model import RewardModelScorer

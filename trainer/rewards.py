@@ -20,8 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dataset import ifeval
-from dataset import reasoning_gym as rgym
+from dataset import ifeval, rgym
 from trainer import plugins
 from trainer.reward_model import RewardModelScorer
 

@@ -26,7 +26,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import torch
 
-from dataset import reasoning_gym as rgym
+from dataset import rgym
 from trainer.config import GAE_ONLY_FLAGS, GROUPS, Config
 from trainer.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, estimator_spec, policy_loss_spec
 from trainer.run.hardware import layer_matmul_params, model_config, resolve_precision, use_parallel_update

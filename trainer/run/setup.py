@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dataset import reasoning_gym as rgym
+from dataset import rgym
 from dataset.rlaif import DataError, PromptRecord, RLAIFDataset, read_rlaif_jsonl, tool_name
 from model.critic import CriticModel
 from model.loader import eos_token_ids, load_policy, load_reward_model
