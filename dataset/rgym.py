@@ -70,6 +70,15 @@ def import_reasoning_gym() -> ModuleType:
     return reasoning_gym
 
 
+def available() -> bool:
+    """Whether reasoning-gym can be imported."""
+    try:
+        import_reasoning_gym()
+    except ReasoningGymError:
+        return False
+    return True
+
+
 def version() -> str | None:
     """The installed reasoning-gym's version (its __version__ lags its releases), None where it is missing."""
     from importlib.metadata import PackageNotFoundError
