@@ -217,6 +217,7 @@ def score_responses(cfg: Config, batch: dict, ro: Rollout, m: Models, custom_fns
             timer=lambda name: phase(name, autocast=False),
             constraints=expand(batch.get("constraints") or [None] * len(batch["prompt"])),
             gts=expand(batch.get("gt") or [None] * len(batch["prompt"])),
+            rg=expand(batch.get("rg") or [None] * len(batch["prompt"])),
         )
     except RewardFnError as e:  # the user's function, the user's to fix: one line, not a traceback
         raise SystemExit(f"error: {e}") from None

@@ -62,6 +62,7 @@ class PromptRecord:
     constraints: list[dict] | None = None  # verifiable instructions (dataset/ifeval.py) the reply must meet
     tools: list[dict] | None = None  # tool schemas offered in this chat (MiniMind agent rows: the system message's "tools")
     gt: list[str] | None = None  # MiniMind agent rows: values the final answer must contain (numbers by value)
+    rg: dict | None = None  # a reasoning-gym row (dataset/rgym.py): {"task", "config", "entry"}, its verifier's input
 
 
 def is_placeholder(content: str) -> bool:
@@ -357,6 +358,7 @@ class RLAIFDataset(Dataset):
             "open_thinking": open_thinking,
             "tools": tools,
             "gt": record.gt,
+            "rg": record.rg,
         }
 
 
@@ -386,4 +388,5 @@ def collate_left_pad(batch: list[dict], pad_id: int) -> dict:
         "open_thinking": [item.get("open_thinking", True) for item in batch],
         "tools": [item.get("tools") for item in batch],
         "gt": [item.get("gt") for item in batch],
+        "rg": [item.get("rg") for item in batch],
     }

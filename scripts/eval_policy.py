@@ -7,6 +7,8 @@ IFEval pass rate for rows with "constraints".
     python scripts/eval_policy.py --hf_path path/to/hf_model --reward_model_path none
     python scripts/eval_policy.py --hf_path out/smollm2_ifeval_hf --ref_hf_path out/smollm2_135m_instruct \
         --data_path dataset/ifeval_eval.jsonl --max_new_tokens 96 --thinking_ratio 0 --reward_model_path none
+    python scripts/eval_policy.py --hf_path out/smollm2_135m_instruct --reasoning_gym chain_sum --n 100 \
+        --thinking_ratio 0 --reward_model_path none     # train_ppo --reasoning_gym's held-out rows, its verifier
 
 Prints a table (overall and per task when the data rows carry a "task" key) and writes the
 figures, plus a few example replies, as JSON.
@@ -27,6 +29,7 @@ if str(ROOT) not in sys.path:
 
 import torch
 
+from dataset import rgym
 from dataset.rlaif import DataError, read_rlaif_jsonl
 from model.loader import load_policy, load_reward_model
 from model.weights import WeightsError
@@ -74,9 +77,9 @@ def print_table(m: dict, label: str) -> None:
         print(f"  tool calls        {_fmt(m['tool_call_rate'], True)} of episodes call a tool, "
               f"{_fmt(m['tool_ok_rate'], True)} call and every call runs")
     if m.get("by_task"):
-        print(f"  {'task':<8} {'n':>5} {'format':>8} {'accuracy':>9}")
+        print(f"  {'task':<16} {'n':>5} {'format':>8} {'accuracy':>9}")
         for task, t in m["by_task"].items():
-            print(f"  {task:<8} {t['n']:>5} {_fmt(t['format_rate'], True):>8} {_fmt(t['accuracy'], True):>9}")
+            print(f"  {task:<16} {t['n']:>5} {_fmt(t['format_rate'], True):>8} {_fmt(t['accuracy'], True):>9}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ref_hf_path", default=None,
                    help="local HF causal-LM directory of a reference policy (e.g. the model before training): also report KL to it")
     p.add_argument("--data_path", default="dataset/demo_eval.jsonl")
+    p.add_argument("--reasoning_gym", default=None, metavar="TASK[,TASK]",
+                   help="instead of --data_path: the held-out rows train_ppo.py --reasoning_gym evaluates on (the same spec), "
+                        "scored by each task's score_answer")
     p.add_argument("--n", type=int, default=0, help="evaluate the first n prompts (0 = all)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top_p", type=float, default=1.0)
@@ -148,13 +154,20 @@ def main(argv: list[str] | None = None) -> dict:
         if rm_path.lower() != "none":
             rm, rm_tok = load_reward_model(rm_path)
             scorer = RewardModelScorer(rm, rm_tok)
-        records, _ = read_rlaif_jsonl(args.data_path)
+        if args.reasoning_gym:
+            records = rgym.held_out(args.reasoning_gym, args.n or rgym.HELD_OUT_ROWS)
+        else:
+            records, _ = read_rlaif_jsonl(args.data_path)
         tools = ToolRunner(load_tools(args.tools)) if args.tools else None
-    except (WeightsError, DataError, ToolError) as e:
+    except (WeightsError, DataError, ToolError, rgym.ReasoningGymError) as e:
         raise SystemExit(str(e)) from None
     if args.n > 0:
         records = records[: args.n]
-    tasks = read_tasks(args.data_path, records)
+    if args.reasoning_gym:
+        tasks = [r.rg["task"] if r.rg else None for r in records]
+        data = f"reasoning-gym {args.reasoning_gym} (held-out rows)"
+    else:
+        tasks, data = read_tasks(args.data_path, records), args.data_path
     policy.eval()
 
     autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if args.dtype == "bfloat16" else contextlib.nullcontext())
@@ -169,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
     elapsed = time.time() - t0
     source = args.weights or args.hf_path
     mode = "greedy" if args.temperature == 0 else f"T={args.temperature:g}, top_p={args.top_p:g}"
-    print_table(metrics, f"{source} on {args.data_path} ({mode}, max {args.max_new_tokens} new tokens, "
+    print_table(metrics, f"{source} on {data} ({mode}, max {args.max_new_tokens} new tokens, "
                          f"RM {rm_path}) in {elapsed:.0f} s")
     for row in rows[: args.examples]:
         mark = "ok " if row["correct"] else "bad" if row["correct"] is not None else "   "
@@ -178,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  [{mark}|{'fmt' if row['format_ok'] else '   '}] {user!r} -> {reply!r}")
 
     result = {
-        "source": source, "data_path": args.data_path, "temperature": args.temperature, "top_p": args.top_p,
+        "source": source, "data_path": data, "temperature": args.temperature, "top_p": args.top_p,
         "max_new_tokens": args.max_new_tokens, "seed": args.seed, "reward_model_path": rm_path,
         "ref_weights": args.ref_weights or args.ref_hf_path, "seconds": round(elapsed, 1), **metrics,
         "examples": rows[: args.examples],

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from dataset import rgym
 from trainer import config as config_mod
 from trainer.registry import ADVANTAGE_ESTIMATORS, policy_loss_spec
 from trainer.run import cli as C
@@ -51,7 +52,8 @@ def test_new_settings_default_to_the_previous_behaviour():
     assert added == {"policy_loss", "reuse_values", "mask_truncated", "adv_std_unbiased", "adv_eps", "reward_norm",
                      "reward_clip", "ifeval_weight", "strategy", "shard_frozen", "cpu_offload", *losses, *minimind_grpo,
                      "tools", "max_turns", "max_total_len", "tool_timeout", "tool_error_penalty", "save_timeout", "hsdp",
-                     "engine_url", "engine_sync_interval", "engine_shared_path", "engine_timeout", "rollout_is", "rollout_is_cap"}
+                     "engine_url", "engine_sync_interval", "engine_shared_path", "engine_timeout", "rollout_is", "rollout_is_cap",
+                     "reasoning_gym", "reasoning_gym_size"}
     cfg = C.resolve(C.parse_args([]), DistInfo())
     assert cfg.policy_loss == "vanilla" and cfg.reuse_values == 0 and cfg.loss_agg_mode == "token_mean"
     assert (cfg.mask_truncated, cfg.adv_std_unbiased, cfg.adv_eps, cfg.reward_norm, cfg.reward_clip) == (0, 1, 1e-6, "none", 0.0)
@@ -59,6 +61,7 @@ def test_new_settings_default_to_the_previous_behaviour():
     assert (cfg.strategy, cfg.cpu_offload) == ("ddp", 0)  # DDP as before; --shard_frozen only matters under fsdp2
     assert cfg.tools is None  # single-turn rollouts as before; the other tool settings only matter with --tools
     assert cfg.rollout_engine == "torch" and cfg.engine_url is None  # sampling in this process; engine settings unread
+    assert cfg.reasoning_gym is None  # prompts from --data_path; --reasoning_gym_size only matters with --reasoning_gym
 
 
 def test_yaml_preset_is_overridden_by_flags(tmp_path):
@@ -110,6 +113,8 @@ def test_shipped_presets_parse_and_resolve(tmp_path):
         args = C.parse_args(["--config", str(p)])
         if args.actor_path and not Path(args.actor_path).is_dir():
             args = C.parse_args(["--config", str(p), "--actor_path", str(stand_in)])
+        if args.reasoning_gym and not rgym.available():  # the package is optional: tests/test_reasoning_gym.py
+            args = args.replace(reasoning_gym=None)  # checks the preset with it; its other settings resolve here
         cfg = C.resolve(args, DistInfo())
         assert cfg.resolved and cfg.max_steps > 0, p
 

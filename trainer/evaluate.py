@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dataset import ifeval
+from dataset import ifeval, rgym
 from dataset.rlaif import PromptRecord, RLAIFDataset, collate_left_pad
 from trainer.multiturn import Episode, generate_episodes
 from trainer.reward_model import RewardModelScorer
@@ -62,9 +62,10 @@ def score_replies(
     references: Sequence[str | None],
     tasks: Sequence[str | None] | None = None,
     gts: Sequence[list[str] | None] | None = None,
+    rg: Sequence[dict | None] | None = None,
 ) -> dict[str, Any]:
     """Rule-based bookkeeping for a list of replies (a row with `gts`, a MiniMind agent row's ground truth, is
-    correct when its answer contains all of it).
+    correct when its answer contains all of it; a reasoning-gym row `rg` when its task's score_answer gives 1).
 
     Returns n, format_rate (format_reward > 0), accuracy over rows that have a reference
     (None if none has one), n_with_reference, accuracy split by whether the reply used the
@@ -77,9 +78,11 @@ def score_replies(
     if tasks is not None and len(tasks) != len(replies):
         raise ValueError(f"score_replies: {len(replies)} replies but {len(tasks)} task labels")
     format_ok = [format_reward(r) > 0 for r in replies]
+    n = len(replies)
     correct: list[bool | None] = [
-        gt_reward(r, g) == 1.0 if g else None if ref is None else answers_match(extract_answer(r), ref)
-        for r, ref, g in zip(replies, references, gts or [None] * len(replies))
+        rgym.score(r, e) == 1.0 if e else gt_reward(r, g) == 1.0 if g else None if ref is None
+        else answers_match(extract_answer(r), ref)
+        for r, ref, g, e in zip(replies, references, gts or [None] * n, rg or [None] * n)
     ]
     graded = [(f, c) for f, c in zip(format_ok, correct) if c is not None]
     out: dict[str, Any] = {
@@ -204,6 +207,7 @@ def evaluate_policy(
     replies: list[str] = []
     references: list[str | None] = []
     gts: list[list[str] | None] = []
+    rg: list[dict | None] = []
     constraints: list[list[dict] | None] = []
     lengths: list[int] = []
     eos_flags: list[bool] = []
@@ -222,6 +226,7 @@ def evaluate_policy(
         replies += batch_replies
         references += batch["reference"]
         gts += batch["gt"]
+        rg += batch["rg"]
         constraints += batch["constraints"]
         lengths += mask.sum(dim=1).tolist()
         eos_flags += ro.has_eos.tolist()
@@ -236,7 +241,7 @@ def evaluate_policy(
                 for p, r, ref in zip(batch["prompt"], batch_replies, batch["reference"])
             ]
 
-    scored = score_replies(replies, references, tasks, gts)
+    scored = score_replies(replies, references, tasks, gts, rg)
     metrics: dict[str, Any] = {k: v for k, v in scored.items() if k not in ("format_ok", "correct")}
     metrics.update(score_instructions(replies, constraints), **text_diversity(replies))
     metrics["mean_response_len"] = sum(lengths) / len(lengths)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dataset import ifeval
+from dataset import ifeval, rgym
 from trainer import plugins
 from trainer.reward_model import RewardModelScorer
 
@@ -271,11 +271,13 @@ def compute_rewards(
     timer: Timer | None = None,
     constraints: list[list[dict] | None] | None = None,
     gts: list[list[str] | None] | None = None,
+    rg: list[dict | None] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Total reward [B] (float32) and each component's raw, unweighted value [B].
 
     Components: "format", "tags", "accuracy" (nan where there is no reference; adds 0 there; a row with `gts`, a
-    MiniMind agent row's ground truth, scores the share of it the answer contains instead), "ifeval" (when
+    MiniMind agent row's ground truth, scores the share of it the answer contains instead; a row with `rg`, a
+    reasoning-gym row, its task's own score_answer of the <answer> content), "ifeval" (when
     `constraints` has a list for any row, [] = none asked: the fraction of a row's constraints met, nan where
     it has none; adds 0 there) with "ifeval/<type>" for every type (1/0, nan where absent; weight 0: logged only),
     "eos" (-1 when cut at the length limit), "rm" (only computed when rm is given and
@@ -303,8 +305,8 @@ def compute_rewards(
         "format": col([format_reward(r) for r in replies]),
         "tags": col([tag_reward(r) for r in replies]),
         "accuracy": col([
-            gt_reward(r, g) if g else math.nan if (a := accuracy_reward(r, ref)) is None else a
-            for r, ref, g in zip(replies, references, gts or [None] * n)
+            rgym.score(r, e) if e else gt_reward(r, g) if g else math.nan if (a := accuracy_reward(r, ref)) is None else a
+            for r, ref, g, e in zip(replies, references, gts or [None] * n, rg or [None] * n)
         ]),
         "eos": col([eos_reward(e, 1.0) for e in has_eos]),
     }

@@ -41,7 +41,7 @@ FORMAT_VERSION = 1
 INCOMPATIBLE_FLAGS = (
     "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "use_moe", "arch", "from_weight", "actor_path",
     "tokenizer_path",
-    "data_path", "seed", "batch_size", "mini_batch_size", "num_generations", "ppo_update_iters",
+    "data_path", "reasoning_gym", "reasoning_gym_size", "seed", "batch_size", "mini_batch_size", "num_generations", "ppo_update_iters",
     "update_old_actor_freq", "adaptive_kl", "kl_estimator", "kl_placement", "max_seq_len", "max_gen_len", "advantage_estimator",
     "filter_groups", "thinking_ratio", "system_prompt_ratio", "reward_norm", "strategy", *LORA_FLAGS,
 )

@@ -26,6 +26,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import torch
 
+from dataset import rgym
 from trainer.config import GAE_ONLY_FLAGS, GROUPS, Config
 from trainer.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, estimator_spec, policy_loss_spec
 from trainer.run.hardware import layer_matmul_params, model_config, resolve_precision, use_parallel_update
@@ -235,13 +236,41 @@ def _coerce(where: str, name: str, v: Any, typ: type | None, choices: list | Non
 
 # --------------------------------------------------------------------------------------- resolve
 def eval_data_path(cfg: Config) -> str | None:
-    """--eval_data_path resolved: auto = the demo's held-out file beside the demo's training prompts."""
+    """--eval_data_path resolved: auto = the demo's held-out file beside the demo's training prompts, or with
+    --reasoning_gym its held-out rows (rgym.HELD_OUT)."""
     if cfg.eval_data_path in (None, "none"):
         return None
     if cfg.eval_data_path != "auto":
         return cfg.eval_data_path
+    if reasoning_gym(cfg):
+        return rgym.HELD_OUT
     held_out = Path(cfg.data_path).with_name("demo_eval.jsonl")
     return str(held_out) if Path(cfg.data_path).name == "demo_train.jsonl" and held_out.is_file() else None
+
+
+def reasoning_gym(cfg: Config) -> str | None:
+    """The --reasoning_gym spec, None when off (unset or 'none')."""
+    return None if cfg.reasoning_gym in (None, "", "none") else cfg.reasoning_gym
+
+
+def reasoning_gym_checks(cfg: Config) -> list[tuple[bool, str]]:
+    """--reasoning_gym: the package, the task names and their settings (one line each), and --data_path unused."""
+    spec = reasoning_gym(cfg)
+    if spec is None:
+        return [(Path(cfg.data_path).is_file(), f"--data_path {cfg.data_path}: file not found")]
+    try:
+        rgym.parse_spec(spec)
+        problem = None
+    except rgym.ReasoningGymError as e:
+        problem = str(e)
+    default_data = next(f.default for f in fields(Config) if f.name == "data_path")
+    return [
+        (problem is None, problem or ""),
+        (cfg.data_path == default_data,
+         f"--data_path {cfg.data_path} and --reasoning_gym {spec} both give the training prompts: drop one "
+         f"(--reasoning_gym none reads --data_path)"),
+        (cfg.reasoning_gym_size >= 1, "--reasoning_gym_size must be >= 1"),
+    ]
 
 
 _UNREAD = object()
@@ -250,7 +279,7 @@ _UNREAD = object()
 def resolve(raw: Config, info: DistInfo, mc: object | None = _UNREAD) -> Config:
     """`raw` validated and every `auto` filled in for this rank's device: --device, --dtype, --frozen_low_precision,
     --kl_placement / --kl_estimator (the estimator's own), --clip_epsilon_high, --loss_agg_mode (the loss's own),
-    --mini_batch_size 0 (every row), --eval_data_path,
+    --mini_batch_size 0 (every row), --eval_data_path, --reasoning_gym ('none' = None),
     --train_attn_implementation, --parallel_update, --save_merged, --hidden_size (an --actor_path model's
     own), --sample_interval (MiniMind's --debug_mode uses --debug_interval), --swanlab_mode (--use_wandb 0),
     --engine_url / --engine_shared_path (MiniMind's --sglang_* names, the defaults)."""
@@ -276,7 +305,7 @@ def resolve(raw: Config, info: DistInfo, mc: object | None = _UNREAD) -> Config:
         clip_epsilon_high=raw.clip_epsilon if raw.clip_epsilon_high is None else raw.clip_epsilon_high,
         loss_agg_mode=policy_loss_spec(raw.policy_loss).loss_agg if raw.loss_agg_mode == "auto" else raw.loss_agg_mode,
         mini_batch_size=raw.minibatch_rows,
-        eval_data_path=eval_data_path(raw), train_attn_implementation=attn,
+        eval_data_path=eval_data_path(raw), reasoning_gym=reasoning_gym(raw), train_attn_implementation=attn,
         parallel_update=int(use_parallel_update(raw.parallel_update, device, info.enabled or raw.strategy == "fsdp2", cpu_bf16, bool(reuse),
                                                     raw.num_threads or None)),
         save_merged=raw.save_merged if raw.save_merged >= 0 else int(not raw.actor_path),
@@ -397,7 +426,7 @@ def validate(cfg: Config) -> None:
         (0 <= cfg.thinking_ratio <= 1, "--thinking_ratio must be in [0, 1]"),
         (cfg.epochs >= 1, "--epochs must be >= 1"),
         (cfg.save_interval >= 1, "--save_interval must be >= 1"),
-        (Path(cfg.data_path).is_file(), f"--data_path {cfg.data_path}: file not found"),
+        *reasoning_gym_checks(cfg),
         (cfg.reward_model_path in (None, "none") or Path(cfg.reward_model_path).is_dir() or cfg.rm_weight == 0,
          f"--reward_model_path {cfg.reward_model_path}: not a directory (use 'none' or --rm_weight 0 to run without a reward model)"),
         (cfg.actor_path is None or Path(cfg.actor_path).is_dir(), f"--actor_path {cfg.actor_path}: not a directory"),
@@ -440,7 +469,8 @@ def validate(cfg: Config) -> None:
         (0 <= cfg.overlong_buffer_len < cfg.max_gen_len,
          f"--overlong_buffer_len {cfg.overlong_buffer_len} must be in [0, --max_gen_len {cfg.max_gen_len})"),
         (cfg.eval_interval >= 1 and cfg.eval_samples >= 1, "--eval_interval and --eval_samples must be >= 1"),
-        (cfg.eval_data_path in ("auto", "none", None) or Path(cfg.eval_data_path).is_file(),
+        (cfg.eval_data_path in ("auto", "none", None) or Path(cfg.eval_data_path).is_file()
+         or (cfg.eval_data_path == rgym.HELD_OUT and reasoning_gym(cfg) is not None),
          f"--eval_data_path {cfg.eval_data_path}: file not found (or 'none' to train without evaluation)"),
         (cfg.lora_r >= 0, f"--lora_r {cfg.lora_r} must be >= 0 (0 = no LoRA, full fine-tuning)"),
         (math.isfinite(cfg.lora_alpha) and cfg.lora_alpha > 0, f"--lora_alpha {cfg.lora_alpha} must be a finite number > 0"),

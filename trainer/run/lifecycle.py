@@ -135,7 +135,7 @@ class Run:
         else:
             inputs = (actor_weights_path(cfg), cfg.actor_path, cfg.reward_model_path)
             provenance = write_run_json(self.run_dir, args=self.cfg.flat(), world_size=info.world_size, device=str(info.device),
-                                        seed=cfg.seed, data_path=cfg.data_path,
+                                        seed=cfg.seed, data_path=None if cfg.reasoning_gym else cfg.data_path,
                                         weight_paths=[str(p) for p in inputs if p and Path(p).exists()],
                                         run_id=self.run_id)
         if self.built.n_bad_lines:

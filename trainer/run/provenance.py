@@ -30,7 +30,7 @@ __all__ = ["write_run_json", "mark_run_end", "append_resume_record", "code_versi
 
 RUN_JSON = "run.json"
 _CHUNK = 1 << 20
-_LIBRARIES = ("torch", "transformers", "tokenizers", "numpy", "swanlab")
+_LIBRARIES = ("torch", "transformers", "tokenizers", "numpy", "swanlab", "reasoning-gym")  # reasoning-gym: --reasoning_gym rows
 
 
 def _now() -> str:

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dataset.rlaif import DataError, RLAIFDataset, read_rlaif_jsonl, tool_name
+from dataset import rgym
+from dataset.rlaif import DataError, PromptRecord, RLAIFDataset, read_rlaif_jsonl, tool_name
 from model.critic import CriticModel
 from model.loader import eos_token_ids, load_policy, load_reward_model
 from model.lora import AdapterSnapshot, AdaptersOff, add_lora
@@ -313,11 +314,25 @@ def _build_sharded(raw: Config, info: DistInfo) -> Setup:
     return built[0]
 
 
-def _rewards_beside_ifeval(cfg: Config, custom_fns: dict) -> bool:
-    """Whether any reward other than the ifeval component is on (the reward model, rules, custom functions)."""
+def _rewards_beside(cfg: Config, custom_fns: dict, component: str) -> bool:
+    """Whether any reward other than `component` ("ifeval" or "accuracy") is on (the reward model, rules, custom
+    functions)."""
     rm = cfg.rm_weight if cfg.reward_model_path not in (None, "none") else 0.0
-    rules = (cfg.format_weight, cfg.tag_weight, cfg.accuracy_weight, cfg.eos_penalty)
-    return any((rm, *rules)) or bool(custom_fns) or bool(cfg.overlong_buffer_len and cfg.overlong_penalty)
+    rules = {"format": cfg.format_weight, "tags": cfg.tag_weight, "accuracy": cfg.accuracy_weight, "eos": cfg.eos_penalty}
+    rules.pop(component, None)
+    return any((rm, *rules.values())) or bool(custom_fns) or bool(cfg.overlong_buffer_len and cfg.overlong_penalty)
+
+
+def read_prompts(cfg: Config) -> tuple[list[PromptRecord], int, list[PromptRecord]]:
+    """The training prompts (--data_path's, or --reasoning_gym's generated rows), the malformed lines skipped, and the
+    first --eval_samples held-out prompts."""
+    if cfg.reasoning_gym:
+        records, n_bad = rgym.training(cfg.reasoning_gym, cfg.reasoning_gym_size, cfg.seed), 0
+    else:
+        records, n_bad = read_rlaif_jsonl(cfg.data_path, skip_bad_lines=bool(cfg.skip_bad_lines))
+    if cfg.eval_data_path == rgym.HELD_OUT:
+        return records, n_bad, rgym.held_out(cfg.reasoning_gym, cfg.eval_samples)
+    return records, n_bad, read_rlaif_jsonl(cfg.eval_data_path)[0][:cfg.eval_samples] if cfg.eval_data_path else []
 
 
 def _build(raw: Config, info: DistInfo) -> Setup:
@@ -345,8 +360,7 @@ def _build(raw: Config, info: DistInfo) -> Setup:
         if info.rank > 0:  # then each rank samples differently (rank 0 keeps the single-process stream)
             seed_everything(cfg.seed + info.rank)
         custom_fns = {spec.split(":")[-1]: load_reward_fn(spec) for spec in cfg.reward_fn}
-        records, n_bad = read_rlaif_jsonl(cfg.data_path, skip_bad_lines=bool(cfg.skip_bad_lines))
-        eval_records = read_rlaif_jsonl(cfg.eval_data_path)[0][:cfg.eval_samples] if cfg.eval_data_path else []
+        records, n_bad, eval_records = read_prompts(cfg)
         toolbox = load_tools(cfg.tools) if cfg.tools else None
         check_tool_rows(records + eval_records, toolbox)
     except (WeightsError, DataError, ValueError, OSError) as e:
@@ -358,13 +372,20 @@ def _build(raw: Config, info: DistInfo) -> Setup:
                           tools=toolbox.schema_list() if toolbox else None)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
-    if cfg.ifeval_weight and not ds.has_constraints and not _rewards_beside_ifeval(cfg, custom_fns):
+    if cfg.ifeval_weight and not ds.has_constraints and not _rewards_beside(cfg, custom_fns, "ifeval"):
         raise SystemExit(f"error: {cfg.data_path} has no row with \"constraints\", and the ifeval reward is the only one on "
                          f"(--ifeval_weight): every reward would be 0. Use a prompt file written by "
                          f"builders/make_ifeval_data.py (docs/models.md), or turn on another reward.")
+    if (cfg.accuracy_weight and not any(r.reference is not None or r.gt or r.rg for r in records)
+            and not _rewards_beside(cfg, custom_fns, "accuracy") and not (cfg.ifeval_weight and ds.has_constraints)):
+        raise SystemExit(f"error: {cfg.data_path} has no row with an answer to check (a reference in the final assistant "
+                         f"turn, \"gt\", or a --reasoning_gym row), and the accuracy reward is the only one on "
+                         f"(--accuracy_weight): every reward would be 0. Give --reasoning_gym TASK (docs/reasoning_gym.md), "
+                         f"a prompt file with answers, or turn on another reward.")
     steps_per_epoch = len(ds) // (cfg.batch_size * info.world_size)
     if steps_per_epoch == 0:
-        raise SystemExit(f"error: --data_path has {len(ds)} prompts, fewer than one global batch "
+        source = f"--reasoning_gym_size {cfg.reasoning_gym_size}" if cfg.reasoning_gym else "--data_path"
+        raise SystemExit(f"error: {source} has {len(ds)} prompts, fewer than one global batch "
                          f"({cfg.batch_size} x {info.world_size} processes)")
     total_steps = steps_per_epoch * cfg.epochs
     if cfg.max_steps > 0:
