@@ -16,7 +16,8 @@
 #   ENGINE_VENV      the engine's virtualenv (default: $MINIPPO_ENGINE_VENV, else .venv-engine in the repository)
 #   DTYPE            --dtype; default float32 on a CPU (the trainer's CPU dtype: engine and trainer log-probs then
 #                    agree to ~1e-5, and the tiny demo gains nothing from bf16), bfloat16 on a GPU (the trainer's
-#                    --dtype auto there; the engine/trainer gap is then ~1e-3 and --rollout_is corrects it)
+#                    --dtype auto there; the engine/trainer gap is then ~0.04 nats per token, docs/engines.md, and
+#                    --rollout_is corrects it)
 #   MAX_MODEL_LEN    --max-model-len (default 1024): at least the run's --max_seq_len + --max_gen_len
 #   ENGINE_HOST      the address to listen on (default 127.0.0.1: dev mode lets any client that reaches the port
 #                    load weights; 0.0.0.0 for trainers on other nodes of a trusted network)
