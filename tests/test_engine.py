@@ -18,7 +18,7 @@ import torch
 from model.generation import sample
 from tests.engine_standin import start
 from tests.helpers import ROOT, free_port, read_metrics, resume_state, run_main, run_train, scramble
-from trainer.engine import EngineError, SamplingParams, SGLangEngine, VLLMEngine, write_weights
+from trainer.engine import EngineError, SamplingParams, SGLangEngine, VLLMEngine, engine_index, model_mismatch, write_weights
 from trainer.ppo import rollout_is_weights
 from trainer.rollout import policy_forward
 from trainer.run.engine_sync import _config_json
@@ -361,3 +361,19 @@ def test_two_gloo_ranks_share_one_engine(strategy, standin, tmp_path):
     assert all(torch.equal(pushed[k], actor[k].float()) for k in actor)
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2] and all(abs(r["rollout/is_weight"] - 1) < 1e-4 for r in rows)
+
+
+def test_ranks_split_into_contiguous_blocks_one_engine_per_node():
+    """2 nodes x 8 ranks, one engine per node listed in node order: every rank samples from its own node's."""
+    assert [engine_index(r, 16, 2) for r in range(16)] == [0] * 8 + [1] * 8
+    assert {engine_index(r, 16, 1) for r in range(16)} == {0}  # one engine serves every rank
+    assert [engine_index(r, 4, 4) for r in range(4)] == [0, 1, 2, 3]  # one per rank
+    assert [engine_index(r, 2, 4) for r in range(2)] == [0, 1]  # more engines than ranks: the first ones
+
+
+def test_model_mismatch_names_what_differs():
+    actor = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 6400, "num_hidden_layers": 4, "hidden_size": 128}
+    assert model_mismatch(dict(actor, tie_word_embeddings=False), actor) is None  # served untied: the same model
+    why = model_mismatch(dict(actor, vocab_size=49152), actor)
+    assert why == ("it serves Qwen3ForCausalLM, vocab 49152, 4 layers x 128 but the actor is Qwen3ForCausalLM, "
+                   "vocab 6400, 4 layers x 128")

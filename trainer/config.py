@@ -145,7 +145,8 @@ class EngineArgs:
     """Who samples the rollouts: torch = the policy in this process; vllm / sglang = an inference server started
     beforehand in its own virtualenv (docs/engines.md), sent token IDs, synced with the policy's weights."""
     engine_url: str | None = None
-    """The engine's URL (comma-separated: rank r uses the (r mod n)-th); sglang: default --sglang_base_url."""
+    """The engine's URL; comma-separated for several: the ranks split into as many contiguous blocks (one engine per
+    node, in node order); sglang: default --sglang_base_url."""
     engine_sync_interval: int = 1
     """Push the policy's weights to the engine every N updates (1: every rollout samples the current policy)."""
     engine_shared_path: str | None = None

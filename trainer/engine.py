@@ -333,9 +333,15 @@ class SGLangEngine(Engine):
 ENGINES: dict[str, type[Engine]] = {"vllm": VLLMEngine, "sglang": SGLangEngine}
 
 
-def connect(kind: str, urls: Sequence[str], rank: int, timeout: float = 600.0) -> Engine:
-    """This rank's engine (rank r uses urls[r % len(urls)]: one engine may serve every rank), checked reachable."""
-    engine = ENGINES[kind](urls[rank % len(urls)], timeout)
+def engine_index(rank: int, world_size: int, n: int) -> int:
+    """Which of n engines serves `rank`: the ranks in n contiguous blocks, so with one engine per node, listed in node
+    order, every rank samples from its own node's (torchrun numbers a node's ranks contiguously)."""
+    return rank * n // max(world_size, 1) if n <= world_size else rank
+
+
+def connect(kind: str, urls: Sequence[str], rank: int, world_size: int = 1, timeout: float = 600.0) -> Engine:
+    """This rank's engine (`engine_index`: one engine may serve every rank), checked reachable."""
+    engine = ENGINES[kind](urls[engine_index(rank, world_size, len(urls))], timeout)
     engine.health()
     return engine
 

@@ -2,8 +2,9 @@
 connect every rank to its engine at start, push the policy's weights before the first rollout (the start or the
 resumed weights) and after every --engine_sync_interval updates, and check once that the engine samples the policy.
 
-Who talks to whom: rank r samples from engine r mod n of --engine_url (one engine may serve every rank: it batches
-their requests). Rank 0 writes the weights once into --engine_shared_path and has every engine reload them, while
+Who talks to whom: the ranks split into n contiguous blocks over the n engines of --engine_url, block i sampling from
+engine i (one engine per node, listed in node order: each rank uses its node's; one engine may serve every rank: it
+batches their requests). Rank 0 writes the weights once into --engine_shared_path and has every engine reload them, while
 the other ranks wait outside the training group (as for a save: a reload may outlast --ddp_timeout); the folder
 must be readable by every engine (one node: /dev/shm; several nodes: a shared filesystem path). Under
 --strategy fsdp2 every rank takes part in gathering the whole weights to rank 0 first; a LoRA actor pushes its
@@ -43,7 +44,7 @@ def connect_engine(cfg: Config, info: D.DistInfo) -> Engine | None:
     engine = None
     with failing_together(info):
         try:
-            engine = connect(cfg.rollout_engine, urls, info.rank, cfg.engine_timeout)
+            engine = connect(cfg.rollout_engine, urls, info.rank, info.world_size, cfg.engine_timeout)
             limit = engine.max_model_len()
             need = cfg.max_total_len if cfg.tools else cfg.max_seq_len + cfg.max_gen_len
             if limit is not None and limit < need:
