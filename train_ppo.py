@@ -109,7 +109,7 @@ def make_experience(cfg: Config, batch: dict, m: Models, rt: Runtime, kl_coef: f
     ro = dataclasses.replace(ro, advantages=advantages, returns=returns)
     metrics, weights = rollout_metrics(ro, sampled.comps, sc.entropy, kl_coef, cfg.num_generations)
     metrics.update({**filter_stats, **norm_stats, **{f"rollout/{k}": v.item() for k, v in sc.is_stats.items()}})
-    weights.update({f"rollout/{k}": ro.response_mask.sum().item() for k in sc.is_stats})  # token means
+    weights.update({f"rollout/{k}": weights["ppo/entropy"] for k in sc.is_stats})  # token means, as the entropy's
     if baseline is not None:
         metrics["reward/greedy_baseline"] = baseline.float().mean().item()
     if cfg.mask_truncated:  # DAPO: a response cut off without EOS takes no part in the update

@@ -109,7 +109,7 @@ def test_greedy_samples_are_our_decoders_and_follow_each_push(protocol, standin,
         want = sample(model, ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0), **kw)
         assert torch.equal(got.sequences, want.sequences)
         assert torch.equal(got.response_mask, want.response_mask.float()) and torch.equal(got.has_eos, want.has_eos)
-        params = SamplingParams(8, 0.0, 0, 1.0, True, (tok.eos_token_id,))
+        params = SamplingParams(8, 0.0, 0, 1.0, (tok.eos_token_id,))
         stamps = {c.weight_version for g in engine._complete([ids[0][mask[0].bool()].tolist()], 2, params, [0]) for c in g}
         assert stamps == {str(version)}
         replies.append(got.sequences)

@@ -25,12 +25,13 @@ Only the standard library talks HTTP here: the trainer's requirements do not gro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,16 @@ WEIGHTS_FILE = "model.safetensors"
 class EngineError(RuntimeError):
     """An engine that cannot be reached, refuses a request, serves other weights or fails a weight push: the
     message is one line that names the engine and what to do."""
+
+
+@contextlib.contextmanager
+def exits_on_engine_error() -> Iterator[None]:
+    """Around the trainer's calls to an engine: an EngineError ends the run with its one line (SystemExit "error:
+    ..."), not a traceback; under torchrun the rank-local block around it makes every rank stop together."""
+    try:
+        yield
+    except EngineError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 class EngineUnreachable(EngineError):
@@ -65,13 +76,13 @@ class Completion:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What decides the distribution; the same meaning as model.generation.sample's arguments."""
+    """What decides the distribution; the same meaning as model.generation.sample's arguments (temperature 0:
+    greedy)."""
 
     max_new_tokens: int
     temperature: float
     top_k: int
     top_p: float
-    greedy: bool
     stop_ids: tuple[int, ...]
     ignore_eos: bool = False  # --suppress_eos (benchmarks): run to max_new_tokens; EOS may still be drawn as a token
 
@@ -172,7 +183,7 @@ class Engine:
         prompts = [row[m.bool()].tolist() for row, m in zip(input_ids.cpu(), attention_mask.cpu())]
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator,
                               device=generator.device if generator is not None else "cpu").tolist()
-        params = SamplingParams(max_new_tokens, 0.0 if greedy else temperature, top_k, top_p, greedy,
+        params = SamplingParams(max_new_tokens, 0.0 if greedy else temperature, top_k, top_p,
                                 () if suppress_eos else tuple(eos), suppress_eos)
         groups = self._complete(prompts, num_generations, params, seeds)
         done = [c for g in groups for c in g]

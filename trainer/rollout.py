@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from model.generation import Samples, sample, token_logprobs
-from trainer.engine import Engine, EngineError
+from trainer.engine import Engine, exits_on_engine_error
 from trainer.ppo import masked_mean
 from trainer.runtime import Models, Runtime, on
 
@@ -296,10 +296,8 @@ def draw(policy: nn.Module | Engine, input_ids: torch.Tensor, attention_mask: to
     them (its Samples carry the engine's log-probs). An engine that fails (unreachable, a refused request, another
     weight version than the last push) stops the run with its one line."""
     if isinstance(policy, Engine):
-        try:
+        with exits_on_engine_error():  # an engine gone, or serving other weights, mid-run
             return policy.sample(input_ids, attention_mask, **kwargs)
-        except EngineError as e:  # an engine gone, or serving other weights, mid-run: one line, not a traceback
-            raise SystemExit(f"error: {e}") from None
     return sample(policy, input_ids, attention_mask, **kwargs)
 
 
@@ -331,13 +329,12 @@ def generate_rollout(
     kw = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id, temperature=temperature,
               top_k=top_k, top_p=top_p, greedy=greedy, suppress_eos=suppress_eos, generator=generator)
     engine = isinstance(policy, Engine)
-    if engine:
-        s = draw(policy, input_ids, attention_mask, num_generations=num_generations, **kw)
+    prompts = input_ids, attention_mask
     if num_generations > 1:
         input_ids = input_ids.repeat_interleave(num_generations, dim=0)
         attention_mask = attention_mask.repeat_interleave(num_generations, dim=0)
-    if not engine:
-        s = draw(policy, input_ids, attention_mask, return_logprobs=return_logprobs, fast_decode=fast_decode, **kw)
+    s = (draw(policy, *prompts, num_generations=num_generations, **kw) if engine else
+         draw(policy, input_ids, attention_mask, return_logprobs=return_logprobs, fast_decode=fast_decode, **kw))
     full_mask = torch.cat([attention_mask, s.response_mask.to(attention_mask.dtype)], dim=1)  # [B, P+R]
     return Rollout(
         sequences=s.sequences, attention_mask=full_mask, response_mask=s.response_mask.float(), has_eos=s.has_eos,

@@ -14,7 +14,6 @@ merged weights (W + B A scale: the engine serves a plain model).
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -23,8 +22,8 @@ from model.config import MiniMindConfig, stock_hf_config
 from model.lora import base_of, is_lora, merged_state_dict
 from trainer import dist as D
 from trainer.config import Config
-from trainer.engine import ENGINES, Engine, EngineError, connect, model_mismatch, write_weights
-from trainer.rollout import policy_forward
+from trainer.engine import ENGINES, Engine, EngineError, connect, exits_on_engine_error, model_mismatch, write_weights
+from trainer.rollout import draw, policy_forward
 from trainer.run.distributed import failing_together, main_writes
 from trainer.run.sharding import full_state_dict, is_sharded
 from trainer.runtime import Models, Runtime
@@ -42,16 +41,13 @@ def connect_engine(cfg: Config, info: D.DistInfo) -> Engine | None:
         return None
     urls = (cfg.engine_url or "").split(",")
     engine = None
-    with failing_together(info):
-        try:
-            engine = connect(cfg.rollout_engine, urls, info.rank, info.world_size, cfg.engine_timeout)
-            limit = engine.max_model_len()
-            need = cfg.max_total_len if cfg.tools else cfg.max_seq_len + cfg.max_gen_len
-            if limit is not None and limit < need:
-                raise EngineError(f"the {cfg.rollout_engine} engine at {engine.url} serves at most {limit} tokens per "
-                                  f"sequence; this run needs {need} (prompt + response): start it with --max-model-len {need}")
-        except EngineError as e:
-            raise SystemExit(f"error: {e}") from None
+    with failing_together(info), exits_on_engine_error():
+        engine = connect(cfg.rollout_engine, urls, info.rank, info.world_size, cfg.engine_timeout)
+        limit = engine.max_model_len()
+        need = cfg.max_total_len if cfg.tools else cfg.max_seq_len + cfg.max_gen_len
+        if limit is not None and limit < need:
+            raise EngineError(f"the {cfg.rollout_engine} engine at {engine.url} serves at most {limit} tokens per "
+                              f"sequence; this run needs {need} (prompt + response): start it with --max-model-len {need}")
     return engine
 
 
@@ -73,11 +69,10 @@ def _extra_files(cfg: Config) -> list[Path]:
                   and not f.name.endswith(".index.json") and f.name != "config.json")
 
 
-def push_weights(cfg: Config, m: Models, rt: Runtime, version: int) -> float:
+def push_weights(cfg: Config, m: Models, rt: Runtime, version: int) -> None:
     """Make every engine serve the actor's current weights as weight version `version` (the number of updates in
     them). Every rank calls this at the same point; a failure on rank 0 (a full disk, an engine that refuses the
-    weights) stops every rank with one line, and nothing else is written. Returns the seconds it took."""
-    t0 = time.perf_counter()
+    weights) stops every rank with one line, and nothing else is written."""
     engine = m.engine
     assert engine is not None
     if is_sharded(m.actor):
@@ -89,30 +84,25 @@ def push_weights(cfg: Config, m: Models, rt: Runtime, version: int) -> float:
     folder = Path(cfg.engine_shared_path or "")
 
     def write_and_reload() -> None:
-        try:
-            write_weights(state, _config_json(m.actor), folder, _extra_files(cfg))
-        except EngineError as e:
-            raise SystemExit(f"error: {e}") from None
-        except OSError as e:
-            raise SystemExit(f"error: writing the weights for the engine to {folder} failed: {e.strerror or e}; "
-                             f"give --engine_shared_path a folder with room") from None
-        try:
+        with exits_on_engine_error():
+            try:
+                write_weights(state, _config_json(m.actor), folder, _extra_files(cfg))
+            except OSError as e:
+                raise SystemExit(f"error: writing the weights for the engine to {folder} failed: {e.strerror or e}; "
+                                 f"give --engine_shared_path a folder with room") from None
             for url in dict.fromkeys((cfg.engine_url or "").split(",")):  # every engine once, this rank's too
                 same = url.rstrip("/") == engine.url
                 (engine if same else ENGINES[cfg.rollout_engine](url, cfg.engine_timeout)).load_weights(folder, version)
-        except EngineError as e:
-            raise SystemExit(f"error: {e}") from None
 
     main_writes(write_and_reload, rt.info)
     engine.version = version  # every rank expects its engine to sample version `version` from now on
-    return time.perf_counter() - t0
 
 
 @torch.no_grad()
-def probe_engine(cfg: Config, m: Models, rt: Runtime) -> dict[str, float]:
+def probe_engine(cfg: Config, m: Models, rt: Runtime) -> float:
     """Once, after the first push: a few samples of the engine scored by the trainer. A mean |log-prob gap| over
     PROBE_LIMIT means the engine is not sampling the policy: vLLM's raw log-probs (before temperature: the gap
-    vanishes at T = 1) or another model. Returns the gap (engine/probe_logprob_diff). Every rank probes its engine."""
+    vanishes at T = 1) or another model. Returns the gap. Every rank probes its engine."""
     engine = m.engine
     assert engine is not None
     temp = cfg.sample_temperature
@@ -120,12 +110,9 @@ def probe_engine(cfg: Config, m: Models, rt: Runtime) -> dict[str, float]:
     ids = torch.tensor([m.tok.encode(text)[:32]], device=rt.device)
     gaps: dict[float, float] = {}
     with D.unsharded(m.actor), failing_together(rt.info):
-        try:
-            s = engine.sample(ids, torch.ones_like(ids), max_new_tokens=16, eos_token_id=m.eos_ids or m.tok.eos_token_id,
-                              pad_token_id=m.tok.pad_token_id if m.tok.pad_token_id is not None else 0, temperature=temp,
-                              num_generations=4, generator=torch.Generator().manual_seed(cfg.seed))
-        except EngineError as e:
-            raise SystemExit(f"error: {e}") from None
+        s = draw(engine, ids, torch.ones_like(ids), max_new_tokens=16, eos_token_id=m.eos_ids or m.tok.eos_token_id,
+                 pad_token_id=m.tok.pad_token_id if m.tok.pad_token_id is not None else 0, temperature=temp,
+                 num_generations=4, generator=torch.Generator().manual_seed(cfg.seed))
         mask = torch.cat([torch.ones_like(ids).repeat(4, 1), s.response_mask.long()], dim=1)
         R = s.response_mask.shape[1]
         for t in {temp, 1.0}:
@@ -140,19 +127,19 @@ def probe_engine(cfg: Config, m: Models, rt: Runtime) -> dict[str, float]:
             raise SystemExit(f"error: the {cfg.rollout_engine} engine at {engine.url} does not sample the actor after a weight "
                              f"push (mean |log-prob gap| {gaps[temp]:.3g} per token on a probe): does it serve another model "
                              f"or tokenizer than --actor_path / --from_weight?")
-    return {"engine/probe_logprob_diff": gaps[temp]}
+    return gaps[temp]
 
 
 def start_engine(cfg: Config, m: Models, rt: Runtime, step: int) -> str:
     """Before the first rollout: push the weights the run starts from (version `step`: the updates in them, a
     resumed run's too) and probe the engine once. Returns the line to log."""
-    with failing_together(rt.info):  # every rank's engine, where its model directory is readable from here
+    with failing_together(rt.info), exits_on_engine_error():  # every rank's engine, where its directory is readable
         served = m.engine.served_config()
         why = model_mismatch(served, _config_json(m.actor)) if served else None
         if why:
             raise SystemExit(f"error: the {cfg.rollout_engine} engine at {m.engine.url} does not serve the actor: {why}; start it "
                              f"on the actor's model directory (scripts/convert_model.py to_hf writes one for MiniMind weights)")
     push_weights(cfg, m, rt, version=step)
-    gap = probe_engine(cfg, m, rt)["engine/probe_logprob_diff"]
+    gap = probe_engine(cfg, m, rt)
     return (f"engine: {cfg.rollout_engine} at {cfg.engine_url} samples weight version {step} (pushed to "
             f"{cfg.engine_shared_path}); probe log-prob gap {gap:.2e} per token")
