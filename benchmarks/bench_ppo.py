@@ -331,6 +331,8 @@ class ConfigRun:
         self.args = args = self.built.cfg  # resolved
         self.build_s = time.perf_counter() - t_build
         self.rss_models = rss_now_mb()
+        if os.environ.get("BENCH_BUILT_DIR"):  # tells the parent's NodeRSS this rank's build is over
+            Path(os.environ["BENCH_BUILT_DIR"], f"built.{os.environ.get('RANK', '0')}").touch()
         if self.args.rollout_engine != "torch":  # --extra "--rollout_engine vllm --engine_url URL": as main() starts it
             from trainer.run.engine_sync import start_engine
 
@@ -592,22 +594,75 @@ def expand_configs(o: argparse.Namespace) -> list[dict]:
 
 def run_child(cfgs: list[dict], timeout: int) -> list[dict]:
     """The configurations in one fresh process (one, or several interleaved): their results."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT))
     with tempfile.TemporaryDirectory() as d:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(ROOT), BENCH_BUILT_DIR=d)
         out = Path(d) / "result.json"
         job = ["--_child", json.dumps({"cfgs": cfgs, "out": str(out)})]
         procs = cfgs[0].get("procs", 1)
         launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port",
                      str(_free_port())] if procs > 1 else [sys.executable])
         cmd = [*launcher, str(Path(__file__).resolve()), *job]
-        try:
-            r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout * len(cfgs))
-        except subprocess.TimeoutExpired:
-            return [{"config": c, "ok": False, "error": f"timeout after {timeout * len(cfgs)} s"} for c in cfgs]
-        if r.returncode != 0 or not out.exists():
-            tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-            return [{"config": c, "ok": False, "error": f"exit {r.returncode}: {tail}"} for c in cfgs]
-        return json.loads(out.read_text())
+        with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+            node = NodeRSS(proc.pid, Path(d), procs) if procs > 1 else None  # the ranks' RSS summed: the node's host memory
+            try:
+                _, stderr = proc.communicate(timeout=timeout * len(cfgs))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                return [{"config": c, "ok": False, "error": f"timeout after {timeout * len(cfgs)} s"} for c in cfgs]
+            finally:
+                node_peaks = node.stop() if node is not None else (None, None)
+        if proc.returncode != 0 or not out.exists():
+            tail = (stderr.strip().splitlines() or ["(no output)"])[-1]
+            return [{"config": c, "ok": False, "error": f"exit {proc.returncode}: {tail}"} for c in cfgs]
+        results = json.loads(out.read_text())
+        for r in results:
+            r["node_peak_rss_mb"], r["node_build_peak_rss_mb"] = node_peaks
+        return results
+
+
+class NodeRSS:
+    """The peak of the summed RSS of a process tree (torchrun and its ranks), sampled every 20 ms in a thread: what
+    one node's host memory holds at once. Each rank's own peak (VmHWM) cannot say this: ranks that peak at different
+    times (the fsdp2 build in turns) add up to less than their peaks' sum. The build's peak is the one before every
+    rank has written `built.<rank>` into `built_dir`."""
+
+    def __init__(self, pid: int, built_dir: Path, ranks: int, every_s: float = 0.02) -> None:
+        import threading
+
+        self.pid, self.built_dir, self.ranks, self.every_s = pid, built_dir, ranks, every_s
+        self.peak_mb = self.build_peak_mb = 0.0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _tree(self) -> list[int]:
+        pids, todo = [], [self.pid]
+        while todo:
+            pid = todo.pop()
+            pids.append(pid)
+            with contextlib.suppress(OSError):
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    todo += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+        return pids
+
+    def _run(self) -> None:
+        while not self._done.wait(self.every_s):
+            total = 0.0
+            for pid in self._tree():
+                with contextlib.suppress(OSError):
+                    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                        if line.startswith("VmRSS:"):
+                            total += int(line.split()[1]) / 1024
+            self.peak_mb = max(self.peak_mb, total)
+            if len(list(self.built_dir.glob("built.*"))) < self.ranks:
+                self.build_peak_mb = max(self.build_peak_mb, total)
+
+    def stop(self) -> tuple[float, float]:
+        """(the peak over the whole run, the peak while the ranks built their models), MB."""
+        self._done.set()
+        self._thread.join()
+        return self.peak_mb, self.build_peak_mb
 
 
 def _free_port() -> int:
@@ -771,7 +826,9 @@ def main(argv: list[str] | None = None) -> None:
             c = r["config"]
             print(f"{c['name']} {c['dtype']} {c['strategy']} x {c['procs']}: trained state "
                   + ", ".join(f"{x['trained_state']:.1f}" for x in r["per_rank"]) + " MB; peak RSS "
-                  + ", ".join(f"{x['peak_rss']:.0f}" for x in r["per_rank"]) + " MB")
+                  + ", ".join(f"{x['peak_rss']:.0f}" for x in r["per_rank"]) + " MB; node peak (ranks summed, "
+                  + f"sampled) {r.get('node_peak_rss_mb') or float('nan'):.0f} MB, while building "
+                  + f"{r.get('node_build_peak_rss_mb') or float('nan'):.0f} MB")
     print(f"total bench time {time.perf_counter() - t_all:.0f} s")
     report = {
         "machine": {"cpu": cpu_name(), "logical_cpus": os.cpu_count(), "torch": torch.__version__,
