@@ -353,3 +353,26 @@ def test_no_warning_without_auto_map(tmp_path, capsys):
     load_reward_model(tmp_path)
     out = capsys.readouterr()
     assert "auto_map" not in out.out + out.err and "trust_remote_code" not in out.out + out.err
+
+
+@pytest.mark.parametrize("source", ["hf", "native"])
+def test_the_lm_head_of_a_frozen_copy_gets_contiguous_hidden_states(tmp_path, tok_dir, source):
+    """logits_to_keep slices [B, T, H]; torch's matmul of that strided view with a weight that requires no grad (the
+    reference, the old actor) copies the head once per row ([B, H, vocab]). The loader's hook hands the head a
+    contiguous input instead: the same logits, no per-row copy of the weights."""
+    import copy
+
+    if source == "hf":
+        _save_tiny_llama(tmp_path, 16, _tiny_tokenizer())
+        policy, _ = load_policy(hf_path=tmp_path)
+    else:
+        policy, _ = load_policy(hidden_size=64, num_hidden_layers=2, tokenizer_path=tok_dir)
+    ref = copy.deepcopy(policy).requires_grad_(False).eval()  # as trainer/run/setup.py's frozen_copy makes it
+    seen = []
+    ref.get_output_embeddings().register_forward_pre_hook(lambda mod, args: seen.append(args[0].is_contiguous()))
+    ids = torch.randint(3, 10, (4, 12))
+    with torch.no_grad():
+        kept = ref(input_ids=ids, logits_to_keep=5).logits
+        whole = ref(input_ids=ids).logits
+    assert seen == [True, True]
+    torch.testing.assert_close(kept, whole[:, -5:], rtol=0, atol=1e-5)
