@@ -1,5 +1,5 @@
-"""Google's own IFEval checker, as shipped in the PyPI package `if-verifiable` (instructions.py and the evaluation
-harness of its common.py), for tests/test_ifeval_reference.py and scripts/judge_ifeval.py. Not a dependency of the
+"""Google's own IFEval checker, as shipped in the PyPI package `if-verifiable` (instructions.py, and the loose
+variants and evaluation harness of its common.py), for tests/test_ifeval_reference.py and scripts/judge_ifeval.py. Not a dependency of the
 trainer: it runs in a venv of its own (docs/smollm2_ifeval.md), where `load()` finds it.
 
 The package's top-level __init__ imports `datasets` for its data loaders (left out: `pip install --no-deps`); the
@@ -28,19 +28,20 @@ NEEDS_PUNKT = ("length_constraints:number_sentences", "change_case:capital_word_
 @dataclass
 class Google:
     instructions: dict[str, Any]  # instruction id -> checker class (INSTRUCTION_DICT)
-    evaluate: Callable[..., Any]  # if_verifiable.common.evaluate_instructions: strict and loose, per instruction
+    loose_variants: Callable[[str], list[str]]  # IFEval's loose variants of a reply (the reply itself first)
+    evaluate: Callable[..., Any]  # if_verifiable.common.evaluate_instructions (strips the reply first: see judge_ifeval)
     langdetect: Any
 
 
 def load() -> Google | str:
     """Google's checker, or why it cannot be loaded (one line)."""
-    try:
-        spec = importlib.util.find_spec("if_verifiable")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
-        return "if_verifiable (Google's IFEval checker) is not installed"
-    if "if_verifiable" not in sys.modules:
+    if "if_verifiable" not in sys.modules:  # (a second load() finds the stand-in below, which has no spec)
+        try:
+            spec = importlib.util.find_spec("if_verifiable")
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None or not spec.submodule_search_locations:
+            return "if_verifiable (Google's IFEval checker) is not installed"
         pkg = types.ModuleType("if_verifiable")  # stands in for the package, whose __init__ imports `datasets`
         pkg.__path__ = list(spec.submodule_search_locations)
         sys.modules["if_verifiable"] = pkg
@@ -51,7 +52,8 @@ def load() -> Google | str:
     except ImportError as e:
         return f"if_verifiable's IFEval checker cannot be imported ({e})"
     langdetect.DetectorFactory.seed = 0  # langdetect is random unless seeded
-    return Google(instructions=registry.INSTRUCTION_DICT, evaluate=common.evaluate_instructions, langdetect=langdetect)
+    return Google(instructions=registry.INSTRUCTION_DICT, loose_variants=common.get_loose_transformations,
+                  evaluate=common.evaluate_instructions, langdetect=langdetect)
 
 
 def punkt_available() -> bool:
