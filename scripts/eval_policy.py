@@ -11,7 +11,8 @@ IFEval pass rate for rows with "constraints".
         --thinking_ratio 0 --reward_model_path none     # train_ppo --reasoning_gym's held-out rows, its verifier
 
 Prints a table (overall and per task when the data rows carry a "task" key) and writes the
-figures, plus a few example replies, as JSON.
+figures, plus a few example replies, as JSON; --replies_out FILE writes every reply beside its data row, e.g. for
+IFEval rows, checked by Google's own checker with scripts/judge_ifeval.py (docs/smollm2_ifeval.md).
 """
 
 from __future__ import annotations
@@ -40,15 +41,25 @@ from trainer.tools import ToolError, ToolRunner, load_tools
 DEFAULT_RM = "out/demo_rm"
 
 
-def read_tasks(path: str | Path, records: list) -> list[str | None] | None:
-    """The optional "task" key of each record's source line (records remember "path:lineno")."""
+def source_rows(path: str | Path, records: list) -> list[dict]:
+    """Each record's source line as read (records remember "path:lineno")."""
     lines = Path(path).read_text(encoding="utf-8").splitlines()
-    tasks = []
-    for rec in records:
-        lineno = int(rec.where.rsplit(":", 1)[1])
-        task = json.loads(lines[lineno - 1]).get("task")
-        tasks.append(task if isinstance(task, str) else None)
+    return [json.loads(lines[int(rec.where.rsplit(":", 1)[1]) - 1]) for rec in records]
+
+
+def read_tasks(path: str | Path, records: list) -> list[str | None] | None:
+    """The optional "task" key of each record's source line."""
+    tasks = [t if isinstance(t := row.get("task"), str) else None for row in source_rows(path, records)]
     return tasks if any(t is not None for t in tasks) else None
+
+
+def write_replies(path: str | Path, sources: list[dict], rows: list[dict]) -> None:
+    """One jsonl line per evaluated prompt: its source row's fields plus "reply" (what the reward saw), e.g. for
+    scripts/judge_ifeval.py, which checks IFEval rows with Google's checker."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps({**src, "reply": row["reply"]}, ensure_ascii=False) + "\n"
+                           for src, row in zip(sources, rows, strict=True)), encoding="utf-8")
 
 
 def _fmt(v: float | None, pct: bool = False) -> str:
@@ -119,6 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_total_len", type=int, default=1024, help="--tools: tokens per episode, prompt included")
     p.add_argument("--json", default="out/eval.json", help="write the figures here ('' to skip)")
     p.add_argument("--examples", type=int, default=8, help="example replies to print and keep in the JSON")
+    p.add_argument("--replies_out", default="",
+                   help="write every reply here, one jsonl line per prompt: its data row's fields plus \"reply\" "
+                        "(scripts/judge_ifeval.py reads it)")
     return p.parse_args(argv)
 
 
@@ -196,6 +210,11 @@ def main(argv: list[str] | None = None) -> dict:
         "ref_weights": args.ref_weights or args.ref_hf_path, "seconds": round(elapsed, 1), **metrics,
         "examples": rows[: args.examples],
     }
+    if args.replies_out:
+        sources = ([{"conversations": r.messages, "task": t} for r, t in zip(records, tasks or [None] * len(records))]
+                   if args.reasoning_gym else source_rows(args.data_path, records))
+        write_replies(args.replies_out, sources, rows)
+        print(f"wrote {len(rows)} replies to {args.replies_out}")
     if args.json:
         out = Path(args.json)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -72,3 +72,21 @@ def test_the_recipe_with_a_prompt_file_without_constraints_is_one_line(tmp_path,
     assert code is not None and code != 0
     assert "demo_train.jsonl has no row with \"constraints\"" in str(code) and "builders/make_ifeval_data.py" in str(code)
     assert "Traceback" not in out
+
+
+def test_eval_policy_writes_every_reply_beside_its_data_row(tmp_path, tiny_smollm):
+    """--replies_out: what scripts/judge_ifeval.py reads (each IFEval row's fields, Google's ids and kwargs among
+    them, plus the reply), in the data file's order, the same replies the figures were computed from."""
+    from dataset import ifeval
+    from scripts import eval_policy
+
+    data, out = ROOT / "dataset" / "ifeval_eval.jsonl", tmp_path / "replies.jsonl"
+    m = eval_policy.main(["--hf_path", str(tiny_smollm), "--data_path", str(data), "--n", "3", "--max_new_tokens", "4",
+                          "--thinking_ratio", "0", "--reward_model_path", "none", "--json", "", "--num_threads", "1",
+                          "--replies_out", str(out)])
+    got = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    sources = [json.loads(line) for line in data.read_text(encoding="utf-8").splitlines()[:3]]
+    assert [{k: v for k, v in g.items() if k != "reply"} for g in got] == sources
+    assert all(isinstance(g["reply"], str) and "instruction_id_list" in g for g in got)
+    passed = [all(ok for _, ok in ifeval.results(g["constraints"], g["reply"])) for g in got]
+    assert m["ifeval_pass_rate"] == pytest.approx(sum(passed) / 3)

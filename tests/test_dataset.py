@@ -533,19 +533,31 @@ def test_the_shipped_ifeval_files_are_what_the_script_writes(tmp_path):
     import subprocess
     import sys
 
+    from builders.make_ifeval_data import EVAL_TOPICS, QUESTIONS, REQUESTS, TRAIN_TOPICS
+    from dataset.ifeval import CHECKS, LEFT_OUT, ifeval_instructions
+
     root = Path(__file__).resolve().parent.parent
     subprocess.run([sys.executable, "builders/make_ifeval_data.py", "--out_dir", str(tmp_path)], cwd=root, check=True,
                    capture_output=True)
-    for name in ("ifeval_train.jsonl", "ifeval_eval.jsonl"):
+    names = ("ifeval_train.jsonl", "ifeval_eval.jsonl", "ifeval_eval_ifeval_wording.jsonl", "ifeval_eval_other_types.jsonl")
+    for name in names:
         assert (tmp_path / name).read_bytes() == (root / "dataset" / name).read_bytes(), name
-    train, _ = read_rlaif_jsonl(root / "dataset" / "ifeval_train.jsonl")
-    held, _ = read_rlaif_jsonl(root / "dataset" / "ifeval_eval.jsonl")
-    from builders.make_ifeval_data import EVAL_TOPICS, REQUESTS, TRAIN_TOPICS
+    train, held, wording, other = (read_rlaif_jsonl(root / "dataset" / name)[0] for name in names)
+    starts = [q.format(t=t) for q in REQUESTS + QUESTIONS for t in TRAIN_TOPICS + EVAL_TOPICS]
 
-    def topic(r) -> str:  # the request is the prompt's first sentence: "... about {topic}."
-        first = r.messages[-1]["content"].split(". ")[0].rstrip(".")
-        return next(t for q in REQUESTS for t in TRAIN_TOPICS + EVAL_TOPICS if first == q.format(t=t).rstrip("."))
+    def topic(r) -> str:  # the prompt opens with its request (or question) on its topic
+        first = next(s for s in starts if r.messages[-1]["content"].startswith(s + " "))
+        return next(t for t in TRAIN_TOPICS + EVAL_TOPICS if any(first == q.format(t=t) for q in REQUESTS + QUESTIONS))
     assert not set(TRAIN_TOPICS) & set(EVAL_TOPICS)
-    assert {topic(r) for r in train} <= set(TRAIN_TOPICS) and {topic(r) for r in held} <= set(EVAL_TOPICS)
-    kinds = {c["type"] for r in train for c in r.constraints}
-    assert len(kinds) >= 8 and all(1 <= len(r.constraints) <= 2 for r in train + held)
+    assert {topic(r) for r in train} <= set(TRAIN_TOPICS) and {topic(r) for r in held + wording + other} <= set(EVAL_TOPICS)
+    assert {c["type"] for r in train for c in r.constraints} == set(CHECKS) == {c["type"] for r in held for c in r.constraints}
+    assert {c["type"] for r in wording for c in r.constraints} == set(CHECKS) - {"start_phrase"}
+    assert all(1 <= len(r.constraints) <= 2 for r in train + held + wording) and all(r.constraints is None for r in other)
+    for name in names:  # what Google's checker needs, beside ours
+        for line in (root / "dataset" / name).read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            assert row["prompt"] == row["conversations"][0]["content"] and len(row["wording"]) == len(row["kwargs"])
+            if "constraints" in row:
+                assert (row["instruction_id_list"], row["kwargs"]) == ifeval_instructions(row["constraints"])
+            else:
+                assert set(row["instruction_id_list"]) <= set(LEFT_OUT)

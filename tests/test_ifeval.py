@@ -3,6 +3,8 @@ spaces, quotes inside quotes, bullet styles), the reward, and one-line errors fo
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from dataset import ifeval as F
@@ -70,6 +72,59 @@ CASES = [
     ({"type": "highlighted_sections", "num": 2}, "*one* and **two** here", True),
     ({"type": "highlighted_sections", "num": 2}, "*one* and ** ** here", False),
     ({"type": "highlighted_sections", "num": 1}, "no highlights", False),
+    # The types added beside the first twelve (tests/test_ifeval_reference.py: Google's checker gives the same).
+    ({"type": "uppercase"}, "THE CAFÉ WAS QUIET.", True),
+    ({"type": "uppercase"}, "THE SEA IS cALM TODAY.", False),
+    ({"type": "uppercase"}, "123 456", False),  # str.isupper(): some cased letter
+    ({"type": "uppercase"}, "ÉTÉ À PARIS EST TRÈS BEAU ET CHAUD.", True),  # not English: IFEval's langdetect says no
+    ({"type": "number_paragraphs", "num": 2}, "one\n***\ntwo", True),
+    ({"type": "number_paragraphs", "num": 2}, "***\none\n***\ntwo\n***", True),  # blank ends do not count
+    ({"type": "number_paragraphs", "num": 2}, "one\n****\ntwo", True),  # '***' then '*two'
+    ({"type": "number_paragraphs", "num": 2}, "one\n***\n***\ntwo", False),  # a blank paragraph between dividers
+    ({"type": "number_paragraphs", "num": 2}, "one\n* * *\ntwo", False),
+    ({"type": "number_paragraphs", "num": 2}, "one\n\ntwo", False),  # blank lines are not the divider here
+    ({"type": "paragraph_first_word", "num": 2, "nth": 2, "word": "Sea"}, "Intro.\n\nsea, calm.", True),
+    ({"type": "paragraph_first_word", "num": 2, "nth": 2, "word": "Sea"}, "Intro.\n\n'\"Sea is calm.", True),  # ' then "
+    ({"type": "paragraph_first_word", "num": 2, "nth": 2, "word": "Sea"}, "Intro.\n\n\"'Sea is calm.", False),
+    ({"type": "paragraph_first_word", "num": 2, "nth": 2, "word": "Sea"}, "Intro.\n\nSea-side is calm.", False),
+    ({"type": "paragraph_first_word", "num": 2, "nth": 2, "word": "Sea"}, "Intro.\n\n\n\nSea is calm.", False),  # a blank piece
+    ({"type": "paragraph_first_word", "num": 2, "nth": 2, "word": "Sea"}, "Intro.\n\nSea.\n\nOutro.", False),
+    ({"type": "paragraph_first_word", "num": 1, "nth": 1, "word": "ΟΔΟΣ"}, "ΟΔΟΣ είναι", False),  # lowered per letter: σ, not ς
+    ({"type": "paragraph_first_word", "num": 1, "nth": 1, "word": "ΟΔΟΣ"}, "οδος είναι", True),
+    ({"type": "start_phrase", "phrase": "My answer is"}, "MY ANSWER IS", True),
+    ({"type": "start_phrase", "phrase": "My answer is"}, '"My answer is yes."', False),
+    ({"type": "repeat_prompt", "request": "Write a short note about the sea."}, "write a short note about the sea.\nIt is blue.", True),
+    ({"type": "repeat_prompt", "request": "Write a short note about the sea."}, "Sure! Write a short note about the sea.", False),
+    ({"type": "sections", "splitter": "Section", "num": 2}, "Section 1\nabout\nSection 2\nmore", True),
+    ({"type": "sections", "splitter": "Section", "num": 2}, "SECTION 1\na\nSECTION 2\nb", False),  # case-sensitive
+    ({"type": "sections", "splitter": "Section", "num": 2}, "Section1 a Section2 b", True),
+    ({"type": "sections", "splitter": "Section", "num": 2}, "Section  1 a Section 2 b", False),  # one space at most
+    ({"type": "sections", "splitter": "Part|Chapter", "num": 2}, "Part 1 a Chapter 2 b", True),  # a regex
+    ({"type": "json"}, '```json\n{"a": 1}\n```', True),
+    ({"type": "json"}, '```json```{"a": 1}', True),  # the fences come off one after the other
+    ({"type": "json"}, "NaN", True),  # Python's json.loads, as IFEval
+    ({"type": "json"}, "{'a': 1}", False),
+    ({"type": "json"}, '```python\n{}\n```', False),
+    ({"type": "json"}, "[" * 100_000 + "]" * 100_000, False),  # past the parser's depth (Google's checker raises)
+    ({"type": "constrained_response"}, "Well... My answer is maybe. Because.", True),
+    ({"type": "constrained_response"}, "my answer is no.", False),
+    ({"type": "constrained_response"}, "My answer is yes!", False),
+    ({"type": "placeholders", "num": 2}, "[name] lives at [address].", True),
+    ({"type": "placeholders", "num": 2}, "[] and []", True),
+    ({"type": "placeholders", "num": 2}, "[a\nb] [c]", False),
+    ({"type": "placeholders", "num": 2}, "[[nested]]", False),
+    ({"type": "two_responses"}, "The sea is calm.\n******\nThe sea is wild.", True),
+    ({"type": "two_responses"}, "one ****** one ", False),  # the same once stripped
+    ({"type": "two_responses"}, "******one******two******", True),
+    ({"type": "two_responses"}, "one\n******\n\n******\ntwo", False),  # nothing between two separators
+    ({"type": "two_responses"}, "one ************ two", False),
+    ({"type": "include_keywords", "words": ["sea", "storm"]}, "The SEA and a STORM", True),
+    ({"type": "include_keywords", "words": ["sea", "storm"]}, "the season of brainstorms", True),  # inside words too
+    ({"type": "include_keywords", "words": ["sea", "storm"]}, "storm only", False),
+    ({"type": "letter_frequency", "letter": "e", "relation": "at least", "num": 3}, "EeE", True),
+    ({"type": "letter_frequency", "letter": "e", "relation": "at least", "num": 3}, "éée", False),
+    ({"type": "letter_frequency", "letter": "Z", "relation": "less than", "num": 2}, "Z", True),
+    ({"type": "letter_frequency", "letter": "i", "relation": "at least", "num": 2}, "İİ", True),  # 'İ'.lower() is 'i' + a dot
 ]
 
 
@@ -78,10 +133,29 @@ def test_each_constraint_type_by_hand(constraint, reply, met):
     assert F.check(constraint, reply) is met
 
 
-def test_every_type_is_tested_and_described():
-    assert {c["type"] for c, _, _ in CASES} == set(F.CHECKS) == set(F.PARAMS) == set(F.DESCRIPTIONS)
+def test_every_type_is_tested_described_and_named_as_ifeval_names_it():
+    assert {c["type"] for c, _, _ in CASES} == set(F.CHECKS) == set(F.PARAMS) == set(F.DESCRIPTIONS) == set(F.IFEVAL)
     for c, _, _ in CASES:
-        assert F.describe(c)
+        assert F.describe(c) and F.validate([c], "case") == [c]
+    # 22 of IFEval's 25 instructions (start_phrase is checked by repeat_prompt's), the other 3 left out with a reason
+    assert len(set(F.IFEVAL_IDS.values())) == 22 and len(F.LEFT_OUT) == 3
+    assert not set(F.IFEVAL_IDS.values()) & set(F.LEFT_OUT)
+
+
+def test_constraints_as_googles_checker_takes_them():
+    ids, kwargs = F.ifeval_instructions([
+        {"type": "number_words", "relation": "at least", "num": 10}, {"type": "start_phrase", "phrase": "I think"},
+        {"type": "paragraph_first_word", "num": 3, "nth": 2, "word": "the"}, {"type": "postscript"}])
+    assert ids == ["length_constraints:number_words", "combination:repeat_prompt", "length_constraints:nth_paragraph_first_word",
+                   "detectable_content:postscript"]
+    assert kwargs == [{"num_words": 10, "relation": "at least"}, {"prompt_to_repeat": "I think"},
+                      {"num_paragraphs": 3, "nth_paragraph": 2, "first_word": "the"}, {"postscript_marker": "P.S."}]
+
+
+def test_a_blank_reply_meets_nothing_as_in_ifevals_strict_evaluation():
+    cs = [{"type": "no_comma"}, {"type": "number_words", "relation": "less than", "num": 3}]
+    assert F.check(cs[0], "  \n") is True  # the check itself, as Google's check_following
+    assert F.results(cs, "  \n") == [("no_comma", False), ("number_words", False)] and F.reward(cs, "") == 0.0
 
 
 def test_reward_is_the_fraction_met():
@@ -99,7 +173,27 @@ def test_reward_is_the_fraction_met():
     ([{"type": "number_words", "num": 3, "relation": "at most"}], "relation 'at most' is not one of less than, at least"),
     ([{"type": "forbidden_words", "words": ["ok", "oops("]}], "constraints[0] (forbidden_words): 'oops(' is not a regex"),
     ([{"type": "keyword_frequency", "keyword": "(", "relation": "at least", "num": 1}], "'(' is not a regex"),
+    # parameters IFEval's build_description would replace by a random draw, or that can never be met
+    ([{"type": "number_bullets", "num": -1}], "constraints[0] (number_bullets): num must be a whole number >= 0, got -1"),
+    ([{"type": "number_bullets", "num": "3"}], "num must be a whole number >= 0, got '3'"),
+    ([{"type": "number_bullets", "num": True}], "num must be a whole number >= 0, got True"),
+    ([{"type": "no_comma", "num": 3}], "constraints[0] (no_comma): unknown parameter 'num'; it takes none"),
+    ([{"type": "postscript", "markr": "P.S."}], "unknown parameter 'markr'; it takes marker"),
+    ([{"type": "end_phrase", "phrase": "  "}], "phrase must be a non-empty string"),
+    ([{"type": "repeat_prompt", "request": ""}], "request must be a non-empty string"),
+    ([{"type": "forbidden_words", "words": []}], "words must be a non-empty list of non-empty strings"),
+    ([{"type": "include_keywords", "words": "sea"}], "words must be a non-empty list of non-empty strings"),
+    ([{"type": "include_keywords", "words": ["sea", "[a-"]}], "'[a-' is not a regex"),
+    ([{"type": "letter_frequency", "letter": "ab", "relation": "at least", "num": 2}], "letter must be one ASCII letter"),
+    ([{"type": "letter_frequency", "letter": "é", "relation": "at least", "num": 2}], "letter must be one ASCII letter"),
+    ([{"type": "paragraph_first_word", "num": 2, "nth": 3, "word": "the"}], "nth must be between 1 and num (2), got 3"),
+    ([{"type": "paragraph_first_word", "num": 2, "nth": 0, "word": "the"}], "nth must be between 1 and num (2), got 0"),
+    ([{"type": "paragraph_first_word", "num": 2, "nth": 1, "word": "don't"}], "word must be one word"),
+    ([{"type": "paragraph_first_word", "num": 2, "nth": 1, "word": "two words"}], "word must be one word"),
+    ([{"type": "sections", "splitter": "Section(", "num": 2}], "(sections): 'Section(' is not a regex"),
+    ([{"type": "sections", "num": 2}], "(sections) needs splitter"),
 ])
 def test_malformed_constraints_are_one_line(constraints, message):
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
         F.validate(constraints, "data.jsonl:3")
+    assert str(e.value).startswith("data.jsonl:3: ") and "\n" not in str(e.value)
