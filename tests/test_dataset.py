@@ -549,3 +549,44 @@ def test_the_shipped_ifeval_files_are_what_the_script_writes(tmp_path):
     assert {topic(r) for r in train} <= set(TRAIN_TOPICS) and {topic(r) for r in held} <= set(EVAL_TOPICS)
     kinds = {c["type"] for r in train for c in r.constraints}
     assert len(kinds) >= 8 and all(1 <= len(r.constraints) <= 2 for r in train + held)
+
+
+# ---------------------------------------------------------------- tool episodes in prompts, tools listed by a system prompt
+
+CALC = {"type": "function", "function": {"name": "calculator", "description": "Evaluate.",
+                                         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}
+TOOLS_PROMPT = 'Tools:\n<tools>{tools}</tools>\nCall: <tool_call>[{"name": ..., "arguments": {...}}]</tool_call>'
+
+
+def test_a_worked_tool_episode_before_the_question_is_read(tmp_path):
+    row = _conv(("user", "2 * 3?"), ("assistant", '<tool_call>[{"name": "calculator"}]</tool_call>'), ("tool", "6"),
+                ("assistant", "The answer is 6."), ("user", "4 * 5?"), ("assistant", ""))
+    (rec,), _ = read_rlaif_jsonl(_write(tmp_path, [row]))
+    assert [m["role"] for m in rec.messages] == ["user", "assistant", "tool", "assistant", "user"]
+    with pytest.raises(DataError, match="the turn before the final assistant slot must be a user turn"):
+        read_rlaif_jsonl(_write(tmp_path, [_conv(("user", "x"), ("tool", "6"))], name="t.jsonl"))
+
+
+def test_tools_system_prompt_lists_the_tools_instead_of_the_template(plain_tok):
+    from dataset.rlaif import template_renders_tools, tools_system_text
+
+    assert not template_renders_tools(plain_tok)  # plain ChatML, as SmolLM2-135M-Instruct's: tools= is ignored
+    records = [_record(("user", "4 * 5?")), _record(("system", "Be brief."), ("user", "4 * 5?"))]
+    ds = RLAIFDataset(records, plain_tok, 512, thinking_ratio=0.0, tools=[CALC], tools_system_prompt=TOOLS_PROMPT)
+    listed = tools_system_text(TOOLS_PROMPT, [CALC])
+    assert listed == 'Tools:\n<tools>' + json.dumps([CALC]) + '</tools>\nCall: <tool_call>[{"name": ..., "arguments": {...}}]</tool_call>'
+    first, second = ds[0], ds[1]
+    assert first["messages"] == [{"role": "system", "content": listed}, {"role": "user", "content": "4 * 5?"}]
+    assert second["messages"][0] == {"role": "system", "content": listed + "\n\nBe brief."}  # the row's own text follows
+    assert first["prompt"].startswith("<|im_start|>system\nTools:\n<tools>[{")
+    assert first["tools"] is None  # listed once, by the system prompt: the episode's observations render without tools=
+    # Without the setting (or without tools) nothing is added.
+    assert RLAIFDataset(records, plain_tok, 512, thinking_ratio=0.0, tools=[CALC])[0]["messages"][0]["role"] == "user"
+    assert RLAIFDataset(records, plain_tok, 512, thinking_ratio=0.0, tools_system_prompt=TOOLS_PROMPT)[0]["tools"] is None
+
+
+def test_a_template_with_a_tool_section_is_recognised():
+    from dataset.rlaif import template_renders_tools
+    from model.loader import load_tokenizer
+
+    assert template_renders_tools(load_tokenizer())  # MiniMind's template lists tools= in its system turn
