@@ -187,6 +187,9 @@ def main(argv: list[str] | None = None) -> dict:
         tools = ToolRunner(load_tools(args.tools)) if args.tools else None
         if tools is not None and args.tools_system_prompt is None and not template_renders_tools(tokenizer):
             raise SystemExit(f"--tools {args.tools}: {TOOLS_UNSEEN}")
+        if tools is not None and args.max_total_len <= args.max_prompt_len:
+            raise SystemExit(f"--max_total_len {args.max_total_len} must exceed --max_prompt_len {args.max_prompt_len} "
+                             f"(the prompt) to leave room for turns")
         if args.tools_system_prompt is not None and "{tools}" not in args.tools_system_prompt:
             raise SystemExit("--tools_system_prompt has no {tools}, where the tools' JSON schemas go")
     except (WeightsError, DataError, ToolError, rgym.ReasoningGymError) as e:

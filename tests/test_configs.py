@@ -122,3 +122,21 @@ def test_the_tools_recipe_without_its_system_prompt_is_one_line(tmp_path, tiny_s
     code, out = run_main(flags)
     assert code is not None and code != 0 and "Traceback" not in out
     assert "the chat template ignores tools= (it has no tool section)" in str(code) and "--tools_system_prompt" in str(code)
+
+
+def test_eval_policy_takes_the_presets_tool_settings_and_refuses_what_cannot_run(tiny_smollm):
+    from scripts import eval_policy
+
+    args = eval_policy.parse_args(["--hf_path", "x", "--config", str(ROOT / "configs" / "smollm2_tools.yaml"),
+                                   "--max_turns", "3"])
+    assert (args.tools, args.max_turns, args.max_total_len, args.max_prompt_len, args.max_new_tokens, args.thinking_ratio) == (
+        "dataset/demo_tools.py", 3, 448, 320, 48, 0.0)  # the preset's, a flag over it
+    assert args.tools_system_prompt.startswith("You can use these tools:\n<tools>{tools}</tools>")
+    base = ["--hf_path", str(tiny_smollm), "--data_path", str(ROOT / "dataset" / "smollm2_tools_eval.jsonl"), "--n", "2",
+            "--tools", str(ROOT / "dataset" / "demo_tools.py"), "--reward_model_path", "none", "--json", ""]
+    with pytest.raises(SystemExit, match="the chat template ignores tools="):  # the stand-in's ChatML has no tool section
+        eval_policy.main(base)
+    with pytest.raises(SystemExit, match="--max_total_len 448 must exceed --max_prompt_len 512"):
+        eval_policy.main(base + ["--tools_system_prompt", "{tools}", "--max_prompt_len", "512", "--max_total_len", "448"])
+    with pytest.raises(SystemExit, match="has no {tools}"):
+        eval_policy.main(base + ["--tools_system_prompt", "Use the calculator."])
