@@ -224,10 +224,11 @@ def score_responses(cfg: Config, batch: dict, ro: Rollout, m: Models, custom_fns
     if cfg.overlong_buffer_len:  # DAPO: warn long responses before the cut, in proportion
         comps["overlong"] = overlong_penalty(ro.response_mask.sum(1).cpu(), cfg.max_gen_len, cfg.overlong_buffer_len)
         rewards = rewards + cfg.overlong_penalty * comps["overlong"]
-    if episodes is not None:  # --tools: a call that could not run costs --tool_error_penalty
+    if episodes is not None:  # --tools: a call that could not run costs --tool_error_penalty, one that ran earns --tool_ok_weight
         comps.update(episode_components(episodes))
         comps["tool_error"] = -(comps["tool_failures"] > 0).float()
         rewards = rewards + cfg.tool_error_penalty * comps["tool_error"]
+        rewards = rewards + cfg.tool_ok_weight * comps["tool_ok"]
     return rewards.to(ro.sequences.device), responses, comps
 
 

@@ -2,12 +2,14 @@
 
 File format (MiniMind `rlaif.jsonl`), one JSON object per line:
 
-    {"conversations": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+    {"conversations": [{"role": "system"|"user"|"assistant"|"tool", "content": "..."}, ...]}
 
 The last assistant turn, if the conversation ends with one, is the slot the policy generates; its
 content is either a placeholder ("无", "", "none", ...) or a reference answer. Roles are validated,
 never re-assigned by position, so a mislabeled file fails loudly instead of training on a chat
-with the wrong speakers.
+with the wrong speakers. A "tool" message is a tool's reply in a worked example before the question (a few-shot
+tool episode: user, assistant call, tool, assistant answer), rendered by the chat template as it renders tool
+replies during an episode.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from dataset import ifeval
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+TOOLS_PLACEHOLDER = "{tools}"  # --tools_system_prompt: replaced by the offered tools' JSON schemas
 
 # Final-assistant contents that mean "no reference answer" (compared after strip + casefold).
 PLACEHOLDER_REFERENCES = frozenset({"", "无", "none", "n/a", "na", "null", "-"})
@@ -95,7 +98,7 @@ def parse_conversation(obj: Any, where: str) -> PromptRecord:
         role, content = msg["role"], msg["content"]
         if role not in ROLES:
             raise DataError(f"{at} has unknown role {role!r}; expected one of 'system', 'user', "
-                            f"'assistant' (roles are not re-assigned by position); {_SKIP_HINT}")
+                            f"'assistant', 'tool' (roles are not re-assigned by position); {_SKIP_HINT}")
         if not isinstance(content, str):
             raise DataError(f"{at} ({role}) content must be a string, got "
                             f"{type(content).__name__}; {_SKIP_HINT}")
@@ -247,6 +250,37 @@ def render_prompt(tokenizer: Any, messages: list[dict], open_thinking: bool, too
                                          open_thinking=open_thinking, **kw)
 
 
+def tools_system_text(template: str, tools: list[dict]) -> str:
+    """--tools_system_prompt with the tools' JSON schemas (one JSON list) in place of every "{tools}"."""
+    return template.replace(TOOLS_PLACEHOLDER, json.dumps(tools, ensure_ascii=False))
+
+
+def with_tools_system_prompt(messages: list[dict], template: str, tools: list[dict]) -> list[dict]:
+    """The chat with --tools_system_prompt as its system message (before the row's own system text, a blank line
+    between)."""
+    text = tools_system_text(template, tools)
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": text + "\n\n" + messages[0]["content"]}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+TOOLS_UNSEEN = ("the chat template ignores tools= (it has no tool section), so the model would never see the tools: "
+                "give --tools_system_prompt TEXT, a system prompt in which {tools} becomes their JSON schemas "
+                "(configs/smollm2_tools.yaml has one)")
+
+
+def template_renders_tools(tokenizer: Any) -> bool:
+    """Whether the chat template shows `tools=` to the model (SmolLM2-135M-Instruct's plain ChatML ignores it)."""
+    probe = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "probe_tool_x9", "description": "d",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    try:
+        with_tools = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True, tools=[tool])
+    except Exception:  # noqa: BLE001 - a template that raises on tools= does not render them either
+        return False
+    return with_tools != tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+
+
 def generation_tail_len(tokenizer: Any, open_thinking: bool) -> int:
     """Tokens the template appends for add_generation_prompt (assistant header + think prefix).
 
@@ -275,7 +309,7 @@ class RLAIFDataset(Dataset):
     def __init__(self, records: list[PromptRecord], tokenizer: Any, max_prompt_len: int,
                  thinking_ratio: float = 1.0, system_prompt_ratio: float = 0.0,
                  system_prompts: Sequence[str] = DEFAULT_SYSTEM_PROMPTS, seed: int = 0,
-                 tools: list[dict] | None = None) -> None:
+                 tools: list[dict] | None = None, tools_system_prompt: str | None = None) -> None:
         if not 0.0 <= thinking_ratio <= 1.0:
             raise ValueError(f"thinking_ratio must be in [0, 1], got {thinking_ratio} "
                              f"(check --thinking_ratio)")
@@ -303,6 +337,8 @@ class RLAIFDataset(Dataset):
         self.system_prompts = tuple(system_prompts)
         self.seed = seed
         self.tools = tools  # --tools: offered in every chat whose row names none (MiniMind agent rows name theirs)
+        # --tools_system_prompt: the offered tools are listed in this system prompt instead of through tools=
+        self.tools_system_prompt = tools_system_prompt
         self.tool_rows = tools is not None or any(r.tools for r in records)
 
         # Fail at construction, not mid-training: truncation must never eat the assistant header.
@@ -340,6 +376,8 @@ class RLAIFDataset(Dataset):
             messages.insert(0, {"role": "system", "content": system_prompt})
 
         tools = record.tools or self.tools
+        if tools and self.tools_system_prompt is not None:  # listed in the system message; tools= stays unused
+            messages, tools = with_tools_system_prompt(messages, self.tools_system_prompt, tools), None
         prompt = render_prompt(self.tokenizer, messages, open_thinking, tools)
         ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
         # Left truncation keeps the end of the chat (latest user turn, header, think prefix).

@@ -9,6 +9,8 @@ IFEval pass rate for rows with "constraints".
         --data_path dataset/ifeval_eval.jsonl --max_new_tokens 96 --thinking_ratio 0 --reward_model_path none
     python scripts/eval_policy.py --hf_path out/smollm2_135m_instruct --reasoning_gym chain_sum --n 100 \
         --thinking_ratio 0 --reward_model_path none     # train_ppo --reasoning_gym's held-out rows, its verifier
+    python scripts/eval_policy.py --hf_path out/smollm2_tools_hf --config configs/smollm2_tools.yaml \
+        --data_path dataset/smollm2_tools_eval_unseen.jsonl --reward_model_path none   # tool episodes as the preset runs them
 
 Prints a table (overall and per task when the data rows carry a "task" key) and writes the
 figures, plus a few example replies, as JSON; --replies_out FILE writes every reply beside its data row, e.g. for
@@ -31,7 +33,7 @@ if str(ROOT) not in sys.path:
 import torch
 
 from dataset import rgym
-from dataset.rlaif import DataError, read_rlaif_jsonl
+from dataset.rlaif import TOOLS_UNSEEN, DataError, read_rlaif_jsonl, template_renders_tools
 from model.loader import load_policy, load_reward_model
 from model.weights import WeightsError
 from trainer.evaluate import EvalSettings, evaluate_policy
@@ -93,8 +95,26 @@ def print_table(m: dict, label: str) -> None:
             print(f"  {task:<16} {t['n']:>5} {_fmt(t['format_rate'], True):>8} {_fmt(t['accuracy'], True):>9}")
 
 
+# A train_ppo.py preset's settings that decide how its prompts are rendered and its episodes run: (its name, ours).
+PRESET_SETTINGS = (("tools", "tools"), ("tools_system_prompt", "tools_system_prompt"), ("max_turns", "max_turns"),
+                   ("max_total_len", "max_total_len"), ("thinking_ratio", "thinking_ratio"),
+                   ("max_seq_len", "max_prompt_len"), ("max_gen_len", "max_new_tokens"))
+
+
+def preset_defaults(path: str) -> dict:
+    """The settings of PRESET_SETTINGS from a train_ppo.py --config preset (its defaults where it sets none)."""
+    from trainer.run.cli import parse_args as train_args  # noqa: PLC0415 - only --config needs the trainer's parser
+
+    cfg = train_args(["--config", path])
+    return {ours: getattr(cfg, theirs) for theirs, ours in PRESET_SETTINGS}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default=None, metavar="PRESET",
+                   help="a train_ppo.py preset (configs/*.yaml): its " + ", ".join(t for t, _ in PRESET_SETTINGS)
+                        + " become this script's defaults (max_seq_len as --max_prompt_len, max_gen_len as "
+                          "--max_new_tokens); flags override them")
     src = p.add_argument_group("policy (one of)")
     src.add_argument("--weights", default=None, help="native MiniMind .pth (needs the shape flags)")
     src.add_argument("--hf_path", default=None, help="local Hugging Face causal-LM directory")
@@ -128,11 +148,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a tool module (as train_ppo.py --tools): replies are multi-turn episodes with tool calls")
     p.add_argument("--max_turns", type=int, default=3, help="--tools: policy turns per episode")
     p.add_argument("--max_total_len", type=int, default=1024, help="--tools: tokens per episode, prompt included")
+    p.add_argument("--tools_system_prompt", default=None, metavar="TEXT",
+                   help="--tools: list the tools in this system prompt ({tools} = their JSON schemas) instead of through "
+                        "the chat template's tools= (as train_ppo.py --tools_system_prompt)")
     p.add_argument("--json", default="out/eval.json", help="write the figures here ('' to skip)")
     p.add_argument("--examples", type=int, default=8, help="example replies to print and keep in the JSON")
     p.add_argument("--replies_out", default="",
                    help="write every reply here, one jsonl line per prompt: its data row's fields plus \"reply\" "
                         "(scripts/judge_ifeval.py reads it)")
+    preset = p.parse_known_args(argv)[0].config
+    if preset:
+        p.set_defaults(**preset_defaults(preset))
     return p.parse_args(argv)
 
 
@@ -173,6 +199,13 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             records, _ = read_rlaif_jsonl(args.data_path)
         tools = ToolRunner(load_tools(args.tools)) if args.tools else None
+        if tools is not None and args.tools_system_prompt is None and not template_renders_tools(tokenizer):
+            raise SystemExit(f"--tools {args.tools}: {TOOLS_UNSEEN}")
+        if tools is not None and args.max_total_len <= args.max_prompt_len:
+            raise SystemExit(f"--max_total_len {args.max_total_len} must exceed --max_prompt_len {args.max_prompt_len} "
+                             f"(the prompt) to leave room for turns")
+        if args.tools_system_prompt is not None and "{tools}" not in args.tools_system_prompt:
+            raise SystemExit("--tools_system_prompt has no {tools}, where the tools' JSON schemas go")
     except (WeightsError, DataError, ToolError, rgym.ReasoningGymError) as e:
         raise SystemExit(str(e)) from None
     if args.n > 0:
@@ -189,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
         settings = EvalSettings(batch_size=args.batch_size, max_prompt_len=args.max_prompt_len,
                                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.seed, thinking_ratio=args.thinking_ratio, max_turns=args.max_turns,
-                                max_total_len=args.max_total_len)
+                                max_total_len=args.max_total_len, tools_system_prompt=args.tools_system_prompt)
         metrics = evaluate_policy(policy, tokenizer, records, settings, rm_scorer=scorer, ref_policy=ref_policy,
                                   tools=tools, tasks=tasks, return_rows=True)
     rows = metrics.pop("rows")

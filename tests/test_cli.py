@@ -52,6 +52,7 @@ def test_new_settings_default_to_the_previous_behaviour():
     assert added == {"policy_loss", "reuse_values", "mask_truncated", "adv_std_unbiased", "adv_eps", "reward_norm",
                      "reward_clip", "ifeval_weight", "strategy", "shard_frozen", "cpu_offload", *losses, *minimind_grpo,
                      "tools", "max_turns", "max_total_len", "tool_timeout", "tool_error_penalty", "save_timeout", "hsdp",
+                     "tools_system_prompt", "tool_ok_weight",
                      "engine_url", "engine_sync_interval", "engine_shared_path", "engine_timeout", "rollout_is", "rollout_is_cap",
                      "reasoning_gym", "reasoning_gym_size"}
     cfg = C.resolve(C.parse_args([]), DistInfo())
@@ -60,6 +61,7 @@ def test_new_settings_default_to_the_previous_behaviour():
     assert all(getattr(cfg, k) is None for k in minimind_grpo)
     assert (cfg.strategy, cfg.cpu_offload) == ("ddp", 0)  # DDP as before; --shard_frozen only matters under fsdp2
     assert cfg.tools is None  # single-turn rollouts as before; the other tool settings only matter with --tools
+    assert cfg.tools_system_prompt is None and cfg.tool_ok_weight == 0  # tools through the template, no call bonus
     assert cfg.rollout_engine == "torch" and cfg.engine_url is None  # sampling in this process; engine settings unread
     assert cfg.reasoning_gym is None  # prompts from --data_path; --reasoning_gym_size only matters with --reasoning_gym
 
@@ -179,6 +181,20 @@ def test_what_fsdp2_does_not_combine_with_is_one_line(argv, says):
     with pytest.raises(SystemExit) as e:
         C.validate(C.parse_args(argv))
     assert str(e.value).startswith("error: ") and says in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--tools_system_prompt", "Tools: {tools}"], "--tools_system_prompt lists the --tools: give --tools MODULE.py"),
+    (["--tools", "dataset/demo_tools.py", "--tools_system_prompt", "You can call a calculator."],
+     "--tools_system_prompt has no {tools}, where the tools' JSON schemas go"),
+    (["--tools", "dataset/demo_tools.py", "--tool_ok_weight", "-1"], "--tool_ok_weight -1.0 must be a finite number >= 0"),
+])
+def test_bad_tool_settings_are_one_line(argv, says):
+    with pytest.raises(SystemExit) as e:
+        C.validate(C.parse_args(argv + ["--max_total_len", "2048"]))
+    assert str(e.value).startswith("error: ") and says in str(e.value) and "\n" not in str(e.value)
+    C.validate(C.parse_args(["--tools", "dataset/demo_tools.py", "--tools_system_prompt", "Tools: {tools}",
+                             "--tool_ok_weight", "0.5", "--max_total_len", "2048"]))
 
 
 def test_fsdp2_turns_the_side_by_side_update_off():

@@ -1,7 +1,9 @@
 """The shipped presets (configs/; tests/test_cli.py resolves each one): the SmolLM2 + IFEval recipe runs end to
 end on a tiny Llama of SmolLM2's architecture (imported from a GGUF as the real one is): the IFEval reward and its
 per-type components, the held-out pass rate during training, a plain HF directory as output that
-AutoModelForCausalLM loads, scripts/chat.py talks to and scripts/eval_policy.py re-evaluates to the same figures."""
+AutoModelForCausalLM loads, scripts/chat.py talks to and scripts/eval_policy.py re-evaluates to the same figures.
+The SmolLM2 tool recipe likewise: multi-turn calculator episodes, the tools listed by its system prompt (the stand-in's
+plain ChatML template, as SmolLM2-135M-Instruct's, has no tool section)."""
 
 from __future__ import annotations
 
@@ -25,11 +27,11 @@ def tiny_smollm(tmp_path_factory) -> Path:
     return tmp / "hf"
 
 
-def _recipe_flags(tmp: Path, actor: Path, **over) -> list[str]:
+def _recipe_flags(tmp: Path, actor: Path, preset: str = "smollm2_ifeval.yaml", **over) -> list[str]:
     flags = {"actor_path": actor, "max_steps": 2, "batch_size": 2, "num_generations": 2, "mini_batch_size": 4,
              "max_gen_len": 8, "max_seq_len": 256, "eval_samples": 4, "eval_interval": 2, "save_dir": tmp / "out",
              "checkpoint_dir": tmp / "ckpt", "run_dir": tmp / "run", "swanlab_mode": "disabled", "num_threads": 1, **over}
-    return ["--config", str(ROOT / "configs" / "smollm2_ifeval.yaml"), *(x for k, v in flags.items() for x in (f"--{k}", str(v)))]
+    return ["--config", str(ROOT / "configs" / preset), *(x for k, v in flags.items() for x in (f"--{k}", str(v)))]
 
 
 @pytest.mark.slow
@@ -90,3 +92,69 @@ def test_eval_policy_writes_every_reply_beside_its_data_row(tmp_path, tiny_smoll
     assert all(isinstance(g["reply"], str) and "instruction_id_list" in g for g in got)
     passed = [all(ok for _, ok in ifeval.results(g["constraints"], g["reply"])) for g in got]
     assert m["ifeval_pass_rate"] == pytest.approx(sum(passed) / 3)
+
+
+@pytest.mark.slow
+def test_the_smollm2_tools_recipe_runs_on_a_tiny_stand_in_and_gives_a_usable_model(tmp_path, tiny_smollm):
+    from transformers import AutoModelForCausalLM
+
+    code, out = run_main(_recipe_flags(tmp_path, tiny_smollm, "smollm2_tools.yaml", max_seq_len=320, max_gen_len=16))
+    assert code in (None, 0), out
+    rows = read_metrics(tmp_path / "run")
+    steps = [r for r in rows if "reward/tool_ok" in r]
+    assert len(steps) == 2 and all(0 <= r["accuracy"] <= 1 and r["reward/turns"] >= 1 for r in steps)
+    evals = [r for r in rows if "eval/tool_call_rate" in r]
+    assert [r["step"] for r in evals] == [0, 2] and all(0 <= r["eval/tool_ok_rate"] <= r["eval/tool_call_rate"] for r in evals)
+
+    hf = tmp_path / "out" / "smollm2_tools_hf"
+    model = AutoModelForCausalLM.from_pretrained(hf)  # plain transformers, no peft, no remote code
+    assert type(model).__name__ == "LlamaForCausalLM"
+
+    # scripts/eval_policy.py with the preset's settings (--config) scores the saved directory as the run did.
+    figures = tmp_path / "eval.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "eval_policy.py"), "--hf_path", str(hf), "--config",
+                        str(ROOT / "configs" / "smollm2_tools.yaml"), "--max_prompt_len", "320", "--max_new_tokens", "16",
+                        "--data_path", str(ROOT / "dataset" / "smollm2_tools_eval.jsonl"), "--n", "4",
+                        "--reward_model_path", "none", "--json", str(figures), "--num_threads", "1"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads(figures.read_text())
+    assert m["accuracy"] == pytest.approx(evals[-1]["eval/accuracy"])
+    assert m["tool_call_rate"] == pytest.approx(evals[-1]["eval/tool_call_rate"]) and "tool calls" in r.stdout
+    assert m["examples"][0]["prompt"].startswith("<|im_start|>system\nYou can use these tools:\n<tools>[{")
+
+
+def test_the_tools_recipe_without_its_system_prompt_is_one_line(tmp_path, tiny_smollm):
+    """The stand-in's template ignores tools=: without --tools_system_prompt the policy would never see the tools."""
+    import yaml
+
+    preset = yaml.safe_load((ROOT / "configs" / "smollm2_tools.yaml").read_text(encoding="utf-8"))
+    del preset["rollout"]["tools_system_prompt"]
+    for key in ("data_path",):
+        preset["data"][key] = str(ROOT / preset["data"][key])
+    preset["rollout"]["tools"] = str(ROOT / preset["rollout"]["tools"])
+    path = tmp_path / "no_system_prompt.yaml"
+    path.write_text(yaml.safe_dump(preset), encoding="utf-8")
+    flags = _recipe_flags(tmp_path, tiny_smollm, max_seq_len=320, eval_data_path="none")
+    flags[1] = str(path)
+    code, out = run_main(flags)
+    assert code is not None and code != 0 and "Traceback" not in out
+    assert "the chat template ignores tools= (it has no tool section)" in str(code) and "--tools_system_prompt" in str(code)
+
+
+def test_eval_policy_takes_the_presets_tool_settings_and_refuses_what_cannot_run(tiny_smollm):
+    from scripts import eval_policy
+
+    args = eval_policy.parse_args(["--hf_path", "x", "--config", str(ROOT / "configs" / "smollm2_tools.yaml"),
+                                   "--max_turns", "3"])
+    assert (args.tools, args.max_turns, args.max_total_len, args.max_prompt_len, args.max_new_tokens, args.thinking_ratio) == (
+        "dataset/demo_tools.py", 3, 448, 320, 48, 0.0)  # the preset's, a flag over it
+    assert args.tools_system_prompt.startswith("You can use these tools:\n<tools>{tools}</tools>")
+    base = ["--hf_path", str(tiny_smollm), "--data_path", str(ROOT / "dataset" / "smollm2_tools_eval.jsonl"), "--n", "2",
+            "--tools", str(ROOT / "dataset" / "demo_tools.py"), "--reward_model_path", "none", "--json", ""]
+    with pytest.raises(SystemExit, match="the chat template ignores tools="):  # the stand-in's ChatML has no tool section
+        eval_policy.main(base)
+    with pytest.raises(SystemExit, match="--max_total_len 448 must exceed --max_prompt_len 512"):
+        eval_policy.main(base + ["--tools_system_prompt", "{tools}", "--max_prompt_len", "512", "--max_total_len", "448"])
+    with pytest.raises(SystemExit, match="has no {tools}"):
+        eval_policy.main(base + ["--tools_system_prompt", "Use the calculator."])

@@ -561,3 +561,91 @@ def test_the_shipped_ifeval_files_are_what_the_script_writes(tmp_path):
                 assert (row["instruction_id_list"], row["kwargs"]) == ifeval_instructions(row["constraints"])
             else:
                 assert set(row["instruction_id_list"]) <= set(LEFT_OUT)
+
+
+# ---------------------------------------------------------------- tool episodes in prompts, tools listed by a system prompt
+
+CALC = {"type": "function", "function": {"name": "calculator", "description": "Evaluate.",
+                                         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}
+TOOLS_PROMPT = 'Tools:\n<tools>{tools}</tools>\nCall: <tool_call>[{"name": ..., "arguments": {...}}]</tool_call>'
+
+
+def test_a_worked_tool_episode_before_the_question_is_read(tmp_path):
+    row = _conv(("user", "2 * 3?"), ("assistant", '<tool_call>[{"name": "calculator"}]</tool_call>'), ("tool", "6"),
+                ("assistant", "The answer is 6."), ("user", "4 * 5?"), ("assistant", ""))
+    (rec,), _ = read_rlaif_jsonl(_write(tmp_path, [row]))
+    assert [m["role"] for m in rec.messages] == ["user", "assistant", "tool", "assistant", "user"]
+    with pytest.raises(DataError, match="the turn before the final assistant slot must be a user turn"):
+        read_rlaif_jsonl(_write(tmp_path, [_conv(("user", "x"), ("tool", "6"))], name="t.jsonl"))
+
+
+def test_tools_system_prompt_lists_the_tools_instead_of_the_template(plain_tok):
+    from dataset.rlaif import template_renders_tools, tools_system_text
+
+    assert not template_renders_tools(plain_tok)  # plain ChatML, as SmolLM2-135M-Instruct's: tools= is ignored
+    records = [_record(("user", "4 * 5?")), _record(("system", "Be brief."), ("user", "4 * 5?"))]
+    ds = RLAIFDataset(records, plain_tok, 512, thinking_ratio=0.0, tools=[CALC], tools_system_prompt=TOOLS_PROMPT)
+    listed = tools_system_text(TOOLS_PROMPT, [CALC])
+    assert listed == 'Tools:\n<tools>' + json.dumps([CALC]) + '</tools>\nCall: <tool_call>[{"name": ..., "arguments": {...}}]</tool_call>'
+    first, second = ds[0], ds[1]
+    assert first["messages"] == [{"role": "system", "content": listed}, {"role": "user", "content": "4 * 5?"}]
+    assert second["messages"][0] == {"role": "system", "content": listed + "\n\nBe brief."}  # the row's own text follows
+    assert first["prompt"].startswith("<|im_start|>system\nTools:\n<tools>[{")
+    assert first["tools"] is None  # listed once, by the system prompt: the episode's observations render without tools=
+    # Without the setting (or without tools) nothing is added.
+    assert RLAIFDataset(records, plain_tok, 512, thinking_ratio=0.0, tools=[CALC])[0]["messages"][0]["role"] == "user"
+    assert RLAIFDataset(records, plain_tok, 512, thinking_ratio=0.0, tools_system_prompt=TOOLS_PROMPT)[0]["tools"] is None
+
+
+def test_a_template_with_a_tool_section_is_recognised():
+    from dataset.rlaif import template_renders_tools
+    from model.loader import load_tokenizer
+
+    assert template_renders_tools(load_tokenizer())  # MiniMind's template lists tools= in its system turn
+
+
+def test_the_shipped_tool_files_are_what_the_script_writes(tmp_path):
+    """builders/make_tools_data.py: the same seed writes the shipped files; held-out operand pairs never occur in
+    training; the unseen phrasings share no template with the training ones; gt is the product; the worked example
+    is a call in the SmolLM2 family's form that the tool parser reads."""
+    import re
+    import subprocess
+    import sys
+
+    from builders.make_tools_data import SHOTS, TRAIN_TEMPLATES, UNSEEN_TEMPLATES
+    from trainer.tools import parse_tool_calls
+
+    subprocess.run([sys.executable, "builders/make_tools_data.py", "--out_dir", str(tmp_path)], cwd=ROOT, check=True,
+                   capture_output=True)
+    names = ("smollm2_tools_train.jsonl", "smollm2_tools_eval.jsonl", "smollm2_tools_eval_unseen.jsonl")
+    for name in names:
+        assert (tmp_path / name).read_bytes() == (ROOT / "dataset" / name).read_bytes(), name
+    train, held, unseen = (read_rlaif_jsonl(ROOT / "dataset" / n)[0] for n in names)
+    assert (len(train), len(held), len(unseen)) == (600, 200, 200)
+    assert not set(TRAIN_TEMPLATES) & set(UNSEEN_TEMPLATES)
+
+    def parse(r) -> tuple[str, int, int]:
+        """The row's question as (its template, a, b)."""
+        for t in TRAIN_TEMPLATES + UNSEEN_TEMPLATES:
+            m = re.fullmatch(re.escape(t).replace(r"\{a\}", r"(?P<a>\d+)").replace(r"\{b\}", r"(?P<b>\d+)"),
+                             r.messages[-1]["content"])
+            if m:
+                return t, int(m["a"]), int(m["b"])
+        raise AssertionError(r.messages[-1]["content"])
+
+    def pair(r) -> tuple[int, int]:
+        return parse(r)[1:]
+
+    def phrasing(r) -> str:
+        return parse(r)[0]
+
+    assert not {pair(r) for r in train} & {pair(r) for r in held + unseen}
+    assert {phrasing(r) for r in train + held} == set(TRAIN_TEMPLATES) and {phrasing(r) for r in unseen} == set(UNSEEN_TEMPLATES)
+    for r in train + held + unseen:
+        a, b = pair(r)
+        assert r.gt == [str(a * b)] and 12 <= a <= 999 and 12 <= b <= 99
+        assert [m["role"] for m in r.messages] == ["user", "assistant", "tool", "assistant", "user"]
+    (call,) = parse_tool_calls(train[0].messages[1]["content"])
+    q, a, b, _ = SHOTS[0]
+    assert train[0].messages[0]["content"] == q and call.name == "calculator" and call.arguments == {"expression": f"{a} * {b}"}
+    assert train[0].messages[2]["content"] == str(a * b)

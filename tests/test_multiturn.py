@@ -198,6 +198,9 @@ def test_a_call_in_the_last_turn_and_the_length_limit_end_the_episode(tok, runne
     # A turn that runs into the limit is cut there, without EOS.
     ro, eps = multiturn.generate_episodes(None, tok, runner, batch, max_turns=3, max_total_len=len(key) + 10, **kw)
     assert ro.response_mask.sum() == 10 and not ro.has_eos.item() and not eps[0].finished
+    # A prompt that fills the limit leaves no room for a turn: an empty episode, answered by nothing.
+    ro, eps = multiturn.generate_episodes(None, tok, runner, batch, max_turns=3, max_total_len=len(key), **kw)
+    assert eps[0].turns == () and eps[0].final_reply == "" and ro.response_mask.sum() == 0
 
 
 def test_episode_components_count_calls_and_failures():

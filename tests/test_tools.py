@@ -116,6 +116,16 @@ def test_an_explicit_tools_list_is_the_offer(tmp_path):
     ('<tool_call>{"arguments": {}}</tool_call>', [("", {}, "needs {\"name\"")]),
     ('<tool_call>{"name": "add", "arguments": [1]}</tool_call>', [("add", {}, "not a JSON object")]),
     ('<tool_call>{"name": "add"', [("", {}, "not closed")]),
+    # The SmolLM2 family's form: a JSON list of calls inside one pair of tags, [] for none.
+    ('<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}]</tool_call>', [("add", {"a": 1, "b": 2}, None)]),
+    ('<tool_call>[\n{"name": "a", "arguments": {}},\n{"name": "b", "arguments": {"x": 1}}\n]</tool_call>',
+     [("a", {}, None), ("b", {"x": 1}, None)]),
+    ('<tool_call>[]</tool_call>', []),
+    ('<tool_call>[{"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]</tool_call>',
+     [("add", {"a": 1}, None)]),
+    ('<tool_call>[{"name": "a"}, 5, {"arguments": {}}]</tool_call>',
+     [("a", {}, None), ("", {}, "needs {\"name\""), ("", {}, "needs {\"name\"")]),
+    ('<tool_call>[{"name": "add", "arguments": {"a": 1}},]</tool_call>', [("", {}, "not valid JSON")]),
 ])
 def test_parse_tool_calls(text, calls):
     got = parse_tool_calls(text)

@@ -129,6 +129,10 @@ class RolloutArgs:
     tools: str | None = None
     """A Python module of tool functions (type hints + docstring each) the policy may call: rollouts become multi-turn
     episodes (sample a turn, run its <tool_call>s, append the replies, sample again). Only the policy's tokens train."""
+    tools_system_prompt: str | None = None
+    """--tools: list the tools in this system prompt instead of through the chat template's tools= (for a template
+    without a tool section, e.g. SmolLM2-135M-Instruct's): "{tools}" in it becomes the tools' JSON schemas; it opens
+    every tool prompt's system message (a row's own system text follows it)."""
     max_turns: int = 3
     """--tools: at most this many policy turns per episode."""
     max_total_len: int = 1024
@@ -189,6 +193,9 @@ class RewardArgs:
     tool_error_penalty: float = 0.5
     """--tools: subtracted when an episode made a tool call that could not run (malformed JSON, unknown tool, bad
     arguments, or the tool raised or timed out)."""
+    tool_ok_weight: float = 0.0
+    """--tools: added when an episode called a tool and every call ran (reward/tool_ok: well-formed, a known tool, valid
+    arguments), whatever the answer; a shaping reward for calling at all (0 = off)."""
     reward_fn: tuple[str, ...] = ()
     """A custom reward, module:function (repeatable): fn(prompt, reply, reference) -> float."""
     overlong_buffer_len: int = 0

@@ -113,7 +113,8 @@ def score_replies(
 class EvalSettings:
     """How evaluate_policy samples: prompts rendered as in training (max_prompt_len, thinking_ratio), one reply
     each (temperature 0 = greedy), `batch_size` prompts at a time; with tools, episodes of up to max_turns turns
-    and max_total_len tokens. `seed` seeds the rendering and a generator of evaluation's own."""
+    and max_total_len tokens, the tools listed by tools_system_prompt where given (--tools_system_prompt). `seed`
+    seeds the rendering and a generator of evaluation's own."""
 
     batch_size: int = 64
     max_prompt_len: int = 256
@@ -124,12 +125,14 @@ class EvalSettings:
     thinking_ratio: float = 1.0
     max_turns: int = 3
     max_total_len: int = 1024
+    tools_system_prompt: str | None = None
 
     @classmethod
     def for_training(cls, cfg: Any) -> EvalSettings:
         """train_ppo's held-out evaluation: greedy, prompts rendered as the run renders them (a Config)."""
         return cls(batch_size=64, max_prompt_len=cfg.max_seq_len, max_new_tokens=cfg.max_gen_len, temperature=0.0,
-                   seed=cfg.seed, thinking_ratio=cfg.thinking_ratio, max_turns=cfg.max_turns, max_total_len=cfg.max_total_len)
+                   seed=cfg.seed, thinking_ratio=cfg.thinking_ratio, max_turns=cfg.max_turns, max_total_len=cfg.max_total_len,
+                   tools_system_prompt=cfg.tools_system_prompt)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -201,7 +204,8 @@ def evaluate_policy(
     if tasks is not None and len(tasks) != len(records):
         raise ValueError(f"evaluate_policy: {len(records)} records but {len(tasks)} task labels")
     dataset = RLAIFDataset(list(records), tokenizer, s.max_prompt_len, thinking_ratio=s.thinking_ratio, seed=s.seed,
-                           tools=tools.toolbox.schema_list() if tools is not None else None)
+                           tools=tools.toolbox.schema_list() if tools is not None else None,
+                           tools_system_prompt=s.tools_system_prompt)
     device = next(policy.parameters()).device
 
     replies: list[str] = []

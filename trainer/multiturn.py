@@ -41,8 +41,8 @@ class Episode:
 
     @property
     def final_reply(self) -> str:
-        """The last turn: what the answer is read from."""
-        return self.turns[-1]
+        """The last turn: what the answer is read from ("" when the prompt left no room for a turn)."""
+        return self.turns[-1] if self.turns else ""
 
 
 def observation(tok: Any, messages: list[dict], tool_messages: list[dict], tools: list[dict] | None,

@@ -2,7 +2,7 @@
 the tools said back into the chat as the template would.
 
     toolbox = load_tools("dataset/demo_tools.py")     # every public function -> a JSON schema (type hints + docstring)
-    calls = parse_tool_calls(text)                    # <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+    calls = parse_tool_calls(text)                    # <tool_call>{"name": ..., "arguments": {...}}</tool_call>, or a [list]
     runner = ToolRunner(toolbox, timeout=5.0)         # runs them in a child process, with a time limit per call
     message = runner.call(calls[0])                   # {"role": "tool", "name": ..., "content": ...}; never raises
 
@@ -104,22 +104,29 @@ def load_tools(path: str | Path) -> Toolbox:
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
     """The calls in a turn, in order: MiniMind's `<tool_call>{json}</tool_call>` and the Qwen / Hermes form
-    (the same with newlines inside the tags); "arguments" an object or a JSON string of one. A call that cannot
-    run is kept with its `error` (the policy is told, and the reward counts it); an opened tag never closed too."""
+    (the same with newlines inside the tags); the SmolLM2 family's `<tool_call>[{json}, ...]</tool_call>`, a JSON
+    list of calls inside one pair of tags (`[]`: no call); "arguments" an object or a JSON string of one. A call
+    that cannot run is kept with its `error` (the policy is told, and the reward counts it); an opened tag never
+    closed too."""
     calls = []
     for body in _CALL_RE.findall(text):
-        calls.append(_parse_one(body.strip()))
+        calls += _parse_body(body.strip())
     tail = text[text.rfind("</tool_call>") + len("</tool_call>"):] if "</tool_call>" in text else text
     if "<tool_call>" in tail:
         calls.append(ToolCall("", {}, "the <tool_call> tag is not closed with </tool_call>"))
     return calls
 
 
-def _parse_one(body: str) -> ToolCall:
+def _parse_body(body: str) -> list[ToolCall]:
+    """The calls between one pair of tags: one JSON object, or a JSON list of them."""
     try:
         obj = json.loads(body)
     except json.JSONDecodeError as e:
-        return ToolCall("", {}, f"the tool call is not valid JSON ({e.msg} at column {e.colno})")
+        return [ToolCall("", {}, f"the tool call is not valid JSON ({e.msg} at column {e.colno})")]
+    return [_parse_one(o) for o in obj] if isinstance(obj, list) else [_parse_one(obj)]
+
+
+def _parse_one(obj: object) -> ToolCall:
     if isinstance(obj, dict) and isinstance(obj.get("function"), dict):  # OpenAI's {"function": {...}} wrapper
         obj = obj["function"]
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:

@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dataset import rgym
-from dataset.rlaif import DataError, PromptRecord, RLAIFDataset, read_rlaif_jsonl, tool_name
+from dataset.rlaif import TOOLS_UNSEEN, DataError, PromptRecord, RLAIFDataset, read_rlaif_jsonl, template_renders_tools, tool_name
 from model.critic import CriticModel
 from model.loader import eos_token_ids, load_policy, load_reward_model
 from model.lora import AdapterSnapshot, AdaptersOff, add_lora
@@ -365,11 +365,13 @@ def _build(raw: Config, info: DistInfo) -> Setup:
         check_tool_rows(records + eval_records, toolbox)
     except (WeightsError, DataError, ValueError, OSError) as e:
         raise SystemExit(f"error: {e}")
+    if (toolbox or any(r.tools for r in records)) and cfg.tools_system_prompt is None and not template_renders_tools(models.tok):
+        raise SystemExit(f"error: {TOOLS_UNSEEN}")
     kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.adaptive_kl else FixedKLController(cfg.kl_coef)
     try:  # e.g. an --actor_path tokenizer without a chat template: one line, not a traceback
         ds = RLAIFDataset(records, models.tok, max_prompt_len=cfg.max_seq_len, thinking_ratio=cfg.thinking_ratio,
                           system_prompt_ratio=cfg.system_prompt_ratio, seed=cfg.seed,
-                          tools=toolbox.schema_list() if toolbox else None)
+                          tools=toolbox.schema_list() if toolbox else None, tools_system_prompt=cfg.tools_system_prompt)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     if cfg.ifeval_weight and not ds.has_constraints and not _rewards_beside(cfg, custom_fns, "ifeval"):
