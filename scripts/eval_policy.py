@@ -98,7 +98,8 @@ def print_table(m: dict, label: str) -> None:
 # A train_ppo.py preset's settings that decide how its prompts are rendered and its episodes run: (its name, ours).
 PRESET_SETTINGS = (("tools", "tools"), ("tools_system_prompt", "tools_system_prompt"), ("max_turns", "max_turns"),
                    ("max_total_len", "max_total_len"), ("thinking_ratio", "thinking_ratio"),
-                   ("max_seq_len", "max_prompt_len"), ("max_gen_len", "max_new_tokens"))
+                   ("max_seq_len", "max_prompt_len"), ("max_gen_len", "max_new_tokens"),
+                   ("reward_model_path", "reward_model_path"), ("reasoning_gym", "reasoning_gym"))
 
 
 def preset_defaults(path: str) -> dict:
@@ -106,7 +107,10 @@ def preset_defaults(path: str) -> dict:
     from trainer.run.cli import parse_args as train_args  # noqa: PLC0415 - only --config needs the trainer's parser
 
     cfg = train_args(["--config", path])
-    return {ours: getattr(cfg, theirs) for theirs, ours in PRESET_SETTINGS}
+    found = {ours: getattr(cfg, theirs) for theirs, ours in PRESET_SETTINGS}
+    if cfg.eval_data_path not in (None, "auto", "none"):  # the held-out file the run evaluated on
+        found["data_path"] = cfg.eval_data_path
+    return found
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -114,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", default=None, metavar="PRESET",
                    help="a train_ppo.py preset (configs/*.yaml): its " + ", ".join(t for t, _ in PRESET_SETTINGS)
                         + " become this script's defaults (max_seq_len as --max_prompt_len, max_gen_len as "
-                          "--max_new_tokens); flags override them")
+                          "--max_new_tokens), and its eval_data_path the default --data_path; flags override them")
     src = p.add_argument_group("policy (one of)")
     src.add_argument("--weights", default=None, help="native MiniMind .pth (needs the shape flags)")
     src.add_argument("--hf_path", default=None, help="local Hugging Face causal-LM directory")

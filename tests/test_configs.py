@@ -150,6 +150,9 @@ def test_eval_policy_takes_the_presets_tool_settings_and_refuses_what_cannot_run
     assert (args.tools, args.max_turns, args.max_total_len, args.max_prompt_len, args.max_new_tokens, args.thinking_ratio) == (
         "dataset/demo_tools.py", 3, 448, 320, 48, 0.0)  # the preset's, a flag over it
     assert args.tools_system_prompt.startswith("You can use these tools:\n<tools>{tools}</tools>")
+    assert (args.data_path, args.reward_model_path) == ("dataset/smollm2_tools_eval.jsonl", "none")  # its held-out file, no RM
+    gym = eval_policy.parse_args(["--hf_path", "x", "--config", str(ROOT / "configs" / "smollm2_reasoning_gym.yaml")])
+    assert gym.reasoning_gym == "basic_arithmetic:max_terms=2:max_digits=1" and gym.thinking_ratio == 0.0
     base = ["--hf_path", str(tiny_smollm), "--data_path", str(ROOT / "dataset" / "smollm2_tools_eval.jsonl"), "--n", "2",
             "--tools", str(ROOT / "dataset" / "demo_tools.py"), "--reward_model_path", "none", "--json", ""]
     with pytest.raises(SystemExit, match="the chat template ignores tools="):  # the stand-in's ChatML has no tool section
