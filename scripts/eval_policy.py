@@ -10,7 +10,7 @@ IFEval pass rate for rows with "constraints".
     python scripts/eval_policy.py --hf_path out/smollm2_135m_instruct --reasoning_gym chain_sum --n 100 \
         --thinking_ratio 0 --reward_model_path none     # train_ppo --reasoning_gym's held-out rows, its verifier
     python scripts/eval_policy.py --hf_path out/smollm2_tools_hf --config configs/smollm2_tools.yaml \
-        --data_path dataset/smollm2_tools_eval_unseen.jsonl --reward_model_path none   # tool episodes as the preset runs them
+        --data_path dataset/smollm2_tools_eval_unseen.jsonl   # tool episodes as the preset runs them, its settings
 
 Prints a table (overall and per task when the data rows carry a "task" key) and writes the
 figures, plus a few example replies, as JSON; --replies_out FILE writes every reply beside its data row, e.g. for
@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:
 import torch
 
 from dataset import rgym
-from dataset.rlaif import TOOLS_UNSEEN, DataError, read_rlaif_jsonl, template_renders_tools
+from dataset.rlaif import TOOLS_PLACEHOLDER, TOOLS_UNSEEN, DataError, read_rlaif_jsonl, template_renders_tools
 from model.loader import load_policy, load_reward_model
 from model.weights import WeightsError
 from trainer.evaluate import EvalSettings, evaluate_policy
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
         if tools is not None and args.max_total_len <= args.max_prompt_len:
             raise SystemExit(f"--max_total_len {args.max_total_len} must exceed --max_prompt_len {args.max_prompt_len} "
                              f"(the prompt) to leave room for turns")
-        if args.tools_system_prompt is not None and "{tools}" not in args.tools_system_prompt:
+        if args.tools_system_prompt is not None and TOOLS_PLACEHOLDER not in args.tools_system_prompt:
             raise SystemExit("--tools_system_prompt has no {tools}, where the tools' JSON schemas go")
     except (WeightsError, DataError, ToolError, rgym.ReasoningGymError) as e:
         raise SystemExit(str(e)) from None

@@ -27,6 +27,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 import torch
 
 from dataset import rgym
+from dataset.rlaif import TOOLS_PLACEHOLDER
 from trainer.config import GAE_ONLY_FLAGS, GROUPS, Config
 from trainer.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, estimator_spec, policy_loss_spec
 from trainer.run.hardware import layer_matmul_params, model_config, resolve_precision, use_parallel_update
@@ -462,7 +463,7 @@ def validate(cfg: Config) -> None:
         (math.isfinite(cfg.tool_timeout) and cfg.tool_timeout > 0, f"--tool_timeout {cfg.tool_timeout} must be a number of seconds > 0"),
         (not cfg.tools or Path(cfg.tools).is_file(), f"--tools {cfg.tools}: file not found; give a .py module of tool functions"),
         (cfg.tools_system_prompt is None or bool(cfg.tools), "--tools_system_prompt lists the --tools: give --tools MODULE.py"),
-        (cfg.tools_system_prompt is None or "{tools}" in cfg.tools_system_prompt,
+        (cfg.tools_system_prompt is None or TOOLS_PLACEHOLDER in cfg.tools_system_prompt,
          "--tools_system_prompt has no {tools}, where the tools' JSON schemas go: put it where the model should read them"),
         (cfg.reuse_values != 1 or cfg.can_reuse_values,
          "--reuse_values 1 needs --advantage_estimator gae with one PPO epoch (--ppo_update_iters 1) of one minibatch "
