@@ -208,7 +208,8 @@ def score_responses(cfg: Config, batch: dict, ro: Rollout, m: Models, custom_fns
         responses = [m.tok.decode([t for t, keep in zip(row, k) if keep]) for row, k in zip(tokens, seen)]
         replies = [e.final_reply for e in episodes]
     weights = {"format": cfg.format_weight, "tags": cfg.tag_weight, "rm": cfg.rm_weight,
-               "accuracy": cfg.accuracy_weight, "eos": cfg.eos_penalty, "ifeval": cfg.ifeval_weight}
+               "accuracy": cfg.accuracy_weight, "eos": cfg.eos_penalty, "ifeval": cfg.ifeval_weight,
+               "ifeval_partial": cfg.ifeval_partial_weight}
     try:
         rewards, comps = compute_rewards(
             prompts=expand(batch["prompt"]), messages=expand(batch["messages"]), replies=replies,

@@ -355,6 +355,41 @@ def validate(constraints: object, where: str) -> list[dict]:
     return constraints
 
 
+def _case_share(reply: str, upper: bool) -> float:
+    cased = [ch for ch in reply if ch.isupper() or ch.islower()]
+    return sum(ch.isupper() == upper for ch in cased) / len(cased) if cased else 0.0
+
+
+def _prefix_share(reply: str, text: str) -> float:
+    want, got = text.lower().split(), reply.lower().split()
+    k = 0
+    while k < min(len(want), len(got)) and want[k] == got[k]:
+        k += 1
+    return k / len(want) if want else 0.0
+
+
+# How close an unmet reply comes, in [0, 1), for the types a small model almost never meets by chance (a training
+# signal only, --ifeval_partial_weight; the verdict stays check's). Other types have none.
+CLOSENESS: dict[str, Callable[[str, dict], float]] = {
+    "uppercase": lambda r, c: _case_share(r, True),  # the share of cased letters that are capitals
+    "lowercase": lambda r, c: _case_share(r, False),
+    "repeat_prompt": lambda r, c: _prefix_share(r, c["request"]),  # the share of the request's words it opens with
+    "start_phrase": lambda r, c: _prefix_share(r, c["phrase"]),
+    "two_responses": lambda r, c: 0.5 * ("******" in r),  # the separator, at least
+}
+
+
+def partial_credit(constraints: list[dict], reply: str, met: list[tuple[str, bool]] | None = None) -> float:
+    """The mean over `constraints` of CLOSENESS for each one `reply` does not meet (0 for met ones and for types
+    without a closeness; `met`: its `results`, when already computed): a dense reward beside `reward` for types
+    whose verdict is almost always 0. A blank reply earns none."""
+    if not constraints or not reply.strip():
+        return 0.0
+    met = met if met is not None else results(constraints, reply)
+    return sum(0.0 if ok or c["type"] not in CLOSENESS else min(CLOSENESS[c["type"]](reply, c), 0.999)
+               for c, (_, ok) in zip(constraints, met)) / len(constraints)
+
+
 def check(c: dict, reply: str) -> bool:
     """Whether `reply` meets constraint `c` (Google's check_following for it)."""
     return CHECKS[c["type"]](reply, c)

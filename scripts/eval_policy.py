@@ -56,11 +56,13 @@ def read_tasks(path: str | Path, records: list) -> list[str | None] | None:
 
 
 def write_replies(path: str | Path, sources: list[dict], rows: list[dict]) -> None:
-    """One jsonl line per evaluated prompt: its source row's fields plus "reply" (what the reward saw), e.g. for
-    scripts/judge_ifeval.py, which checks IFEval rows with Google's checker."""
+    """One jsonl line per evaluated prompt: its source row's fields plus "reply" (what the reward saw) and, with a
+    reference model, "kl_ref" (the reply's summed log-ratio), e.g. for scripts/judge_ifeval.py, which checks IFEval
+    rows with Google's checker."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps({**src, "reply": row["reply"]}, ensure_ascii=False) + "\n"
+    extra = lambda row: {"kl_ref": row["kl_ref"]} if "kl_ref" in row else {}
+    out.write_text("".join(json.dumps({**src, "reply": row["reply"], **extra(row)}, ensure_ascii=False) + "\n"
                            for src, row in zip(sources, rows, strict=True)), encoding="utf-8")
 
 

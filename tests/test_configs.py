@@ -76,6 +76,14 @@ def test_the_recipe_with_a_prompt_file_without_constraints_is_one_line(tmp_path,
     assert "Traceback" not in out
 
 
+def test_partial_credit_on_a_prompt_file_without_constraints_is_one_line(tmp_path, tiny_smollm):
+    data = ROOT / "dataset" / "demo_train.jsonl"
+    code, out = run_main(_recipe_flags(tmp_path, tiny_smollm, data_path=data, ifeval_weight=0, accuracy_weight=1,
+                                       ifeval_partial_weight=0.5))
+    assert code is not None and code != 0 and "Traceback" not in out
+    assert "--ifeval_partial_weight 0.5" in str(code) and "demo_train.jsonl has none" in str(code)
+
+
 def test_eval_policy_writes_every_reply_beside_its_data_row(tmp_path, tiny_smollm):
     """--replies_out: what scripts/judge_ifeval.py reads (each IFEval row's fields, Google's ids and kwargs among
     them, plus the reply), in the data file's order, the same replies the figures were computed from."""
@@ -92,6 +100,14 @@ def test_eval_policy_writes_every_reply_beside_its_data_row(tmp_path, tiny_smoll
     assert all(isinstance(g["reply"], str) and "instruction_id_list" in g for g in got)
     passed = [all(ok for _, ok in ifeval.results(g["constraints"], g["reply"])) for g in got]
     assert m["ifeval_pass_rate"] == pytest.approx(sum(passed) / 3)
+    assert m["kl_ref"] is None and not any("kl_ref" in g for g in got)
+
+    # With a reference: each reply's own KL, whose mean is the figure (the same model: 0 for each).
+    m = eval_policy.main(["--hf_path", str(tiny_smollm), "--ref_hf_path", str(tiny_smollm), "--data_path", str(data),
+                          "--n", "3", "--max_new_tokens", "4", "--temperature", "0.7", "--thinking_ratio", "0",
+                          "--reward_model_path", "none", "--json", "", "--num_threads", "1", "--replies_out", str(out)])
+    kls = [json.loads(line)["kl_ref"] for line in out.read_text(encoding="utf-8").splitlines()]
+    assert len(kls) == 3 and sum(kls) / 3 == pytest.approx(m["kl_ref"]) and max(map(abs, kls)) < 1e-4
 
 
 @pytest.mark.slow

@@ -197,3 +197,21 @@ def test_malformed_constraints_are_one_line(constraints, message):
     with pytest.raises(ValueError, match=re.escape(message)) as e:
         F.validate(constraints, "data.jsonl:3")
     assert str(e.value).startswith("data.jsonl:3: ") and "\n" not in str(e.value)
+
+
+def test_partial_credit_measures_how_close_an_unmet_constraint_comes():
+    up, rep = {"type": "uppercase"}, {"type": "repeat_prompt", "request": "Write a note about owls."}
+    assert F.partial_credit([up], "ABCd") == pytest.approx(0.75)  # 3 of 4 cased letters are capitals
+    assert F.partial_credit([up], "ABC!") == 0.0 and F.reward([up], "ABC!") == 1.0  # met: the verdict counts, not this
+    assert F.partial_credit([rep], "write a note about cats.") == pytest.approx(4 / 5)  # 4 of 5 words, in order
+    assert F.partial_credit([rep], "Hello. Write a note about owls.") == 0.0  # not an opening
+    assert F.partial_credit([{"type": "two_responses"}], "one ****** one") == 0.5  # separator, same answers: unmet
+    assert F.partial_credit([{"type": "no_comma"}, up], "a, b") == 0.0  # no closeness for no_comma; "a, b" no capitals
+    assert F.partial_credit([{"type": "no_comma"}, up], "A, B") == 0.0  # uppercase met: 0 for it, no_comma none
+    assert F.partial_credit([up], "   ") == 0.0 and F.partial_credit([], "ABC") == 0.0
+    assert set(F.CLOSENESS) <= set(F.CHECKS)
+
+
+def test_partial_credit_stays_below_a_pass():
+    """An unmet constraint earns less than a met one, however close: 'Ab' is 1/2 uppercase, 'A'*999+'b' almost all."""
+    assert F.partial_credit([{"type": "uppercase"}], "A" * 999 + "b") < 1.0

@@ -408,3 +408,16 @@ def test_ifeval_components_are_the_same_keys_whatever_rows_a_rank_drew():
     _, plain = compute_rewards(**b, weights={}, rm=None, reasoning=True, custom_fns={}, constraints=[None] * 3)
     assert set(asks) == set(empty) and {k for k in asks if k.startswith("ifeval/")} == {f"ifeval/{k}" for k in F.CHECKS}
     assert torch.isnan(empty["ifeval"]).all() and not any(k.startswith("ifeval") for k in plain)
+
+
+def test_ifeval_partial_credit_is_its_own_weighted_component():
+    b = _batch()
+    cons = [[{"type": "uppercase"}], None, [{"type": "uppercase"}, {"type": "no_comma"}]]
+    replies = ["ABcd", "Anything.", "SHOUT"]
+    total, comps = compute_rewards(**{**b, "replies": replies}, weights={"ifeval": 1.0, "ifeval_partial": 0.5}, rm=None,
+                                   reasoning=True, custom_fns={}, constraints=cons)
+    assert comps["ifeval_partial"][0] == 0.5 and math.isnan(comps["ifeval_partial"][1]) and comps["ifeval_partial"][2] == 0.0
+    torch.testing.assert_close(total, torch.tensor([0.25, 0.0, 1.0]))  # 0 met + 0.5 x 0.5; none asked; all met
+    _, off = compute_rewards(**{**b, "replies": replies}, weights={"ifeval": 1.0}, rm=None, reasoning=True,
+                             custom_fns={}, constraints=cons)
+    torch.testing.assert_close(off["ifeval_partial"], comps["ifeval_partial"], equal_nan=True)  # logged at weight 0

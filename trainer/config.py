@@ -190,6 +190,11 @@ class RewardArgs:
     ifeval_weight: float = 1.0
     """Weight of the instruction-following reward: the share of a prompt row's "constraints" (dataset/ifeval.py) the
     reply meets, logged per constraint type; rows without constraints get none."""
+    ifeval_partial_weight: float = 0.0
+    """Weight of a dense reward beside it: for each unmet constraint of a type a small model almost never meets by
+    chance (uppercase, lowercase, repeat_prompt, start_phrase, two_responses), how close the reply comes (the share of
+    letters in the case asked, of the request's words it opens with, the separator present), averaged like the
+    ifeval reward (dataset/ifeval.py CLOSENESS; 0 = off). Below --ifeval_weight, a met constraint always earns more."""
     tool_error_penalty: float = 0.5
     """--tools: subtracted when an episode made a tool call that could not run (malformed JSON, unknown tool, bad
     arguments, or the tool raised or timed out)."""

@@ -259,6 +259,8 @@ def evaluate_policy(
         for i, row in enumerate(rows):
             row.update(format_ok=scored["format_ok"][i], correct=scored["correct"][i], length=lengths[i],
                        has_eos=eos_flags[i])
+            if ref_policy is not None:
+                row["kl_ref"] = kls[i]
             if tools is not None:
                 row.update(turns=list(episodes[i].turns), tool_calls=episodes[i].calls, tool_failures=episodes[i].failed)
             if rm_scorer is not None:

@@ -48,7 +48,7 @@ Timer = Callable[[str], contextlib.AbstractContextManager]
 _NO_TAG = r"(?:(?!</?think>|</?answer>).)*?"
 FORMAT_PATTERN = re.compile(rf"^<think>\n{_NO_TAG}\n</think>\n\n?<answer>\n{_NO_TAG}\n</answer>$", re.DOTALL)
 REASONING_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
-BUILTIN_COMPONENTS = ("format", "tags", "rm", "accuracy", "eos", "ifeval")
+BUILTIN_COMPONENTS = ("format", "tags", "rm", "accuracy", "eos", "ifeval", "ifeval_partial")
 
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 # Full-width digits/signs/separators (common in Chinese text) and U+2212 MINUS SIGN -> ASCII.
@@ -280,6 +280,7 @@ def compute_rewards(
     reasoning-gym row, its task's own score_answer of the <answer> content), "ifeval" (when
     `constraints` has a list for any row, [] = none asked: the fraction of a row's constraints met, nan where
     it has none; adds 0 there) with "ifeval/<type>" for every type (1/0, nan where absent; weight 0: logged only),
+    "ifeval_partial" (ifeval.partial_credit: how close the unmet constraints come, nan likewise),
     "eos" (-1 when cut at the length limit), "rm" (only computed when rm is given and
     weights["rm"] != 0), and "custom/<name>" per custom function. Built-in weights default to 0
     when absent, custom ones (key "custom/<name>") to 1.
@@ -313,6 +314,8 @@ def compute_rewards(
     if constraints is not None and any(cs is not None for cs in constraints):  # instruction following (dataset/ifeval.py)
         met = [ifeval.results(cs or [], r) for cs, r in zip(constraints, replies)]
         components["ifeval"] = col([ifeval.share_met(m) if m else math.nan for m in met])
+        components["ifeval_partial"] = col([ifeval.partial_credit(cs, r, m) if m else math.nan
+                                            for cs, r, m in zip(constraints, replies, met)])
         # Every type, NaN where a row does not ask for it: the same keys on every rank whatever rows it drew.
         for kind in ifeval.CHECKS:  # logged per type, weight 0
             components[f"ifeval/{kind}"] = col([next((float(ok) for t, ok in m if t == kind), math.nan) for m in met])
@@ -339,6 +342,6 @@ def compute_rewards(
         w = weights.get(key, 1.0 if key.startswith("custom/") else 0.0)
         if w != 0:
             # nan accuracy means "no reference" and adds nothing; any other nan is real and propagates.
-            v = torch.nan_to_num(value.float(), nan=0.0) if key in ("accuracy", "ifeval") else value.float()
+            v = torch.nan_to_num(value.float(), nan=0.0) if key in ("accuracy", "ifeval", "ifeval_partial") else value.float()
             total = total + float(w) * v
     return total, components
