@@ -383,7 +383,8 @@ def _build(raw: Config, info: DistInfo) -> Setup:
                          f"{cfg.data_path} has none: it would add nothing. Use a prompt file written by "
                          f"builders/make_ifeval_data.py, or leave it at 0.")
     if (cfg.accuracy_weight and not any(r.reference is not None or r.gt or r.rg for r in records)
-            and not _rewards_beside(cfg, custom_fns, "accuracy") and not ((cfg.ifeval_weight or cfg.ifeval_partial_weight) and ds.has_constraints)):
+            and not _rewards_beside(cfg, custom_fns, "accuracy")
+            and not ((cfg.ifeval_weight or cfg.ifeval_partial_weight) and ds.has_constraints)):
         raise SystemExit(f"error: {cfg.data_path} has no row with an answer to check (a reference in the final assistant "
                          f"turn, \"gt\", or a --reasoning_gym row), and the accuracy reward is the only one on "
                          f"(--accuracy_weight): every reward would be 0. Give --reasoning_gym TASK (docs/reasoning_gym.md), "
