@@ -52,7 +52,7 @@ def test_new_settings_default_to_the_previous_behaviour():
     assert added == {"policy_loss", "reuse_values", "mask_truncated", "adv_std_unbiased", "adv_eps", "reward_norm",
                      "reward_clip", "ifeval_weight", "strategy", "shard_frozen", "cpu_offload", *losses, *minimind_grpo,
                      "tools", "max_turns", "max_total_len", "tool_timeout", "tool_error_penalty", "save_timeout", "hsdp",
-                     "tools_system_prompt", "tool_ok_weight",
+                     "tools_system_prompt", "tool_ok_weight", "ifeval_partial_weight",
                      "engine_url", "engine_sync_interval", "engine_shared_path", "engine_timeout", "rollout_is", "rollout_is_cap",
                      "reasoning_gym", "reasoning_gym_size"}
     cfg = C.resolve(C.parse_args([]), DistInfo())
