@@ -202,6 +202,8 @@ class StandIn:
             self.released.wait(self.stall_s)
         if self.delay_s:
             self.released.wait(self.delay_s)
+        if self.released.is_set():  # stopped meanwhile: no torch work in a daemon thread while the process exits
+            raise ConnectionAbortedError("the stand-in was stopped")
 
     # ---- vLLM
     def v_models(self, body: dict) -> tuple[int, Any]:

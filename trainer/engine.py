@@ -15,10 +15,15 @@ Which log-probs each engine returns (both: after temperature, the distribution t
 - SGLang: log softmax(logits / T) over the whole vocabulary (its default; greedy: T = 1).
 
 Weights: the trainer writes the policy as safetensors into a folder both can read (`push_dir`) and the engine
-reloads it (vLLM: the worker's `reload_weights` through `/collective_rpc`, which needs VLLM_SERVER_DEV_MODE=1; SGLang:
-`/update_weights_from_disk`), then records the weight version (the number of updates in those weights). Every
-response is stamped with the version it was sampled with (SGLang: per response; vLLM: the server's version read
-before and after the batch); any other version than the last pushed one stops the run (EngineError).
+reloads it (vLLM: the worker's `reload_weights` through `/collective_rpc`, which needs VLLM_SERVER_DEV_MODE=1, fenced
+by /pause?mode=wait ... /resume where the server has them; SGLang: `/update_weights_from_disk`), then records the
+weight version (the number of updates in those weights). Every response is stamped with the version it was sampled
+with (SGLang: per response; vLLM: the server's version read before and after the batch); any other version than the
+last pushed one stops the run (EngineError).
+
+Waits: every request waits at most `timeout` (--engine_timeout) and, inside a rank-local block under torchrun, at
+most what is left of the block's deadline (trainer.dist.deadline(): the other ranks wait for this one in the
+collective at its end), so a hung engine ends the run with one line, never in the process group's watchdog.
 
 Only the standard library talks HTTP here: the trainer's requirements do not grow for an engine.
 """
