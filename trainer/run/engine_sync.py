@@ -29,6 +29,8 @@ from trainer.run.distributed import failing_together, main_writes
 from trainer.run.sharding import full_state_dict, is_sharded
 from trainer.runtime import Models, Runtime
 
+_CLIENTS: dict[str, Engine] = {}  # rank 0's clients of the other engines it pushes to
+
 # Mean |log-prob gap| per token on the start-up probe above which the engine is not sampling the policy (a bf16
 # engine measures ~0.04-0.05 against bf16 autocast, an fp32 one ~1e-6: docs/engines.md), and above which, when the
 # gap at T = 1 is less than half of it, the engine's log-probs are before temperature.
@@ -88,7 +90,7 @@ def check_tokenizer(cfg: Config, tok) -> None:
     with it; here the actor's tokenizer encodes the prompts and its EOS ids stop the engine)."""
     if not cfg.sglang_model_path:
         return
-    other = load_tokenizer(cfg.sglang_model_path)
+    other = load_tokenizer(cfg.sglang_model_path, trust_remote_code=bool(cfg.trust_remote_code))
     mine, theirs = (len(tok), tok.eos_token_id), (len(other), other.eos_token_id)
     if mine != theirs:
         raise SystemExit(f"error: --sglang_model_path {cfg.sglang_model_path}: its tokenizer (vocabulary {theirs[0]}, "
@@ -118,8 +120,10 @@ def push_weights(cfg: Config, m: Models, rt: Runtime, version: int) -> None:
                 raise SystemExit(f"error: writing the weights for the engine to {folder} failed: {e.strerror or e}; "
                                  f"give --engine_shared_path a folder with room") from None
             for url in dict.fromkeys((cfg.engine_url or "").split(",")):  # every engine once, this rank's too
-                same = url.rstrip("/") == engine.url
-                (engine if same else ENGINES[cfg.rollout_engine](url, cfg.engine_timeout)).load_weights(folder, version)
+                if url.rstrip("/") == engine.url:
+                    engine.load_weights(folder, version)
+                else:  # one client per engine for the run: what it learnt of its server (vLLM's fence) is asked once
+                    _CLIENTS.setdefault(url, ENGINES[cfg.rollout_engine](url, cfg.engine_timeout)).load_weights(folder, version)
 
     main_writes(write_and_reload, rt.info)
     engine.version = version  # every rank expects its engine to sample version `version` from now on
