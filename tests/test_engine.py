@@ -236,7 +236,7 @@ def test_remax_and_filter_groups_sample_through_the_engine(standin, tmp_path):
                                     num_generations=2, mini_batch_size=8))
     assert code is None, out[-3000:]
     assert all("reward/greedy_baseline" in r for r in read_metrics(tmp_path / "remax" / "run"))
-    temps = [b["sampling_params"]["temperature"] for p, b in standin.requests if p == "/generate"]
+    temps = [b["sampling_params"][0]["temperature"] for p, b in standin.requests if p == "/generate"]
     assert temps == [0.8, 0.8, 0.0, 0.8, 0.0]  # the probe, then per step the samples and ReMax's greedy baseline
     code, out = run_main(demo_flags(tmp_path / "filter", standin.url, filter_groups=1, max_steps=2))
     assert code is None, out[-3000:]
