@@ -179,9 +179,9 @@ def stop_all(error: str | None, info: D.DistInfo) -> None:
 def block_budget(kind: str = "ddp") -> tuple[float | None, str]:
     """How long a rank-local block may run under torchrun before the others' wait for it in the collective at its
     end reaches the process group's timeout (`kind` "ddp": --ddp_timeout; "save": --save_timeout, the wait group's),
-    less a margin (a tenth, at least 5 s) for the work around it; None where there is no such wait."""
+    less a margin (a tenth, at least 5 s, at most half) for the work around it; None where there is no such wait."""
     t = _TIMEOUTS.get(kind)
-    return (None, "") if t is None else (t - max(5.0, 0.1 * t), f"--{kind}_timeout {t}")
+    return (None, "") if t is None else (t - min(max(5.0, 0.1 * t), 0.5 * t), f"--{kind}_timeout {t}")
 
 
 @contextlib.contextmanager
