@@ -60,9 +60,10 @@ case "$KIND" in
     sglang)
         # SGLang's CPU build is not on PyPI; on a GPU machine `pip install "sglang[all]"` in its own virtualenv.
         echo "SGLang is not started by this script; in SGLang's own virtualenv run MiniMind's command:"
-        echo "  python -m sglang.launch_server --model-path $MODEL --host 0.0.0.0 --port $PORT"
-        echo "then train with:"
-        echo "  python train_ppo.py --rollout_engine sglang --engine_url http://localhost:$PORT --sglang_model_path $MODEL ..."
+        echo "  python -m sglang.launch_server --model-path $MODEL --attention-backend triton --host 0.0.0.0 --port $PORT"
+        echo "(add --enable-deterministic-inference for runs that repeat with one --seed, --context-length N for longer"
+        echo " prompts + responses than the model's max_position_embeddings); then train with:"
+        echo "  python train_ppo.py --rollout_engine sglang --engine_url http://localhost:$PORT ..."
         exit 0 ;;
     vllm) ;;
     *) die "unknown engine '$KIND' (vllm or sglang)" ;;

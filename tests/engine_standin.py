@@ -1,8 +1,11 @@
 """A protocol stand-in for the rollout engines (trainer/engine.py's clients), on our own decoder, for tests.
 
-It speaks SGLang's native API (/generate, /update_weights_from_disk, /get_model_info, /flush_cache, /health) or the
-subset of vLLM's OpenAI server the vLLM client uses (/v1/models, /v1/completions with token-ID prompts, /collective_rpc
-reload_weights, /update_weight_version, /weight_info, /reset_prefix_cache, /health), with the real servers' response
+It speaks SGLang's native API (/generate with one sampling_params per row and their `sampling_seed`,
+/update_weights_from_disk, /model_info and the deprecated /get_model_info, /v1/models, /flush_cache, /health; a
+request whose input + max_new_tokens reaches the context length is refused with HTTP 400, as SGLang's tokenizer
+manager does) or the subset of vLLM's OpenAI server the vLLM client uses (/v1/models, /v1/completions with token-ID
+prompts, /collective_rpc reload_weights, /update_weight_version, /weight_info, /reset_prefix_cache, /pause, /resume,
+/is_paused, /health), with the real servers' response
 shapes and status codes. The model is a plain HF directory loaded in fp32 (scripts/convert_model.py to_hf); sampling
 is model.generation.sample, so a greedy reply is token for token ours. Log-probs: SGLang's, log softmax(logits / T)
 over the whole vocabulary (greedy: T = 1); vLLM's --logprobs-mode processed_logprobs (after top-k / top-p,
@@ -19,6 +22,7 @@ import json
 import random
 import threading
 import time
+import urllib.parse
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -32,11 +36,20 @@ from model.generation import filter_logits, sample
 class StandIn:
     """The served model and its state; `pushes` lists the weight versions set, in order, `requests` every (path, body)."""
 
-    def __init__(self, model_dir: str | Path, protocol: str = "sglang", logprobs_mode: str = "processed_logprobs") -> None:
+    def __init__(self, model_dir: str | Path, protocol: str = "sglang", logprobs_mode: str = "processed_logprobs",
+                 context_length: int | None = None, legacy: bool = False, stall_at: int | None = None,
+                 stall_s: float = 0.0, delay_s: float = 0.0) -> None:
+        """`context_length`: SGLang's --context-length / vLLM's --max-model-len (default: the model's
+        max_position_embeddings). `legacy`: an older server (SGLang without /model_info; vLLM without /pause,
+        /resume, /is_paused). `stall_at`: the stall_at-th sampling request (1-based, counted over /generate and
+        /v1/completions) is answered only after `stall_s` seconds (a hung or overloaded engine). `delay_s`: every
+        sampling request takes at least so long (requests in flight during a weight push)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path, self.protocol, self.logprobs_mode = str(model_dir), protocol, logprobs_mode
+        self.legacy, self.stall_at, self.stall_s, self.delay_s = legacy, stall_at, stall_s, delay_s
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
+        self.context_length = context_length or int(self.model.config.max_position_embeddings)
         try:
             self.tok: Any = AutoTokenizer.from_pretrained(self.model_path)
         except (OSError, ValueError):
@@ -46,7 +59,12 @@ class StandIn:
         self.version: str | None = "default"
         self.pushes: list[str] = []
         self.requests: list[tuple[str, dict]] = []
+        self.paths: list[str] = []  # every request's path with its query, in order
         self.lock = threading.Lock()
+        self.cond = threading.Condition()  # vLLM's pause: the requests in flight, and whether new ones wait
+        self.inflight, self.paused, self.sampled = 0, False, 0
+        self.mixed = 0  # requests in flight during a weight reload (a real server samples them with both weights)
+        self.released = threading.Event()  # stop(): a stalled request answers at once
         self.rng = random.Random(0)
         self.server: ThreadingHTTPServer | None = None
         self.url = ""
@@ -119,10 +137,32 @@ class StandIn:
         prompts = [body["input_ids"]] if single else body.get("input_ids")
         if not prompts or not all(prompts):
             return 400, {"error": {"message": "input_ids must be a non-empty token list or a batch of them"}}
-        sp = body.get("sampling_params") or {}
-        outs = self.generate(prompts, 1, float(sp.get("temperature", 1.0)), int(sp.get("top_k", -1)),
-                             float(sp.get("top_p", 1.0)), int(sp.get("max_new_tokens", 128)),
-                             list(sp.get("stop_token_ids") or []), sp.get("sampling_seed"))
+        sps = body.get("sampling_params") or {}
+        sps = sps if isinstance(sps, list) else [sps] * len(prompts)
+        if len(sps) != len(prompts):
+            return 400, {"error": {"message": "The number of sampling_params must match the batch size"}}
+        for prompt, sp in zip(prompts, sps):  # SGLang's tokenizer manager, before anything runs
+            n_in, max_new = len(prompt), sp.get("max_new_tokens")
+            if n_in >= self.context_length:
+                return 400, {"error": {"message": f"The input ({n_in} tokens) is longer than the model's context "
+                                                  f"length ({self.context_length} tokens)."}}
+            if max_new is not None and max_new + n_in >= self.context_length:
+                return 400, {"error": {"message": (
+                    f"Requested token count exceeds the model's maximum context length of {self.context_length} "
+                    f"tokens. You requested a total of {max_new + n_in} tokens: {n_in} tokens from the input messages "
+                    f"and {max_new} tokens for the completion. Please reduce the number of tokens in the input "
+                    f"messages or the completion to fit within the limit.")}}
+        self.before_sampling()
+
+        def args(sp: dict) -> tuple:
+            return (float(sp.get("temperature", 1.0)), int(sp.get("top_k", -1)), float(sp.get("top_p", 1.0)),
+                    int(sp.get("max_new_tokens", 128)), list(sp.get("stop_token_ids") or []))
+
+        if all(sp.get("sampling_seed") is None or args(sp)[0] < 1e-5 for sp in sps) and all(
+                args(sp) == args(sps[0]) for sp in sps):
+            outs = self.generate(prompts, 1, *args(sps[0]), None)  # one batch, the server's own random stream
+        else:  # --enable-deterministic-inference: each row's draws are a function of its seed alone
+            outs = [self.generate([p], 1, *args(sp), sp.get("sampling_seed"))[0] for p, sp in zip(prompts, sps)]
         items = []
         for prompt, (ids, lps, reason) in zip(prompts, outs):
             finish = {"type": "stop", "matched": ids[-1]} if reason == "stop" else {"type": "length", "length": len(ids)}
@@ -141,13 +181,34 @@ class StandIn:
         return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
     def sg_info(self, body: dict) -> tuple[int, Any]:
+        cfg = self.model.config
         return 200, {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
-                     "preferred_sampling_params": None, "weight_version": self.version}
+                     "preferred_sampling_params": None, "weight_version": self.version,
+                     "has_image_understanding": False, "has_audio_understanding": False,
+                     "model_type": cfg.model_type, "architectures": cfg.architectures}
+
+    def sg_models(self, body: dict) -> tuple[int, Any]:
+        card = {"id": self.model_path, "object": "model", "created": int(time.time()), "owned_by": "sglang",
+                "root": self.model_path, "max_model_len": self.context_length}
+        return 200, {"object": "list", "data": [card]}
+
+    # ---- both: when a sampling request runs
+    def before_sampling(self) -> None:
+        """Count the request; stall the stall_at-th; wait out delay_s."""
+        with self.cond:
+            self.sampled += 1
+            k = self.sampled
+        if self.stall_at is not None and k == self.stall_at:
+            self.released.wait(self.stall_s)
+        if self.delay_s:
+            self.released.wait(self.delay_s)
+        if self.released.is_set():  # stopped meanwhile: no torch work in a daemon thread while the process exits
+            raise ConnectionAbortedError("the stand-in was stopped")
 
     # ---- vLLM
     def v_models(self, body: dict) -> tuple[int, Any]:
         card = {"id": self.model_path, "object": "model", "created": int(time.time()), "owned_by": "vllm",
-                "root": self.model_path, "parent": None, "max_model_len": self.model.config.max_position_embeddings,
+                "root": self.model_path, "parent": None, "max_model_len": self.context_length,
                 "permission": []}
         return 200, {"object": "list", "data": [card]}
 
@@ -157,11 +218,22 @@ class StandIn:
         prompt, max_new = body.get("prompt"), int(body.get("max_tokens") or 16)
         if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
             return 400, _v_error("prompt must be a list of token IDs here", "BadRequestError", 400)
-        if len(prompt) + max_new > self.model.config.max_position_embeddings:
+        if len(prompt) + max_new > self.context_length:
             return 400, _v_error("This model's maximum context length is exceeded", "BadRequestError", 400)
         stop = list(body.get("stop_token_ids") or [])
-        outs = self.generate([prompt], int(body.get("n", 1)), float(body.get("temperature", 1.0)),
-                             int(body.get("top_k") or -1), float(body.get("top_p", 1.0)), max_new, stop, body.get("seed"))
+        with self.cond:  # /pause: a new request waits for /resume; the ones in flight finish first
+            while self.paused:
+                self.cond.wait()
+            self.inflight += 1
+        try:
+            self.before_sampling()
+            outs = self.generate([prompt], int(body.get("n", 1)), float(body.get("temperature", 1.0)),
+                                 int(body.get("top_k") or -1), float(body.get("top_p", 1.0)), max_new, stop,
+                                 body.get("seed"))
+        finally:
+            with self.cond:
+                self.inflight -= 1
+                self.cond.notify_all()
         choices = []
         for i, (ids, lps, reason) in enumerate(outs):
             logprobs = None if body.get("logprobs") is None else {
@@ -179,8 +251,29 @@ class StandIn:
     def v_rpc(self, body: dict) -> tuple[int, Any]:
         if body.get("method") != "reload_weights":
             return 400, _v_error(f"the stand-in runs reload_weights only, not {body.get('method')!r}", "BadRequestError", 400)
+        with self.cond:
+            self.mixed += self.inflight  # vLLM reloads between engine steps: these go on with the new weights
         err = self.load(str((body.get("kwargs") or {}).get("weights_path", "")))
         return (500, _v_error(err, "InternalServerError", 500)) if err else (200, {"results": [None]})
+
+    def v_pause(self, body: dict) -> tuple[int, Any]:
+        mode = (body.get("_query") or {}).get("mode", ["abort"])[0]
+        if mode not in ("abort", "wait", "keep"):
+            return 400, {"error": f"Invalid pause mode: {mode}"}
+        with self.cond:  # the stand-in drains in every mode (vLLM: "wait"; "abort" would cut them short)
+            self.paused = True
+            while self.inflight:
+                self.cond.wait()
+        return 200, {"status": "paused"}
+
+    def v_resume(self, body: dict) -> tuple[int, Any]:
+        with self.cond:
+            self.paused = False
+            self.cond.notify_all()
+        return 200, {"status": "resumed"}
+
+    def v_is_paused(self, body: dict) -> tuple[int, Any]:
+        return 200, {"is_paused": self.paused}
 
     def v_version(self, body: dict) -> tuple[int, Any]:
         self.set_version(body["new_version"])
@@ -194,11 +287,15 @@ class StandIn:
 
     ROUTES = {
         "sglang": {"/generate": "sg_generate", "/update_weights_from_disk": "sg_update", "/get_model_info": "sg_info",
-                   "/model_info": "sg_info", "/flush_cache": None, "/health": None},
+                   "/model_info": "sg_info", "/v1/models": "sg_models", "/flush_cache": None, "/health": None},
         "vllm": {"/v1/models": "v_models", "/v1/completions": "v_complete", "/collective_rpc": "v_rpc",
                  "/update_weight_version": "v_version", "/weight_info": "v_info", "/reset_prefix_cache": "v_reset",
-                 "/health": None},
+                 "/pause": "v_pause", "/resume": "v_resume", "/is_paused": "v_is_paused", "/health": None},
     }
+    NEWER = {"/model_info", "/pause", "/resume", "/is_paused"}  # what a `legacy` server lacks
+
+    def routes(self) -> dict[str, str | None]:
+        return {k: v for k, v in StandIn.ROUTES[self.protocol].items() if not (self.legacy and k in StandIn.NEWER)}
 
     # ---- the server
     def serve(self, port: int = 0, host: str = "127.0.0.1") -> StandIn:
@@ -207,14 +304,17 @@ class StandIn:
 
         class Handler(BaseHTTPRequestHandler):
             def _answer(self) -> None:
-                path = self.path.split("?", 1)[0]
-                routes = StandIn.ROUTES[standin.protocol]
+                path, _, query = self.path.partition("?")
+                routes = standin.routes()
+                standin.paths.append(self.path)
                 if path not in routes:
                     return self._send(404, {"detail": "Not Found"})
                 size = int(self.headers.get("Content-Length") or 0)
                 try:
                     body = json.loads(self.rfile.read(size) or b"{}")
                     standin.requests.append((path, body))
+                    if query:
+                        body = dict(body, _query=urllib.parse.parse_qs(query))
                     name = routes[path]
                     code, out = (200, None) if name is None else getattr(standin, name)(body)
                 except Exception as e:  # noqa: BLE001 - a server answers every request, a bad one with 500
@@ -241,6 +341,7 @@ class StandIn:
         return self
 
     def stop(self) -> None:
+        self.released.set()
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()

@@ -6,10 +6,12 @@ included (each one line, never a traceback)."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ import torch
 
 from model.generation import sample
 from tests.engine_standin import start
-from tests.helpers import ROOT, free_port, read_metrics, resume_state, run_main, run_train, scramble
+from tests.helpers import ROOT, build_update_world, free_port, read_metrics, resume_state, run_main, run_train, scramble
 from trainer.engine import EngineError, SamplingParams, SGLangEngine, VLLMEngine, engine_index, model_mismatch, write_weights
 from trainer.ppo import rollout_is_weights
 from trainer.rollout import policy_forward
@@ -234,7 +236,7 @@ def test_remax_and_filter_groups_sample_through_the_engine(standin, tmp_path):
                                     num_generations=2, mini_batch_size=8))
     assert code is None, out[-3000:]
     assert all("reward/greedy_baseline" in r for r in read_metrics(tmp_path / "remax" / "run"))
-    temps = [b["sampling_params"]["temperature"] for p, b in standin.requests if p == "/generate"]
+    temps = [b["sampling_params"][0]["temperature"] for p, b in standin.requests if p == "/generate"]
     assert temps == [0.8, 0.8, 0.0, 0.8, 0.0]  # the probe, then per step the samples and ReMax's greedy baseline
     code, out = run_main(demo_flags(tmp_path / "filter", standin.url, filter_groups=1, max_steps=2))
     assert code is None, out[-3000:]
@@ -377,3 +379,253 @@ def test_model_mismatch_names_what_differs():
     why = model_mismatch(dict(actor, vocab_size=49152), actor)
     assert why == ("it serves Qwen3ForCausalLM, vocab 49152, 4 layers x 128 but the actor is Qwen3ForCausalLM, "
                    "vocab 6400, 4 layers x 128")
+
+
+# ------------------------------------------------------------------ MiniMind's SGLang path as MiniMind runs it
+def test_the_sglang_start_command_is_minimminds_with_triton_attention(hf_dir, tmp_path):
+    """MiniMind starts SGLang with --attention-backend triton (MiniMind-3's head_dim 96): the hint of an unreachable
+    engine and serve_engine.sh's printed command both carry it."""
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(EngineError) as e:
+        SGLangEngine(url).health()
+    assert "python -m sglang.launch_server --model-path MODEL_DIR --attention-backend triton" in str(e.value)
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "serve_engine.sh"), "sglang", str(hf_dir), "8998"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"python -m sglang.launch_server --model-path {hf_dir} --attention-backend triton --host 0.0.0.0 " \
+           f"--port 8998" in out.stdout
+
+
+def test_sglang_model_info_first_and_the_deprecated_endpoint_on_older_servers(hf_dir, demo, tmp_path):
+    """SGLang deprecated /get_model_info for /model_info: the client asks /model_info, and falls back (once) on a
+    server that has only the old one; the weight version reads the same either way."""
+    for legacy in (False, True):
+        s = start(hf_dir, "sglang", legacy=legacy)
+        try:
+            engine = SGLangEngine(s.url)
+            push(engine, demo[0], tmp_path / "push", 3)
+            assert engine.server_version() == "3" and engine.server_version() == "3"
+            assert engine.model_path() == str(hf_dir)
+            asked = [p for p in s.paths if "model_info" in p]
+            assert asked == (["/model_info", "/get_model_info", "/get_model_info", "/get_model_info"] if legacy
+                             else ["/model_info"] * 3)
+        finally:
+            s.stop()
+
+
+def test_sglang_refuses_input_plus_max_new_tokens_reaching_its_context_length_with_http_400(hf_dir, demo):
+    """The stand-in answers as SGLang's tokenizer manager does (input + max_new_tokens >= context_len: HTTP 400);
+    the client reads the context length off /v1/models and reports one less as the longest it takes."""
+    actor, tok = demo
+    s = start(hf_dir, "sglang", context_length=40)
+    try:
+        engine = SGLangEngine(s.url)
+        assert engine.max_model_len() == 39 and engine.context_flag(50) == "--context-length 51"
+        ids, mask = prompts(tok, 2)
+        n_in = int(mask.sum(1).max())
+        with pytest.raises(EngineError) as e:
+            engine.sample(ids, mask, max_new_tokens=40 - n_in, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        msg = str(e.value)
+        assert "HTTP 400" in msg and "Requested token count exceeds the model's maximum context length of 40" in msg
+        assert "\n" not in msg
+    finally:
+        s.stop()
+
+
+def test_an_sglang_context_too_short_for_the_run_is_refused_at_start_in_one_line(hf_dir, tmp_path):
+    """--max_seq_len 128 + --max_gen_len 16 = 144 tokens: an SGLang server with --context-length 144 refuses such
+    a request (>=), so the run stops before its first rollout with the flag to start it with; 145 is enough."""
+    s = start(hf_dir, "sglang", context_length=144)
+    try:
+        code, out = run_main(demo_flags(tmp_path, s.url))
+    finally:
+        s.stop()
+    msg = one_line_error(code, out)
+    assert f"the sglang engine at {s.url} serves at most 143 tokens per sequence; this run needs 144 (prompt + " \
+           f"response): start it with --context-length 145" in msg, msg
+    assert not [p for p, _ in s.requests if p in ("/generate", "/update_weights_from_disk")]
+
+
+def test_sglang_samples_repeat_with_one_seed(standin, demo, tmp_path):
+    """Each row goes with its own sampling_seed (SGLang hashes seed and position: one seed for a prompt's N rows
+    would give N copies of one reply), drawn from the run's stream: one --seed, the same samples."""
+    actor, tok = demo
+    engine = SGLangEngine(standin.url)
+    push(engine, actor, tmp_path / "push", 0)
+    ids, mask = prompts(tok, 2)
+    kw = dict(max_new_tokens=16, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, temperature=1.0,
+              num_generations=4)
+    runs = [engine.sample(ids, mask, generator=torch.Generator().manual_seed(seed), **kw).sequences for seed in (0, 0, 1)]
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+    assert len({tuple(r.tolist()) for r in runs[0][:4]}) > 1  # a prompt's 4 samples are 4 draws, not one
+    bodies = [b for p, b in standin.requests if p == "/generate"]
+    seeds = [sp["sampling_seed"] for sp in bodies[0]["sampling_params"]]
+    assert len(seeds) == 8 and len(set(seeds)) == 8
+    assert seeds == [sp["sampling_seed"] for sp in bodies[1]["sampling_params"]]
+
+
+def test_sglang_pushes_the_actors_tokenizer_by_default(standin, tmp_path):
+    """--sglang_model_path is MiniMind's tokenizer path (default ../model, its tokenizer folder): without the flag
+    the actor's own tokenizer files (model/ for native weights) go with every push, as MiniMind saves its
+    tokenizer beside the weights; never a model's config or generation config."""
+    from trainer.run.engine_sync import push_weights
+
+    world = build_update_world(["--hidden_size", "128", "--num_hidden_layers", "4", "--from_weight", "full_sft",
+                                "--save_dir", str(ROOT / "out"), "--rollout_engine", "sglang", "--engine_url",
+                                standin.url, "--engine_shared_path", str(tmp_path / "push")])
+    push_weights(world.cfg, world.models, world.runtime, version=0)
+    pushed = sorted(f.name for f in (tmp_path / "push").iterdir())
+    assert pushed == ["chat_template.jinja", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert (tmp_path / "push" / "tokenizer.json").read_bytes() == (ROOT / "model" / "tokenizer.json").read_bytes()
+
+
+def test_sglang_model_path_is_a_tokenizer_path_that_must_be_the_actors(tmp_path):
+    """A folder without a tokenizer, or with another tokenizer than the actor's (here: another EOS), is one line."""
+    code, out = run_main(demo_flags(tmp_path / "a", "http://127.0.0.1:8998", sglang_model_path=tmp_path))
+    assert "no tokenizer there (MiniMind's meaning: the tokenizer directory" in one_line_error(code, out)
+    other = tmp_path / "other_tok"
+    other.mkdir()
+    shutil.copy(ROOT / "model" / "tokenizer.json", other)
+    conf = json.loads((ROOT / "model" / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps(dict(conf, eos_token="<|im_start|>")))
+    from trainer.run.engine_sync import check_tokenizer
+
+    world_flags = demo_flags(tmp_path / "b", "http://127.0.0.1:8998", sglang_model_path=other)
+    from trainer.run.cli import parse_args
+
+    cfg = parse_args(world_flags)
+    from model.loader import load_tokenizer
+
+    tok = load_tokenizer()
+    with pytest.raises(SystemExit) as e:
+        check_tokenizer(cfg, tok)
+    msg = str(e.value.code)
+    assert msg.startswith(f"error: --sglang_model_path {other}: its tokenizer (vocabulary ") and "EOS id" in msg
+    check_tokenizer(cfg.replace(sglang_model_path=str(ROOT / "model")), tok)  # the actor's own: fine
+
+
+@pytest.mark.parametrize("url, env, says", [
+    ("http://10.255.0.7:8000", {}, "the engine at http://10.255.0.7:8000 is on another host"),
+    ("http://127.0.0.1:8000,http://node2:8000", {}, "the engine at http://node2:8000 is on another host"),
+    ("http://127.0.0.1:8000", {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, "this run spans 2 nodes"),
+])
+def test_the_default_shared_path_is_refused_where_an_engine_cannot_read_it(url, env, says, monkeypatch, tmp_path):
+    """The default push folder is in rank 0's /dev/shm: an engine on another host (or another node's) would fail the
+    first push; refused before anything connects, in one line; a path given, or local engines only, pass."""
+    from trainer.run.cli import parse_args, validate
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    flags = demo_flags(tmp_path, url, "vllm", engine_shared_path=None)
+    with pytest.raises(SystemExit) as e:
+        validate(parse_args(flags))
+    msg = str(e.value.code)
+    assert msg.startswith(f"error: --engine_shared_path is needed: {says}, and the default folder is in rank 0's "
+                          f"memory") and "\n" not in msg
+    validate(parse_args(flags + ["--engine_shared_path", str(tmp_path / "shared")]))
+    if not env:
+        import socket
+
+        validate(parse_args(demo_flags(tmp_path, f"http://127.0.0.1:8000,http://{socket.gethostname()}:8001", "vllm",
+                                       engine_shared_path=None)))
+
+
+# ------------------------------------------------------------------ reloads that cannot mix weights (vLLM)
+def test_a_vllm_reload_waits_for_requests_in_flight_and_never_mixes_weights(hf_dir, demo, tmp_path):
+    """pause (mode=wait) -> reload -> version -> reset prefix cache -> resume: a request in flight when the push
+    starts finishes with the old weights (the stand-in counts requests a reload ran under: 0), and the fence is
+    asked for once. An older server without /pause is reloaded under its requests (counted: 1)."""
+    import threading
+
+    actor, tok = demo
+    for legacy in (False, True):
+        s = start(hf_dir, "vllm", legacy=legacy, delay_s=1.5)
+        try:
+            engine, other = VLLMEngine(s.url), VLLMEngine(s.url)
+            push(engine, actor, tmp_path / "push", 0)
+            prompt = prompts(tok, 1)[0][0].tolist()
+            got: list = []
+            body = {"model": str(hf_dir), "prompt": prompt, "max_tokens": 4, "temperature": 0.0}  # another client's
+            t = threading.Thread(target=lambda: got.append(other._request("/v1/completions", body)))
+            t.start()
+            while s.inflight == 0:
+                time.sleep(0.01)
+            push(engine, actor, tmp_path / "push", 1)  # while the other client's request runs
+            t.join()
+            assert got and s.pushes == ["0", "1"]
+            if legacy:
+                assert s.mixed == 1 and not [p for p in s.paths if p.startswith("/pause")]
+                continue
+            assert s.mixed == 0
+            calls = [p for p in s.paths if p.split("?")[0] in ("/is_paused", "/pause", "/collective_rpc",
+                                                             "/update_weight_version", "/reset_prefix_cache", "/resume")]
+            fence = ["/pause?mode=wait", "/collective_rpc", "/update_weight_version", "/reset_prefix_cache", "/resume"]
+            assert calls == ["/is_paused", *fence, *fence]
+        finally:
+            s.stop()
+
+
+def test_a_failed_vllm_reload_says_to_restart_the_engine(demo, tmp_path):
+    """A refused reload leaves the engine paused with weights possibly half replaced: the one line says so and
+    what to do."""
+    from model.loader import build_minimind
+    from scripts.convert_model import policy_to_hf
+
+    torch.manual_seed(0)
+    policy_to_hf(build_minimind(64, 2), demo[1], tmp_path / "small_hf")
+    s = start(tmp_path / "small_hf", "vllm")
+    try:
+        engine = VLLMEngine(s.url)
+        with pytest.raises(EngineError) as e:
+            push(engine, demo[0], tmp_path / "push", 0)
+        msg = str(e.value)
+        assert "could not load the weights" in msg and "it is left paused" in msg and "restart the engine" in msg
+        assert "\n" not in msg and s.paused
+    finally:
+        s.stop()
+
+
+# ------------------------------------------------------------------ no watchdog deaths
+def test_an_engine_wait_ends_at_the_rank_local_deadline_in_one_line(hf_dir, demo, tmp_path):
+    """Under torchrun a rank-local block must end before the other ranks' wait for it reaches the process group's
+    timeout: a hung engine (a request that never answers) is given up at the block's deadline, not after
+    --engine_timeout, with one line naming the flag."""
+    from trainer import dist as D
+
+    actor, tok = demo
+    for protocol in ("sglang", "vllm"):
+        s = start(hf_dir, protocol, stall_at=1, stall_s=120)
+        try:
+            engine = CLIENTS[protocol](s.url, timeout=600)
+            push(engine, actor, tmp_path / "push", 0)
+            ids, mask = prompts(tok, 1)
+            t0 = time.monotonic()
+            with D.rank_local_deadline(2.0, "--ddp_timeout 7"), pytest.raises(EngineError) as e:
+                engine.sample(ids, mask, max_new_tokens=8, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+            assert time.monotonic() - t0 < 10
+            msg = str(e.value)
+            assert f"the {protocol} engine at {s.url} did not answer" in msg and "within the 2 s the other ranks can " \
+                   "wait for this one (--ddp_timeout 7, less a margin)" in msg and "(or raise --ddp_timeout)" in msg
+            assert "--from_resume 1" in msg and "\n" not in msg
+            assert D.deadline() is None
+        finally:
+            s.stop()
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_stop_in_one_line_when_an_engine_hangs(standin, tmp_path):
+    """Two gloo ranks sharing one engine that hangs on one rank's first rollout request (after both probes): with
+    --engine_timeout 600 and --ddp_timeout 30 every rank stops within the process group's timeout, rank 0 with one
+    line naming the engine; not gloo's timeout (a traceback on the waiting rank) or NCCL's watchdog."""
+    from tests.test_distributed import _only_line, _spawn_ranks
+
+    standin.stall_at, standin.stall_s = 3, 300  # /generate 1 and 2: the probes; 3: a rank's first step
+    flags = demo_flags(tmp_path, standin.url, max_steps=2, batch_size=2, mini_batch_size=8, device="cpu",
+                       ddp_timeout=30)
+    t0 = time.monotonic()
+    line = _only_line(_spawn_ranks([flags, flags], tmp_path, timeout=240))
+    took = time.monotonic() - t0
+    assert f"the sglang engine at {standin.url} did not answer /generate within the 25 s the other ranks can wait " \
+           f"for this one (--ddp_timeout 30, less a margin)" in line, line
+    assert took < 150, took
+    assert not list((tmp_path / "ckpt").glob("*_resume_step*.pth"))

@@ -195,6 +195,15 @@ def test_greedy_after_a_weight_push_equals_our_decoder(engine, pushed):
     assert not torch.equal(start.sequences, ours.sequences), "the perturbation must change the greedy replies"
 
 
+def test_the_push_is_fenced_and_the_server_resumes(engine, pushed):
+    """vLLM 0.32's dev mode offers /pause, /resume, /is_paused: the push went pause (mode=wait) -> reload -> version
+    -> reset prefix cache -> resume, and the server serves again (not left paused)."""
+    assert pushed.client.fenced()
+    with urllib.request.urlopen(engine.url + "/is_paused", timeout=30) as r:
+        assert json.loads(r.read()) == {"is_paused": False}
+    assert pushed.client.server_version() == "1"
+
+
 def test_engine_logprobs_equal_the_trainers_at_the_temperature(engine, pushed):
     """--logprobs-mode processed_logprobs: the engine's log-prob of each sampled token is the trainer's
     policy_forward at the same temperature (fp32 both: the gap is float rounding); at T = 1 it is not."""

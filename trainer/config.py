@@ -155,9 +155,11 @@ class EngineArgs:
     """Push the policy's weights to the engine every N updates (1: every rollout samples the current policy)."""
     engine_shared_path: str | None = None
     """Folder the pushed weights are written to; the engine must read the same path (default: a folder in /dev/shm
-    named after the engine's URL, else under --checkpoint_dir; sglang: --sglang_shared_path)."""
+    named after the engine's URL, else under --checkpoint_dir, on one node with local engines only: needed for an
+    engine on another host or a run over several nodes; sglang: --sglang_shared_path)."""
     engine_timeout: float = 600.0
-    """Seconds an engine request (a batch of samples, a weight reload) may take before the run stops."""
+    """Seconds an engine request (a batch of samples, a weight reload) may take before the run stops; under torchrun
+    also no longer than the other ranks can wait (--ddp_timeout less a margin, for all of a step's requests)."""
     rollout_is: Literal["token", "sequence", "none"] = "token"
     """An engine's samples: truncated importance weights pi_old / pi_engine on the policy loss, per token or per
     response (none: measured and logged, not applied)."""
@@ -166,8 +168,8 @@ class EngineArgs:
     sglang_base_url: str | None = None
     """MiniMind's name for --engine_url with --rollout_engine sglang (default http://localhost:8998)."""
     sglang_model_path: str | None = None
-    """MiniMind: the directory the SGLang server was started from; its config and tokenizer files go with every
-    weight push (MiniMind reads its tokenizer from it; minippo uses the actor's)."""
+    """MiniMind's tokenizer path: its tokenizer files go with every weight push (default: the actor's tokenizer
+    directory, model/ for native weights); must be the actor's tokenizer."""
     sglang_shared_path: str | None = None
     """MiniMind's name for --engine_shared_path with --rollout_engine sglang."""
 

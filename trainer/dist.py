@@ -7,6 +7,7 @@ A leaf module (torch.distributed only), so the PPO parts depend on it and never 
 from __future__ import annotations
 
 import contextlib
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -58,6 +59,43 @@ def any_rank(flag: bool, info: DistInfo) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=info.comm_device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item() > 0)
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When the rank-local block running now must be done: the other ranks wait for this one in the collective at
+    its end, and past `budget_s` (`flag` less a margin) that wait ends the run in the process group's watchdog
+    instead of with one line. Waits on something outside the process (a rollout engine) take what is left."""
+
+    at: float  # time.monotonic()
+    budget_s: float
+    flag: str  # what bounds it, for messages: "--ddp_timeout 1800"
+
+    def left(self) -> float:
+        return self.at - time.monotonic()
+
+
+_DEADLINE: list[Deadline] = []  # the outermost rank-local block's (empty: none, e.g. one process)
+
+
+def deadline() -> Deadline | None:
+    """The deadline of the rank-local block running now (None: none, e.g. one process). Read from any thread."""
+    return _DEADLINE[0] if _DEADLINE else None
+
+
+@contextlib.contextmanager
+def rank_local_deadline(budget_s: float | None, flag: str) -> Iterator[None]:
+    """A rank-local block that must end within `budget_s` seconds (None: unbounded); a nested block keeps the
+    outer one's deadline when that is sooner."""
+    outer = deadline()
+    if budget_s is None or (outer is not None and outer.left() <= budget_s):
+        yield
+        return
+    _DEADLINE[:] = [Deadline(time.monotonic() + budget_s, budget_s, flag)]
+    try:
+        yield
+    finally:
+        _DEADLINE[:] = [outer] if outer is not None else []
 
 
 def reduce_mean(values: dict[str, float], info: DistInfo, weights: dict[str, float] | None = None) -> dict[str, float]:

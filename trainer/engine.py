@@ -15,10 +15,15 @@ Which log-probs each engine returns (both: after temperature, the distribution t
 - SGLang: log softmax(logits / T) over the whole vocabulary (its default; greedy: T = 1).
 
 Weights: the trainer writes the policy as safetensors into a folder both can read (`push_dir`) and the engine
-reloads it (vLLM: the worker's `reload_weights` through `/collective_rpc`, which needs VLLM_SERVER_DEV_MODE=1; SGLang:
-`/update_weights_from_disk`), then records the weight version (the number of updates in those weights). Every
-response is stamped with the version it was sampled with (SGLang: per response; vLLM: the server's version read
-before and after the batch); any other version than the last pushed one stops the run (EngineError).
+reloads it (vLLM: the worker's `reload_weights` through `/collective_rpc`, which needs VLLM_SERVER_DEV_MODE=1, fenced
+by /pause?mode=wait ... /resume where the server has them; SGLang: `/update_weights_from_disk`), then records the
+weight version (the number of updates in those weights). Every response is stamped with the version it was sampled
+with (SGLang: per response; vLLM: the server's version read before and after the batch); any other version than the
+last pushed one stops the run (EngineError).
+
+Waits: every request waits at most `timeout` (--engine_timeout) and, inside a rank-local block under torchrun, at
+most what is left of the block's deadline (trainer.dist.deadline(): the other ranks wait for this one in the
+collective at its end), so a hung engine ends the run with one line, never in the process group's watchdog.
 
 Only the standard library talks HTTP here: the trainer's requirements do not grow for an engine.
 """
@@ -40,6 +45,7 @@ from typing import Any
 import torch
 
 from model.generation import Samples
+from trainer import dist as D
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -104,16 +110,22 @@ class Engine:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method or ("POST" if body is not None else "GET"),
                                      headers={"Content-Type": "application/json"})
+        wait = timeout or self.timeout
+        due = D.deadline()  # under torchrun: the other ranks wait for this one in a collective, for so long only
+        if due is not None and due.left() < wait:
+            wait = due.left()
+            if wait <= 0:
+                raise EngineUnreachable(self._too_slow(due, path))
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
+            with urllib.request.urlopen(req, timeout=wait) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
             raise EngineError(f"the {self.kind} engine at {self.url} refused {path}: HTTP {e.code} {_error_text(e)}") from None
         except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError) as e:
             reason = getattr(e, "reason", e)
-            hint = self.start_hint if self.version is None else (  # mid-run: the engine died or restarted
-                "the last checkpoint is intact: restart the engine, then continue with --from_resume 1")
-            raise EngineUnreachable(f"the {self.kind} engine at {self.url} is not reachable ({reason}); {hint}") from None
+            if due is not None and due.left() <= 1.0 and isinstance(reason, (socket.timeout, TimeoutError)):
+                raise EngineUnreachable(self._too_slow(due, path)) from None
+            raise EngineUnreachable(f"the {self.kind} engine at {self.url} is not reachable ({reason}); {self._hint()}") from None
         if not raw.strip():
             return None
         try:
@@ -121,6 +133,16 @@ class Engine:
         except json.JSONDecodeError:
             raise EngineError(f"the {self.kind} engine at {self.url} answered {path} with something that is not JSON: "
                               f"{raw[:80]!r}") from None
+
+    def _hint(self) -> str:
+        return self.start_hint if self.version is None else (  # mid-run: the engine died, hung or restarted
+            "the last checkpoint is intact: restart the engine, then continue with --from_resume 1")
+
+    def _too_slow(self, due: D.Deadline, path: str) -> str:
+        """An engine that did not answer before the rank-local block's deadline (a hung or overloaded engine)."""
+        return (f"the {self.kind} engine at {self.url} did not answer {path} within the {due.budget_s:.0f} s the other "
+                f"ranks can wait for this one ({due.flag}, less a margin): is it hung or overloaded? {self._hint()} "
+                f"(or raise {due.flag.split()[0]})")
 
     def health(self) -> None:
         """Raise EngineError unless the server answers its health check."""
@@ -140,6 +162,10 @@ class Engine:
     def max_model_len(self) -> int | None:
         """The longest prompt + response the server accepts (None: unknown)."""
         return None
+
+    def context_flag(self, need: int) -> str:
+        """The server's start-up flag that makes it accept `need` tokens of prompt + response."""
+        return f"--max-model-len {need}"
 
     def model_path(self) -> str | None:
         """The model directory the server was started from, as it reports it (None: unknown)."""
@@ -177,8 +203,10 @@ class Engine:
                generator: torch.Generator | None = None, **_ignored: Any) -> Samples:
         """model.generation.sample's contract, sampled by the engine: `num_generations` responses per prompt row
         (rows i*N .. i*N+N-1), right-padded, on the inputs' device; `logprobs` are the engine's. Each prompt gets
-        its own seed, drawn from `generator` (None: torch's default stream), so a seeded run asks for the same
-        draws. `fast_decode` and the like are the local decoder's and mean nothing here."""
+        its own seed, drawn from `generator` (None: torch's default stream) and sent as vLLM's `seed` (its N samples
+        from one seeded stream) or SGLang's `sampling_seed` (seed + j for its j-th row), so a seeded run asks for the
+        same draws; the replies repeat where the server honours the seeds (vLLM does; SGLang with
+        --enable-deterministic-inference). `fast_decode` and the like are the local decoder's and mean nothing here."""
         eos = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
         prompts = [row[m.bool()].tolist() for row, m in zip(input_ids.cpu(), attention_mask.cpu())]
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator,
@@ -247,6 +275,7 @@ class VLLMEngine(Engine):
         self.concurrency = concurrency
         self._model: str | None = None
         self._max_len: int | None = None
+        self._fence: bool | None = None  # /pause ... /resume offered (None: not asked yet)
 
     def _models(self) -> None:
         data = (self._request("/v1/models", timeout=min(self.timeout, 30.0)) or {}).get("data") or []
@@ -286,7 +315,29 @@ class VLLMEngine(Engine):
         self.check_version([self.server_version()])  # the server's version did not change under the batch
         return groups
 
+    def fenced(self) -> bool:
+        """Whether the server can pause generation around a reload (vLLM's /pause, /resume, /is_paused: dev mode,
+        vLLM >= 0.12); asked once."""
+        if self._fence is None:
+            try:
+                self._request("/is_paused", timeout=min(self.timeout, 30.0))
+                self._fence = True
+            except EngineUnreachable:
+                raise
+            except EngineError as e:
+                if "HTTP 404" not in str(e):
+                    raise
+                self._fence = False
+        return self._fence
+
     def _load(self, folder: Path, version: int) -> None:
+        """Reload the weights in `folder`. Fenced where the server offers it: pause (new requests queue; the ones in
+        flight, another client's or one left running after a timeout, finish with the old weights), reload, set the
+        version, reset the prefix cache (its KV blocks were computed with the old weights), resume; so no request is
+        ever sampled with a mix of both. Without a fence the reload happens under whatever runs."""
+        fence = self.fenced()
+        if fence:
+            self._request("/pause?mode=wait", method="POST")
         try:
             self._request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
         except EngineUnreachable:
@@ -295,33 +346,90 @@ class VLLMEngine(Engine):
             if "HTTP 404" in str(e):
                 raise EngineError(f"the vllm engine at {self.url} has no /collective_rpc: start it with "
                                   f"VLLM_SERVER_DEV_MODE=1 (scripts/serve_engine.sh does)") from None
+            state = "it is left paused, " if fence else ""
             raise EngineError(f"the vllm engine at {self.url} could not load the weights in {folder} (does it serve "
-                              f"another model than the actor?): {e}") from None
+                              f"another model than the actor?): {e}; {state}its weights may be partly replaced: restart "
+                              f"the engine{', then continue with --from_resume 1' if self.version is not None else ''}"
+                              ) from None
         self._request("/update_weight_version", {"new_version": str(version)})
-        self._request("/reset_prefix_cache", {})
+        reset = self._request("/reset_prefix_cache", method="POST")
+        if fence:
+            if isinstance(reset, dict) and reset.get("success") is False:  # blocks still held: nothing may run now
+                raise EngineError(f"the vllm engine at {self.url} could not reset its prefix cache after a weight "
+                                  f"reload while paused: it is left paused; restart the engine, then continue with "
+                                  f"--from_resume 1")
+            self._request("/resume", method="POST")
 
 
 class SGLangEngine(Engine):
-    """SGLang's native server (`python -m sglang.launch_server --model-path DIR --port 8998`, as MiniMind's README
-    starts it): /generate with a batch of input_ids and return_logprob, /update_weights_from_disk, /get_model_info."""
+    """SGLang's native server (`python -m sglang.launch_server --model-path DIR --attention-backend triton --host
+    0.0.0.0 --port 8998`, as MiniMind's README starts it): /generate with a batch of input_ids, one sampling_params
+    per row (its `sampling_seed`) and return_logprob, /update_weights_from_disk, /model_info (older servers:
+    /get_model_info, deprecated since), /v1/models (the context length its requests are checked against)."""
 
     kind = "sglang"
-    start_hint = ("start one with python -m sglang.launch_server --model-path MODEL_DIR --host 0.0.0.0 --port 8998 "
-                  "(docs/engines.md)")
+    start_hint = ("start one with python -m sglang.launch_server --model-path MODEL_DIR --attention-backend triton "
+                  "--host 0.0.0.0 --port 8998 (docs/engines.md)")
+
+    def __init__(self, url: str, timeout: float = 600.0) -> None:
+        super().__init__(url, timeout)
+        self._info_path: str | None = None  # /model_info, or /get_model_info on a server without it
+
+    def _info(self) -> dict:
+        if self._info_path is None:
+            try:
+                out = self._request("/model_info", timeout=min(self.timeout, 30.0))
+                self._info_path = "/model_info"
+                return out or {}
+            except EngineUnreachable:
+                raise
+            except EngineError as e:
+                if "HTTP 404" not in str(e):
+                    raise
+                self._info_path = "/get_model_info"
+        return self._request(self._info_path, timeout=min(self.timeout, 30.0)) or {}
 
     def server_version(self) -> str | None:
-        v = (self._request("/get_model_info", timeout=min(self.timeout, 30.0)) or {}).get("weight_version")
+        v = self._info().get("weight_version")
         return None if v is None else str(v)
 
     def model_path(self) -> str | None:
-        return (self._request("/get_model_info", timeout=min(self.timeout, 30.0)) or {}).get("model_path")
+        return self._info().get("model_path")
+
+    def max_model_len(self) -> int | None:
+        """SGLang refuses a request whose input + max_new_tokens reaches its context length (HTTP 400 from the
+        tokenizer manager), so the longest it takes is one less; read off /v1/models (`max_model_len`: the context
+        length it checks against, --context-length or the model's), else the server's arguments."""
+        try:
+            data = (self._request("/v1/models", timeout=min(self.timeout, 30.0)) or {}).get("data") or [{}]
+            ctx = data[0].get("max_model_len")
+        except EngineUnreachable:
+            raise
+        except EngineError:
+            ctx = None
+        if ctx is None:
+            for path in ("/server_info", "/get_server_info"):
+                try:
+                    ctx = (self._request(path, timeout=min(self.timeout, 30.0)) or {}).get("context_length")
+                    break
+                except EngineUnreachable:
+                    raise
+                except EngineError:
+                    continue
+        return None if ctx is None else int(ctx) - 1
+
+    def context_flag(self, need: int) -> str:
+        return f"--context-length {need + 1}"
 
     def _complete(self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int]) -> list[list[Completion]]:
         sp = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
               "top_k": params.top_k or -1, "stop_token_ids": list(params.stop_ids), "ignore_eos": params.ignore_eos,
               "skip_special_tokens": False}
         rows = [p for p in prompts for _ in range(n)]  # MiniMind's form: each prompt repeated, one request
-        out = self._request("/generate", {"input_ids": rows, "sampling_params": sp, "return_logprob": True})
+        # One seed per row: SGLang's seeded sampler (--enable-deterministic-inference) hashes (seed, position), so
+        # the N rows of a prompt need N seeds or they would be N copies of one reply.
+        sps = [dict(sp, sampling_seed=(seed + j) % (2**31 - 1)) for seed in seeds for j in range(n)]
+        out = self._request("/generate", {"input_ids": rows, "sampling_params": sps, "return_logprob": True})
         out = out if isinstance(out, list) else [out]
         done = []
         for item in out:

@@ -363,6 +363,7 @@ def engine_checks(cfg: Config) -> list[tuple[bool, str]]:
     if cfg.rollout_engine == "torch":
         return []
     eng = f"--rollout_engine {cfg.rollout_engine}"
+    why = "" if cfg.engine_shared_path or cfg.sglang_shared_path else shared_default_unreadable(cfg)
     return [
         (cfg.rollout_engine != "vllm" or bool(cfg.engine_url),
          f"{eng} needs --engine_url http://HOST:PORT of a running vLLM server (scripts/serve_engine.sh vllm MODEL_DIR "
@@ -379,10 +380,37 @@ def engine_checks(cfg: Config) -> list[tuple[bool, str]]:
         (math.isfinite(cfg.engine_timeout) and cfg.engine_timeout > 0, "--engine_timeout must be a number of seconds > 0"),
         (math.isfinite(cfg.rollout_is_cap) and cfg.rollout_is_cap >= 1,
          f"--rollout_is_cap {cfg.rollout_is_cap} must be a finite number >= 1 (an on-policy token's weight is 1)"),
-        (cfg.sglang_model_path is None or Path(cfg.sglang_model_path).is_dir(),
-         f"--sglang_model_path {cfg.sglang_model_path}: not a directory (the model directory the SGLang server was "
-         f"started from)"),
+        (cfg.sglang_model_path is None or any((Path(cfg.sglang_model_path) / f).is_file() for f in TOKENIZER_FILES),
+         f"--sglang_model_path {cfg.sglang_model_path}: no tokenizer there (MiniMind's meaning: the tokenizer "
+         f"directory, e.g. model/; it goes with every weight push)"),
+        (not why,
+         f"--engine_shared_path is needed: {why}, and the default folder is in rank 0's memory (/dev/shm) where "
+         f"that engine cannot read the pushed weights; give --engine_shared_path a folder that rank 0 and every engine "
+         f"can read (a shared filesystem path)"),
     ]
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+LOOPBACK = re.compile(r"localhost|127(\.\d+){3}|\[?::1\]?|0\.0\.0\.0")
+
+
+def _host(url: str) -> str:
+    return re.sub(r":\d+$", "", url.split("://", 1)[-1].split("/", 1)[0]).strip("[]").lower()
+
+
+def shared_default_unreadable(cfg: Config) -> str:
+    """Why the default push folder (in rank 0's /dev/shm) cannot serve every engine ('' where it can): a run over
+    several nodes (each node's engine reads its own machine's memory), or an engine on another host. Decided from the
+    flags and torchrun's environment alone, so every rank decides the same before the process group exists."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    nodes = world // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
+    if nodes > 1:
+        return f"this run spans {nodes} nodes"
+    import socket
+
+    here = {socket.gethostname().lower(), socket.gethostname().lower().split(".")[0]}
+    remote = [u for u in engine_urls(cfg) if not (LOOPBACK.fullmatch(_host(u)) or _host(u) in here)]
+    return f"the engine at {remote[0]} is on another host" if remote else ""
 
 
 def engine_urls(cfg: Config) -> list[str]:

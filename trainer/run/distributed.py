@@ -60,6 +60,7 @@ def gpu_identity(device: torch.device) -> str:
 
 
 _WAIT_GROUP: list = []  # the gloo group that waits for rank 0's writes (init_distributed makes it)
+_TIMEOUTS: dict[str, int] = {}  # init_distributed's: "ddp" (the training group's collectives), "save" (_WAIT_GROUP's)
 
 
 def init_distributed(device_flag: str = "auto", timeout_s: int = 1800, cpu_collectives: bool = False,
@@ -87,6 +88,7 @@ def init_distributed(device_flag: str = "auto", timeout_s: int = 1800, cpu_colle
             dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
             # Every rank creates it, at the same point: what main_writes waits on (gloo: NCCL's watchdog never sees it).
             _WAIT_GROUP[:] = [dist.new_group(backend="gloo", timeout=timedelta(seconds=wait_timeout_s))]
+            _TIMEOUTS.update(ddp=timeout_s, save=wait_timeout_s)
         backend = str(dist.get_backend())
     elif group_of_one and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
@@ -174,15 +176,26 @@ def stop_all(error: str | None, info: D.DistInfo) -> None:
     raise SystemExit(f"error: {'rank ' + str(rank) + ': ' if info.enabled else ''}{msg}" if info.is_main else 1)
 
 
+def block_budget(kind: str = "ddp") -> tuple[float | None, str]:
+    """How long a rank-local block may run under torchrun before the others' wait for it in the collective at its
+    end reaches the process group's timeout (`kind` "ddp": --ddp_timeout; "save": --save_timeout, the wait group's),
+    less a margin (a tenth, at least 5 s, at most half) for the work around it; None where there is no such wait."""
+    t = _TIMEOUTS.get(kind)
+    return (None, "") if t is None else (t - min(max(5.0, 0.1 * t), 0.5 * t), f"--{kind}_timeout {t}")
+
+
 @contextlib.contextmanager
-def failing_together(info: D.DistInfo) -> Iterator[None]:
+def failing_together(info: D.DistInfo, kind: str = "ddp") -> Iterator[None]:
     """Around rank-local work that can fail on some ranks only (a bad file on one node, a reward
     function that throws, OOM): the failure is agreed on at the end of the block, so no rank is left
     waiting in a collective the failed rank never reaches (NCCL would wait for its timeout). The block
-    must not run collectives itself. One process: exceptions pass through unchanged."""
+    must not run collectives itself. One process: exceptions pass through unchanged. Under torchrun the
+    block also has a deadline (`block_budget(kind)`, trainer.dist.deadline()): what waits on something
+    outside the process (a rollout engine's requests) gives up in time to end the run with one line."""
     error = None
     try:
-        yield
+        with D.rank_local_deadline(*block_budget(kind)) if info.enabled else contextlib.nullcontext():
+            yield
     except (Exception, SystemExit) as e:  # KeyboardInterrupt passes: a second Ctrl-C exits at once
         if not info.enabled:
             raise
@@ -196,7 +209,7 @@ def in_turn(fn: Callable[[], None], info: D.DistInfo, mine: bool) -> None:
     timeout is --save_timeout: not in a collective of the training group, which the NCCL watchdog (or gloo's own
     timeout) would end at --ddp_timeout. Every rank reaches the barrier, also after a failure, which then reaches
     every rank as in failing_together."""
-    with failing_together(info):
+    with failing_together(info, "save"):
         try:
             if mine:
                 fn()

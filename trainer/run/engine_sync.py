@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from model.config import MiniMindConfig, stock_hf_config
+from model.loader import DEFAULT_TOKENIZER_DIR, load_tokenizer
 from model.lora import base_of, is_lora, merged_state_dict
 from trainer import dist as D
 from trainer.config import Config
@@ -27,6 +28,8 @@ from trainer.rollout import draw, policy_forward
 from trainer.run.distributed import failing_together, main_writes
 from trainer.run.sharding import full_state_dict, is_sharded
 from trainer.runtime import Models, Runtime
+
+_CLIENTS: dict[str, Engine] = {}  # rank 0's clients of the other engines it pushes to
 
 # Mean |log-prob gap| per token on the start-up probe above which the engine is not sampling the policy (a bf16
 # engine measures ~0.04-0.05 against bf16 autocast, an fp32 one ~1e-6: docs/engines.md), and above which, when the
@@ -47,7 +50,8 @@ def connect_engine(cfg: Config, info: D.DistInfo) -> Engine | None:
         need = cfg.max_total_len if cfg.tools else cfg.max_seq_len + cfg.max_gen_len
         if limit is not None and limit < need:
             raise EngineError(f"the {cfg.rollout_engine} engine at {engine.url} serves at most {limit} tokens per "
-                              f"sequence; this run needs {need} (prompt + response): start it with --max-model-len {need}")
+                              f"sequence; this run needs {need} (prompt + response): start it with "
+                              f"{engine.context_flag(need)}")
     return engine
 
 
@@ -59,14 +63,39 @@ def _config_json(actor: torch.nn.Module) -> dict:
     return json.loads(conf.to_json_string(use_diff=False))
 
 
+def tokenizer_dir(cfg: Config) -> Path | None:
+    """The tokenizer whose files go with every push: MiniMind's --sglang_model_path (its tokenizer path, default
+    ../model from MiniMind's trainer/: MiniMind's tokenizer folder), here by default the actor's own (--tokenizer_path,
+    model/ for native weights, the --actor_path directory); None for vLLM without the flag."""
+    if cfg.sglang_model_path:
+        return Path(cfg.sglang_model_path)
+    if cfg.rollout_engine != "sglang":
+        return None
+    return Path(cfg.tokenizer_path or cfg.actor_path or DEFAULT_TOKENIZER_DIR)
+
+
 def _extra_files(cfg: Config) -> list[Path]:
-    """Files of the server's own model directory that go with every push (--sglang_model_path: tokenizer, generation
-    config), never its weights or their index."""
-    if not cfg.sglang_model_path:
+    """The tokenizer's files (`tokenizer_dir`) that go with every push, as MiniMind's push saves its tokenizer beside
+    the weights: never a model's weights, config or generation config."""
+    d = tokenizer_dir(cfg)
+    if d is None or not d.is_dir():
         return []
-    return sorted(f for f in Path(cfg.sglang_model_path).iterdir()
-                  if f.is_file() and f.suffix in (".json", ".txt", ".model", ".jinja", ".tiktoken")
-                  and not f.name.endswith(".index.json") and f.name != "config.json")
+    return sorted(f for f in d.iterdir() if f.is_file() and (
+        f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "added_tokens.json", "vocab.json",
+                                                     "merges.txt") or f.suffix in (".jinja", ".tiktoken")))
+
+
+def check_tokenizer(cfg: Config, tok) -> None:
+    """--sglang_model_path given: its tokenizer must be the actor's (MiniMind stops the engine at its EOS and decodes
+    with it; here the actor's tokenizer encodes the prompts and its EOS ids stop the engine)."""
+    if not cfg.sglang_model_path:
+        return
+    other = load_tokenizer(cfg.sglang_model_path, trust_remote_code=bool(cfg.trust_remote_code))
+    mine, theirs = (len(tok), tok.eos_token_id), (len(other), other.eos_token_id)
+    if mine != theirs:
+        raise SystemExit(f"error: --sglang_model_path {cfg.sglang_model_path}: its tokenizer (vocabulary {theirs[0]}, "
+                         f"EOS id {theirs[1]}) is not the actor's (vocabulary {mine[0]}, EOS id {mine[1]}): give the "
+                         f"actor's tokenizer directory, or leave the flag out (the actor's is the default)")
 
 
 def push_weights(cfg: Config, m: Models, rt: Runtime, version: int) -> None:
@@ -91,8 +120,10 @@ def push_weights(cfg: Config, m: Models, rt: Runtime, version: int) -> None:
                 raise SystemExit(f"error: writing the weights for the engine to {folder} failed: {e.strerror or e}; "
                                  f"give --engine_shared_path a folder with room") from None
             for url in dict.fromkeys((cfg.engine_url or "").split(",")):  # every engine once, this rank's too
-                same = url.rstrip("/") == engine.url
-                (engine if same else ENGINES[cfg.rollout_engine](url, cfg.engine_timeout)).load_weights(folder, version)
+                if url.rstrip("/") == engine.url:
+                    engine.load_weights(folder, version)
+                else:  # one client per engine for the run: what it learnt of its server (vLLM's fence) is asked once
+                    _CLIENTS.setdefault(url, ENGINES[cfg.rollout_engine](url, cfg.engine_timeout)).load_weights(folder, version)
 
     main_writes(write_and_reload, rt.info)
     engine.version = version  # every rank expects its engine to sample version `version` from now on
@@ -134,6 +165,7 @@ def start_engine(cfg: Config, m: Models, rt: Runtime, step: int) -> str:
     """Before the first rollout: push the weights the run starts from (version `step`: the updates in them, a
     resumed run's too) and probe the engine once. Returns the line to log."""
     with failing_together(rt.info), exits_on_engine_error():  # every rank's engine, where its directory is readable
+        check_tokenizer(cfg, m.tok)
         served = m.engine.served_config()
         why = model_mismatch(served, _config_json(m.actor)) if served else None
         if why:
