@@ -383,3 +383,19 @@ def test_a_policy_engine_is_refused_as_a_reward_model(engine):
         RemoteRewardModel(engine.url, tok, RM_DIR).connect()
     assert "\n" not in str(e.value) and "serves another model" in str(e.value), str(e.value)
     print(f"\npolicy engine as --reward_model_url: {e.value}")
+
+
+def test_training_scores_with_the_served_reward_model_as_in_process(rm_server, tmp_path):
+    """train_ppo --reward_model_url (vLLM) beside --rollout_engine torch: every step's reward/rm and reward/total equal
+    the same run's with the reward model in this process (same seed: the same samples)."""
+    rewards = {}
+    for name, extra in (("local", {}), ("served", {"reward_model_url": rm_server.url})):
+        (tmp_path / name).mkdir()  # the engine's flags are left unread (a warning): the policy samples in this process
+        code, out = run_main(_train_flags("http://127.0.0.1:9", tmp_path / name, rollout_engine="torch", max_steps=2, **extra))
+        assert code in (None, 0), out[-3000:]
+        rewards[name] = [(r["reward/rm"], r["reward/total"]) for r in read_metrics(tmp_path / name / "runs") if "reward/rm" in r]
+    assert len(rewards["served"]) == 2
+    for (rm_a, tot_a), (rm_b, tot_b) in zip(rewards["local"], rewards["served"]):
+        assert rm_b == pytest.approx(rm_a, abs=RM_GAP_LIMIT) and tot_b == pytest.approx(tot_a, abs=RM_GAP_LIMIT)
+    print(f"\n2 steps scored by the served reward model: reward/rm {[round(r, 6) for r, _ in rewards['served']]} "
+          f"(in process: {[round(r, 6) for r, _ in rewards['local']]})")

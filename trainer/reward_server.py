@@ -177,7 +177,8 @@ class RemoteRewardModel:
         served = _read_config(root) if root else {}
         local = _shape(self.config)
         if served and _shape(served) != local:
-            fmt = lambda s: f"{s[0]}, vocab {s[1]}, {s[2]} layers x {s[3]}, {s[4]} label(s)"  # noqa: E731
+            fmt = lambda s: (f"{s[0]}, vocab {s[1]}, {s[2]} layers x {s[3]}"  # noqa: E731
+                             + (f", {s[4]} label(s)" if "ForSequenceClassification" in str(s[0]) else ""))
             raise RewardServerError(f"{self._served()} serves another model ({root}: {fmt(_shape(served))}) than "
                                     f"--reward_model_path {self.model_path} ({fmt(local)}): start it on that directory")
         mine = list(self.tokenizer(PROBE_TEXT, add_special_tokens=False, verbose=False)["input_ids"])
