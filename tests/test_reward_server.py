@@ -294,3 +294,29 @@ def test_a_reward_server_failing_for_one_rank_stops_every_rank_with_one_line(tin
     assert re.fullmatch(rf"error: rank [01]: --reward_url {server.url}/reward refused the batch: HTTP 500 the stand-in fails "
                         rf"request 5 on purpose", line), line
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1]
+
+
+def test_the_documented_minimal_server_keeps_the_contract(tmp_path):
+    """docs/reward_servers.md's minimal --reward_url server, run as written (on a free port), answers the trainer."""
+    import subprocess
+    import sys
+    import time
+
+    text = (ROOT / "docs" / "reward_servers.md").read_text(encoding="utf-8")
+    code = re.search(r"```python\n(.*?)```", text, re.DOTALL).group(1)
+    port = free_port()
+    (tmp_path / "server.py").write_text(code.replace("9000", str(port)), encoding="utf-8")
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "server.py")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        fn = RewardFunctionServer(f"http://127.0.0.1:{port}/reward", timeout=10)
+        for _ in range(100):
+            try:
+                fn.check()
+                break
+            except RewardServerError:
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                time.sleep(0.1)
+        assert fn(["p", "p"], ["<answer>19</answer>", "no"], ["19", "19"]) == [1.0, 0.0]
+    finally:
+        proc.kill()
+        proc.wait()
