@@ -173,3 +173,23 @@ def start_fn(fn: Callable[[str, str, str | None], Any], **kw: Any) -> RewardFnSt
     server = RewardFnStandIn(fn, **kw)
     server.serve()
     return server
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m tests.reward_standin --model DIR --port PORT [--host H]`: the pooling stand-in as a process."""
+    import argparse
+
+    p = argparse.ArgumentParser(description="A stand-in of vLLM's pooling server on a reward model directory.")
+    p.add_argument("--model", required=True)
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--host", default="127.0.0.1")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    s = RewardModelStandIn(a.model)
+    s.serve(a.port, a.host)
+    print(f"serving {a.model} (vLLM pooling) at {s.url}", flush=True)
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()
