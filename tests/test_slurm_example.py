@@ -135,3 +135,15 @@ def test_sbatch_refuses_an_allocation_that_does_not_fit(tmp_path):
     argv, env = _job(tmp_path, hf_dir, MODEL_DIR=str(tmp_path / "out"))
     r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "is not the HF directory the engines start from" in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_sbatch_without_engine_nodes_samples_in_the_trainer(tmp_path):
+    """ENGINE_NODES=0: every node trains, no server is started, no engine flag is passed, the run finishes (exit 0)."""
+    argv, env = _job(tmp_path, tmp_path / "unused", ENGINE_NODES="0", TRAIN_NODES="2", MODEL_DIR="")
+    argv[argv.index("--max_steps") + 1] = "1"
+    rc, out = _run(argv, env, tmp_path, "no_engine")
+    log = (tmp_path / "slurm.log").read_text()
+    assert rc == 0 and "engines on none" in out and "training step ended: exit status 0" in out, out[-3000:]
+    assert "serve_" not in log and "--engine_url" not in log and "--rollout_engine" not in log, log
+    assert [r["step"] for r in read_metrics(tmp_path / "shared" / "runs")] == [1]
