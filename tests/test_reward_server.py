@@ -170,6 +170,23 @@ def test_reward_url_answers_outside_the_contract_are_one_line(answer, expect):
     assert re.search(expect, str(e.value)), str(e.value)
 
 
+def test_a_stalled_reward_server_is_one_line_within_the_timeout():
+    """A server that accepts the request and never answers in time: one line after --reward_timeout, not a hang."""
+    import time
+
+    server = start_fn(lambda p, r, ref: time.sleep(3) or 1.0)
+    try:
+        fn = RewardFunctionServer(server.url + "/reward", timeout=0.5)
+        t0 = time.monotonic()
+        with pytest.raises(RewardServerError) as e:
+            fn(["p"], ["x"], [None])
+        took = time.monotonic() - t0
+    finally:
+        server.stop()
+    assert took < 2.5 and "\n" not in str(e.value)
+    assert f"--reward_url {server.url}/reward did not answer the batch within 0.5 s (--reward_timeout)" in str(e.value)
+
+
 def test_reward_url_http_error_and_nan():
     server = start_fn(lambda p, r, ref: math.nan if r == "nan" else 1.0, fail_on=(2,))
     try:

@@ -108,6 +108,11 @@ class _Client:
             raise RewardServerError(f"{where} refused {what}: HTTP {e.code} {_error_text(e)}") from None
         except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError, OSError) as e:
             reason = getattr(e, "reason", e)
+            if isinstance(reason, (socket.timeout, TimeoutError)):  # alive but slow (or hung): not a restart's matter
+                limit = timeout or self.timeout
+                raise RewardServerError(f"{where} did not answer {what} within {limit:g} s (--reward_timeout): is it "
+                                        f"overloaded or stuck? Raise --reward_timeout (below --ddp_timeout) or fix the "
+                                        f"server, then continue with --from_resume 1") from None
             hint = ("the last checkpoint is intact: restart the server, then continue with --from_resume 1" if self.started
                     else self.hint)
             raise RewardServerError(f"{where} is not reachable ({_one_line(str(reason), 120)}); {hint}") from None
