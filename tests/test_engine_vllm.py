@@ -4,7 +4,9 @@ converted to HF and served by scripts/serve_engine.sh from the engine's own virt
 Where that virtualenv is: $MINIPPO_ENGINE_VENV, else .venv-engine in the repository (setup_engine.sh's default);
 without one every test here is skipped with the reason. `bash scripts/engine_check.sh` builds it and runs this file.
 All slow: one server for the module (~25 s to start, ~15 s of warm-up on its first requests), a second one for the
-kill test. Every request uses the same few shapes (4 prompts, MAX_GEN tokens), so the warm-up is paid once.
+kill test. Every request uses the same few shapes (4 prompts, MAX_GEN tokens), so the warm-up is paid once. Last, the
+demo's reward model on vLLM's pooling runner (scripts/serve_reward_model.sh, --reward_model_url: trainer/reward_server.py)
+against the in-process scorer.
 """
 
 from __future__ import annotations
