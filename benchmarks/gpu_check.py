@@ -26,8 +26,8 @@ script, used by tests/test_gpu_check.py) runs 64x2 models, 1-2 steps, a few toke
                  --device cpu over gloo, and 2 ranks with --device cuda are checked to stop with rank 1's
                  line naming the cause (only 1 GPU visible).
   minimind       benchmarks/time_minimind.py (MiniMind's trainer/train_ppo.py, unmodified) at 512x8 with
-                 --steps timed steps, on the GPU (time_minimind.py itself passes --device cpu; this
-                 script's child swaps in the GPU), against the bench row's s/step. Needs --minimind_dir.
+                 --steps timed steps, on the GPU (--device cuda:0), against the bench row's s/step, with our
+                 root off its path (peer_env). Needs --minimind_dir.
 """
 
 from __future__ import annotations
@@ -91,11 +91,35 @@ def shown(cmd: list[str]) -> str:
 
 
 def child_env(smoke: bool) -> dict[str, str]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", SWANLAB_MODE="disabled", PYTHONPATH=str(ROOT))
+    """Our checks' environment: the repository root first on PYTHONPATH, the entries already there kept after it
+    (e.g. where carried wheels were installed: `pip install --target`)."""
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and not _is_root(p)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", SWANLAB_MODE="disabled",
+               PYTHONPATH=os.pathsep.join([str(ROOT), *kept]))
     if smoke:  # everything on the CPU, also on a machine that has a GPU
         env["CUDA_VISIBLE_DEVICES"] = ""
         env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+def _is_root(entry: str) -> bool:
+    try:
+        return (ROOT / entry).resolve() == ROOT  # '' and relative entries: from the root, where the checks run
+    except (OSError, RuntimeError):
+        return False
+
+
+def peer_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a peer's own code (MiniMind, TRL): our root taken off PYTHONPATH, every other entry kept.
+    MiniMind's `trainer/` has no __init__.py: our `trainer` package anywhere on its path would shadow it
+    (benchmarks/time_minimind.py also takes the root off sys.path itself)."""
+    kept = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and not _is_root(p)]
+    out = dict(env)
+    if kept:
+        out["PYTHONPATH"] = os.pathsep.join(kept)
+    else:
+        out.pop("PYTHONPATH", None)
+    return out
 
 
 class CheckFailed(Exception):
@@ -319,8 +343,8 @@ def check_minimind(c: Context) -> tuple[str, str]:
     h, l = sz.model
     out = c.work / "minimind.json"
     device = "cuda:0" if sz.device == "cuda" else "cpu"
-    run([c.py, "benchmarks/gpu_check.py", "--_child", "minimind", "--minimind_dir", str(c.o.minimind_dir),
-         "--size", f"{h}x{l}", "--steps", str(sz.steps), "--device", device, "--json", str(out)], c.env, c.o.timeout)
+    run([c.py, "benchmarks/time_minimind.py", "--minimind_dir", str(c.o.minimind_dir), "--size", f"{h}x{l}",
+         "--steps", str(sz.steps), "--device", device, "--json", str(out)], peer_env(c.env), c.o.timeout)
     med = json.loads(out.read_text())["median_s"]
     figures = (f"MiniMind's trainer/train_ppo.py on {device}, {h}x{l}, batch 8, 64+64 tokens: {med:.3f} s/step "
                f"(median of {sz.steps})")
@@ -373,25 +397,6 @@ def child_fast_decode(o: argparse.Namespace) -> None:
         "mean_abs_dlogprob": d.mean().item() if d.numel() else float("nan"), "fast_decoder_used": used}))
 
 
-def child_minimind(o: argparse.Namespace) -> None:
-    """benchmarks/time_minimind.py on --device: it starts MiniMind's trainer with --device cpu, which this
-    child replaces just before MiniMind's script runs (time_minimind.py has no --device flag)."""
-    import runpy
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import time_minimind
-
-    real = runpy.run_path
-
-    def run_path(path: str, *args, **kwargs):
-        if "--device" in sys.argv:
-            sys.argv[sys.argv.index("--device") + 1] = o.device
-        return real(path, *args, **kwargs)
-
-    runpy.run_path = run_path  # time_minimind calls runpy.run_path(...) at run time: it gets this one
-    time_minimind.main(["--minimind_dir", o.minimind_dir, "--size", o.size, "--steps", str(o.steps), "--json", o.json])
-
-
 # ------------------------------------------------------------------------------------ main
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -403,10 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "script) instead of exiting with status 2")
     p.add_argument("--timeout", type=int, default=1200, help="seconds each check's subprocess may take")
     p.add_argument("--workdir", default=None, help="where the runs write their files (default: a temporary folder, removed)")
-    p.add_argument("--_child", default=None, choices=["fast_decode", "minimind"], help=argparse.SUPPRESS)
+    p.add_argument("--_child", default=None, choices=["fast_decode"], help=argparse.SUPPRESS)
     p.add_argument("--device", default="cpu", help=argparse.SUPPRESS)  # children only
     p.add_argument("--gen_len", type=int, default=64, help=argparse.SUPPRESS)
-    p.add_argument("--size", default="512x8", help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -423,8 +427,6 @@ def main(argv: list[str] | None = None) -> None:
     o = build_parser().parse_args(argv)
     if o._child == "fast_decode":
         return child_fast_decode(o)
-    if o._child == "minimind":
-        return child_minimind(o)
     if o.steps < 1 or o.timeout < 1:
         raise SystemExit("error: --steps and --timeout must be >= 1")
     if o.minimind_dir and not (Path(o.minimind_dir) / "trainer" / "train_ppo.py").is_file():

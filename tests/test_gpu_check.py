@@ -69,21 +69,48 @@ def test_allow_cpu_smoke_run_prints_every_row(tmp_path):
     # Each check's command was printed before it ran, and the runs wrote where they were told.
     commands = [l for l in r.stdout.splitlines() if l.startswith("$ ")]
     for part in ("-m pytest -q -m gpu", "benchmarks/bench_ppo.py", "train_ppo.py --device cpu --dtype bfloat16 --deterministic 1",
-                 "--_child fast_decode", "benchmarks/measure_logprob_gap.py", "torch.distributed.run", "--_child minimind"):
+                 "--_child fast_decode", "benchmarks/measure_logprob_gap.py", "torch.distributed.run",
+                 "benchmarks/time_minimind.py"):
         assert any(part in c for c in commands), part
     assert (work / "det_a" / "out" / "ppo_actor_64.pth").is_file() and (work / "ddp_gloo" / "out" / "ppo_actor_64.pth").is_file()
 
 
-@pytest.mark.slow
-def test_minimind_child_runs_minimind_on_the_given_device(tmp_path):
-    """time_minimind.py starts MiniMind's trainer with --device cpu; the check's child swaps in its --device
-    (the stand-in trainer records its arguments and never touches a GPU)."""
-    mm = tmp_path / "minimind"
+def _gpu_check_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_minimind_row_runs_minimind_off_our_root_with_carried_wheels(tmp_path, monkeypatch):
+    """The minimind row, as gpu_check runs it (its child environment, from our root), against a stand-in with
+    MiniMind's namespace `trainer/`: our root must not shadow it (it did: `import trainer.trainer_utils`
+    failed), and PYTHONPATH entries already set (where carried wheels were installed) must reach MiniMind."""
+    import argparse
+
+    gc = _gpu_check_module()
+    mm, wheels = tmp_path / "minimind", tmp_path / "site"
     _fake_minimind(mm)
-    out = tmp_path / "mm.json"
-    r = _run(["--_child", "minimind", "--minimind_dir", str(mm), "--size", "16x2", "--steps", "1", "--device", "cuda:0",
-              "--json", str(out)], timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
+    wheels.mkdir()
+    (wheels / "carried_probe.py").write_text("WHERE = 'carried'\n")
+    monkeypatch.setenv("PYTHONPATH", str(wheels))
+    monkeypatch.setenv("MINIPPO_TEST_PROBE", "1")
+    o = argparse.Namespace(minimind_dir=str(mm), steps=1, timeout=120)
+    ctx = gc.Context(o, True, tmp_path / "work")
+    (tmp_path / "work").mkdir()
+    assert ctx.env["PYTHONPATH"].split(os.pathsep) == [str(ROOT), str(wheels)]  # ours: root first, wheels kept
+    result, figures = gc.check_minimind(ctx)
+    assert result == "PASS" and "s/step" in figures, figures
+    assert (mm / "seen_probe.txt").read_text() == "carried"
     args = (mm / "seen_args.txt").read_text().split()
-    assert args[args.index("--device") + 1] == "cuda:0" and args.count("--device") == 1
-    assert '"median_s"' in out.read_text()
+    assert args[args.index("--device") + 1] == "cpu" and args.count("--device") == 1
+
+
+def test_peer_env_takes_our_root_off_and_keeps_the_rest(monkeypatch):
+    gc = _gpu_check_module()
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), "/opt/site", f"{ROOT}/.", "/x"]), "A": "1"}
+    assert gc.peer_env(env) == {"PYTHONPATH": os.pathsep.join(["/opt/site", "/x"]), "A": "1"}
+    assert gc.peer_env({"PYTHONPATH": str(ROOT)}) == {}
