@@ -12,7 +12,8 @@ from tests.helpers import ROOT
 from tests.test_time_minimind import _fake_minimind
 
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-ROWS = ["gpu tests", "bench", "deterministic", "fast decode", "logprob gap", "2 processes", "fsdp2", "minimind"]
+ROWS = ["gpu tests", "bench", "deterministic", "fast decode", "logprob gap", "2 processes", "fsdp2", "minimind",
+        "cuda graphs"]
 
 
 def _run(args: list[str], timeout: int) -> subprocess.CompletedProcess:
@@ -66,11 +67,12 @@ def test_allow_cpu_smoke_run_prints_every_row(tmp_path):
     assert "gloo with --device cpu" in table["2 processes"][1]
     assert table["fsdp2"][0] == "PASS" and "policy and DCP shards written" in table["fsdp2"][1]
     assert "x as long" in table["minimind"][1]  # MiniMind's s/step against the bench row's
+    assert table["cuda graphs"][1].startswith("no CUDA: graphs not exercised") and "8/8 rows identical" in table["cuda graphs"][1]
     # Each check's command was printed before it ran, and the runs wrote where they were told.
     commands = [l for l in r.stdout.splitlines() if l.startswith("$ ")]
     for part in ("-m pytest -q -m gpu", "benchmarks/bench_ppo.py", "train_ppo.py --device cpu --dtype bfloat16 --deterministic 1",
                  "--_child fast_decode", "benchmarks/measure_logprob_gap.py", "torch.distributed.run",
-                 "benchmarks/time_minimind.py"):
+                 "benchmarks/time_minimind.py", "--_child cuda_graphs"):
         assert any(part in c for c in commands), part
     assert (work / "det_a" / "out" / "ppo_actor_64.pth").is_file() and (work / "ddp_gloo" / "out" / "ppo_actor_64.pth").is_file()
 
