@@ -352,7 +352,9 @@ def cuda_graphs_figures(r: dict) -> tuple[str, str]:
     if not r["cuda"]:
         return "PASS", (f"no CUDA: graphs not exercised; the static step run eagerly, {shape}: {loop}; "
                         f"{r['eager_ms_per_token']:.2f} ms per token")
-    same = r["graph_identical"]
+    same = r["graph_identical"] and r["graphs_captured"] == 2
+    if not r["graphs_captured"]:
+        return "FAIL", f"{shape}: the decode step was not captured (it ran eagerly; the run's warning says why)"
     figures = (f"{shape}: graph replay {'bit-identical to' if same else 'DIFFERS from'} the eager step (tokens, "
                f"log-probs, entropies; greedy and seeded); {r['graph_ms_per_token']:.2f} ms per decode token with graphs, "
                f"{r['eager_ms_per_token']:.2f} eager ({r['eager_ms_per_token'] / r['graph_ms_per_token']:.1f}x; the "
@@ -419,19 +421,22 @@ def child_cuda_graphs(o: argparse.Namespace) -> None:
             times.append(time.perf_counter() - t0)
         return 1000 * statistics.median(times[1:]) / R
 
+    from model.generation import StaticDecode
+
     graph_mode, eager_mode = dict(cuda_graphs=True), (dict(cuda_graphs=False) if cuda else dict(static_step=True))
-    same = True
+    captured, same = StaticDecode.captured, True
     for greedy in (True, False):
         a, b = draw(greedy, **graph_mode), draw(greedy, **eager_mode)
         same &= bool(torch.equal(a.sequences, b.sequences) and torch.equal(a.logprobs, b.logprobs)
                      and torch.equal(a.entropy, b.entropy))
+    captured = StaticDecode.captured - captured  # 2 on a GPU: both graph runs replayed a graph
     a, c = draw(False, **eager_mode), draw(False, static_step=False)
     rows_same = [bool(torch.equal(a.sequences[i], c.sequences[i])) for i in range(ids.shape[0])]
     common = (a.sequences[:, P:] == c.sequences[:, P:]).long().cumprod(1).bool()
     d = (a.logprobs - c.logprobs).abs()[common]
     Path(o.json).write_text(json.dumps({
         "cuda": cuda, "size": f"{h}x{l}", "dtype": "bf16" if cuda else "fp32", "batch": ids.shape[0], "prompt_len": P,
-        "gen_len": R, "graph_identical": same if cuda else None,
+        "gen_len": R, "graph_identical": same if cuda else None, "graphs_captured": captured,
         "graph_ms_per_token": ms_per_token(**graph_mode) if cuda else None, "eager_ms_per_token": ms_per_token(**eager_mode),
         "loop_identical_rows": sum(rows_same), "loop_max_abs_dlogprob": d.max().item() if d.numel() else float("nan")}))
 
@@ -445,10 +450,10 @@ WIDE_SMOKE = dict(hidden_size=112, num_hidden_layers=2, num_attention_heads=14, 
 MINIMIND_WIDE_SKIP = ("MiniMind's command line sets only --hidden_size and --num_hidden_layers (8 heads, 4 KV heads, its "
                       "FFN rule, vocab 6400): it cannot build 14/2 heads, FFN 4864, vocab 151,936")
 POLICIES = {
-    "ours": ("bf16 autocast over fp32 master weights (--dtype bfloat16); reference held in bf16 (--frozen_low_precision "
-             "auto); old log-probs taken from the sampling pass (--rollout_logprobs 1: no extra forward); PPO: the "
-             "critic's scoring forward reused by the update (--reuse_values auto); decode by model/fast_decode.py"
-             "{graphs}"),
+    "ours": ("bf16 autocast over fp32 master weights (--dtype bfloat16); reference held in bf16 (bench_ppo's "
+             "--frozen_low_precision 1); old log-probs taken from the sampling pass (--rollout_logprobs 1: no extra "
+             "forward); PPO: the critic's scoring forward reused by the update (--reuse_values auto); decode by "
+             "model/fast_decode.py{graphs}"),
     "MiniMind": ("its own: rollout and actor update under bf16 autocast over fp32 weights; critic (PPO) and reference "
                  "forwards in fp32 (outside autocast); an extra forward after generate() for the old log-probs "
                  "(rollout_engine.compute_per_token_logps); GRPO's default loss (cispo); its generate() re-runs "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -173,6 +174,15 @@ def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None =
     return torch.searchsorted(cdf, u, right=True).clamp_(max=logits.shape[-1] - 1).squeeze(-1)
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
 class StaticDecode:
     """The decode loop of `sample()` with the fast decoder as one fixed-shape step: decode the previous token
     (FastDecoder.step's static form: full-length K/V written with index_copy_, one mask), then sample the next
@@ -186,6 +196,8 @@ class StaticDecode:
 
     Why: a decode step of a small model launches ~500 kernels of a few microseconds each; launched one by one from
     Python the GPU waits for the launches (~8 ms per token at 512x8), replayed from a graph it does not."""
+
+    captured = 0  # graphs captured in this process (tests and benchmarks/gpu_check.py check that one was)
 
     def __init__(self, fast, cache: Cache, prompt_mask: torch.Tensor, position: torch.Tensor, max_new_tokens: int, *,  # noqa: ANN001
                  eos_t: torch.Tensor, pad_token_id: int, temperature: float, top_k: int, top_p: float, greedy: bool,
@@ -242,7 +254,8 @@ class StaticDecode:
     def capture(self) -> None:
         """Record `step` in a CUDA graph. A warm-up step runs first on a side stream (as torch.cuda.graph asks), its
         effects undone: the small state and the random stream are put back, and the K/V it wrote are those the
-        first replay writes again. Capturing runs nothing."""
+        first replay writes again. Capturing runs nothing. Where capture fails (an op that syncs with the host,
+        e.g. a rotary embedding that checks its length), the step runs eagerly, with one warning."""
         state = [self.position, self.col, self.prev, self.finished, self.finite, self.tokens, self.logprobs, self.entropy]
         saved = [t.clone() for t in state]
         gen = self.generator if self.generator is not None else torch.cuda.default_generators[
@@ -255,20 +268,30 @@ class StaticDecode:
         torch.cuda.current_stream(self.col.device).wait_stream(side)
         for t, v in zip(state, saved):
             t.copy_(v)
+        # The warm-up's draws undone before the generator is registered with the graph: capturing records offsets
+        # relative to the generator's (it advances nothing), and each replay reads the generator's seed and offset
+        # and advances the offset by what one step draws, as an eager step does.
+        gen.set_state(rng)
         graph = torch.cuda.CUDAGraph()
         if self.generator is not None:  # torch's default generator is registered by capture itself
             graph.register_generator_state(self.generator)
         # torch.cuda.graph(graph) without its synchronize + gc.collect() + empty_cache() (once per rollout here)
         side.wait_stream(torch.cuda.current_stream(self.col.device))
-        with torch.cuda.stream(side):
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                self.step()
-            finally:
-                graph.capture_end()
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self.step()
+                finally:
+                    graph.capture_end()
+            self.graph = graph
+            StaticDecode.captured += 1
+        except RuntimeError as e:  # an op that cannot be captured here: the same step, launched eagerly
+            _warn_once(f"sampling: the decode step could not be captured in a CUDA graph ({str(e).splitlines()[0][:200]}); "
+                       "it runs eagerly (same tokens, slower; --cuda_graphs 0 silences this)")
+            for t, v in zip(state, saved):
+                t.copy_(v)
         torch.cuda.current_stream(self.col.device).wait_stream(side)
-        gen.set_state(rng)  # the warm-up's draws undone: the first replay draws what an eager step would
-        self.graph = graph
 
     def run_step(self) -> None:
         if self.graph is not None:

@@ -197,12 +197,15 @@ def test_cuda_graph_decode_equals_its_eager_step_bit_for_bit(greedy, own_generat
     m = scramble(build_minimind(64, 2, vocab_size=8, num_attention_heads=4, num_key_value_heads=2), seed=2).eval().to(CUDA)
     ids, mask = _left_pad(PROMPTS)
     kw = dict(max_new_tokens=24, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, greedy=greedy, return_logprobs=True)
-    runs = []
+    from model.generation import StaticDecode
+
+    runs, captured = [], StaticDecode.captured
     for graphs in (True, False, True):
         gen = torch.Generator(CUDA).manual_seed(7) if own_generator else None
         torch.manual_seed(7)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             runs.append(sample(m, ids, mask, cuda_graphs=graphs, generator=gen, **kw))
+    assert StaticDecode.captured == captured + 2  # both graph runs replayed a graph (no eager fallback)
     for got in (runs[0], runs[2]):
         want = runs[1]
         assert torch.equal(got.sequences, want.sequences) and torch.equal(got.response_mask, want.response_mask)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -116,3 +117,32 @@ def test_peer_env_takes_our_root_off_and_keeps_the_rest(monkeypatch):
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT), "/opt/site", f"{ROOT}/.", "/x"]), "A": "1"}
     assert gc.peer_env(env) == {"PYTHONPATH": os.pathsep.join(["/opt/site", "/x"]), "A": "1"}
     assert gc.peer_env({"PYTHONPATH": str(ROOT)}) == {}
+
+
+@pytest.mark.slow
+def test_peers_allow_cpu_prints_every_row_and_writes_every_step_time(tmp_path):
+    """--peers --allow_cpu: every row of the GPU run at a tiny shape on the CPU. Ours run for real; MiniMind is the
+    stand-in checkout; TRL runs where it is installed and is a SKIP row naming why where it is not (as in CI)."""
+    mm = tmp_path / "minimind"
+    _fake_minimind(mm)
+    out = tmp_path / "peers.json"
+    r = _run(["--peers", "--allow_cpu", "--minimind_dir", str(mm), "--peer_steps", "1", "--workdir", str(tmp_path / "w"),
+              "--peers_json", str(out)], timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    head = next(l for l in r.stdout.splitlines() if l.startswith("| framework"))
+    assert [c.strip() for c in head.strip("|").split("|")] == [
+        "framework", "algorithm", "shape (params)", "rows x tokens", "s/step median [min-max]",
+        "generate / score / update s", "ms per decode token", "tokens/s", "peak alloc / reserved MB", "x ours"]
+    rows = json.loads(out.read_text())["rows"]
+    names = [(r["framework"].split(" (")[0], r["algorithm"], r["shape"].split(",")[0]) for r in rows]
+    assert names == [("ours", "PPO", "64x2"), ("MiniMind", "PPO", "64x2"), ("ours", "GRPO", "64x2"), ("MiniMind", "GRPO", "64x2"),
+                     ("TRL", "GRPO", "64x2"), ("TRL, static cache", "GRPO", "64x2"), ("ours", "GRPO", "112x2"), ("TRL", "GRPO", "112x2"),
+                     ("MiniMind", "GRPO", "112x2")]
+    assert not any(r.get("fail") for r in rows), [r.get("fail") for r in rows]
+    for row in rows[:4] + rows[6:7]:  # ours and the MiniMind stand-in ran: every timed step is in the JSON
+        assert len(row["step_s"]) == 1 and len(row["generate_s"]) == 1 and row["rows"] == 8 and row["tokens"] == 4
+    assert rows[1]["ratio"] > 0 and rows[3]["ratio"] > 0  # MiniMind's s/step over ours at the same work
+    trl = rows[4:6] + rows[7:8]
+    assert all(t.get("skip", "").startswith("ModuleNotFoundError") or len(t.get("step_s", [])) == 1 for t in trl), trl
+    assert "cannot build 14/2 heads" in rows[8]["skip"]
+    assert "\ncuda graphs: PASS: no CUDA: graphs not exercised" in r.stdout  # the graph row, after the table
