@@ -263,7 +263,7 @@ class StaticDecode:
         rng = gen.get_state()
         side = torch.cuda.Stream(self.col.device)
         side.wait_stream(torch.cuda.current_stream(self.col.device))
-        with torch.cuda.stream(side):
+        with torch.cuda.device(self.col.device), torch.cuda.stream(side):
             self.step()
         torch.cuda.current_stream(self.col.device).wait_stream(side)
         for t, v in zip(state, saved):
@@ -277,8 +277,8 @@ class StaticDecode:
             graph.register_generator_state(self.generator)
         # torch.cuda.graph(graph) without its synchronize + gc.collect() + empty_cache() (once per rollout here)
         side.wait_stream(torch.cuda.current_stream(self.col.device))
-        try:
-            with torch.cuda.stream(side):
+        try:  # on the tensors' device: capture registers that device's default generator (a rank on cuda:1)
+            with torch.cuda.device(self.col.device), torch.cuda.stream(side):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     self.step()

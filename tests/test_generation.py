@@ -727,3 +727,49 @@ def test_cpu_sampling_keeps_its_decode_loop(lm8, monkeypatch):
     monkeypatch.setattr(G, "StaticDecode", None)  # would fail if it were used
     ids, mask = _left_pad([[5, 6, 7]])
     sample(lm8, ids, mask, max_new_tokens=4, eos_token_id=EOS, pad_token_id=PAD, cuda_graphs=True)
+
+
+def test_a_failed_capture_undoes_its_warm_up_and_runs_the_step_eagerly(lm8, monkeypatch, capsys):
+    """StaticDecode.capture's bookkeeping on stand-ins for torch.cuda's streams and graphs, where capture fails (as an
+    op that syncs with the host makes it): the warm-up step it ran first is undone (the small state and the random
+    stream), so the samples are the eager static step's bit for bit, with one warning."""
+    import contextlib
+
+    import model.generation as G
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    class Graph:
+        def register_generator_state(self, gen):
+            pass
+
+        def capture_begin(self, capture_error_mode="global"):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        def capture_end(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "default_generators", (torch.default_generator,))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    real = G._static_samples
+    monkeypatch.setattr(G, "_static_samples", lambda *a, **k: real(*a, **{**k, "capture": True}))
+    monkeypatch.setattr(G, "_WARNED", set())
+    ids, mask = _left_pad([[5, 6, 7], [3, 4, 5, 6, 7, 3]])
+    kw = dict(max_new_tokens=16, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, return_logprobs=True, static_step=True)
+    for own in (False, True):  # torch's default stream, or a generator of the caller's
+        gen = (lambda: torch.Generator().manual_seed(5)) if own else (lambda: None)
+        torch.manual_seed(5)
+        got = sample(lm8, ids, mask, generator=gen(), **kw)
+        monkeypatch.setattr(G, "_static_samples", real)
+        torch.manual_seed(5)
+        want = sample(lm8, ids, mask, generator=gen(), **kw)
+        monkeypatch.setattr(G, "_static_samples", lambda *a, **k: real(*a, **{**k, "capture": True}))
+        _assert_same_samples(got, want)
+    assert capsys.readouterr().err.count("could not be captured in a CUDA graph") == 1  # said once
