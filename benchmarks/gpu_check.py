@@ -456,8 +456,8 @@ POLICIES = {
              "model/fast_decode.py{graphs}"),
     "MiniMind": ("its own: rollout and actor update under bf16 autocast over fp32 weights; critic (PPO) and reference "
                  "forwards in fp32 (outside autocast); an extra forward after generate() for the old log-probs "
-                 "(rollout_engine.compute_per_token_logps); GRPO's default loss (cispo); its generate() re-runs "
-                 "top-p/top-k sampling per token"),
+                 "(rollout_engine.compute_per_token_logps); GRPO's default loss (cispo); samples with its generate()'s "
+                 "top-k 50 / top-p 0.85 at temperature 0.8 (ours and TRL: temperature 0.8, no top-k/top-p)"),
     "TRL": ("GRPOTrainer, bf16=True (accelerate's bf16 autocast over fp32 weights, the reference loaded again in "
             "fp32), transformers' generate() (min_new_tokens = max), num_iterations 1 (old log-probs = the update's "
             "own, no extra forward), gradient checkpointing off, a reward function returning 0"),
