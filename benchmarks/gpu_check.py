@@ -811,7 +811,8 @@ def main_peers(ctx: Context, started: str, where: str) -> None:
     out.write_text(json.dumps({"started": started, "where": where, "rows": rows, "notes": notes,
                                "cuda_graphs": {"result": graph_row[0], "figures": graph_row[1]}}, indent=1))
     print(f"\nevery step time: {out}")
-    if any(r.get("fail") for r in rows) or graph_row[0] == "FAIL":
+    # A peer's row that fails is reported (its line says why: its own stack); the exit status is ours.
+    if any(r.get("fail") for r in rows if r["framework"].startswith("ours")) or graph_row[0] == "FAIL":
         raise SystemExit(1)
 
 
