@@ -142,10 +142,12 @@ def run(cmd: list[str], env: dict[str, str], timeout: int, expect_ok: bool = Tru
 
 def last_line(text: str) -> str:
     """The last `error: ...` line (the project's one-line errors; torchrun prints its own summary after
-    them), else the last line that says something (not a blank line or a banner of = or *)."""
+    them), else the last Python exception line (`RuntimeError: ...`: a peer's traceback, which a progress bar may
+    follow), else the last line that says something (not a blank line or a banner of = or *)."""
     lines = [l.strip() for l in text.splitlines() if any(ch.isalnum() for ch in l)]
     errors = [l for l in lines if l.startswith("error: ")]
-    return (errors or lines or ["(no output)"])[-1][:300]
+    raised = [l for l in lines if re.match(r"[\w.]+(Error|Exception|Interrupt|Exit): ", l)]
+    return (errors or raised or lines or ["(no output)"])[-1][:300]
 
 
 def train_flags(work: Path, name: str, hidden: int, layers: int, batch: int, gen_len: int, steps: int) -> list[str]:

@@ -146,3 +146,12 @@ def test_peers_allow_cpu_prints_every_row_and_writes_every_step_time(tmp_path):
     assert all(t.get("skip", "").startswith("ModuleNotFoundError") or len(t.get("step_s", [])) == 1 for t in trl), trl
     assert "cannot build 14/2 heads" in rows[8]["skip"]
     assert "\ncuda graphs: PASS: no CUDA: graphs not exercised" in r.stdout  # the graph row, after the table
+
+
+def test_a_failed_row_names_the_exception_not_a_progress_bar_after_it():
+    gc = _gpu_check_module()
+    trl_stderr = ("Traceback (most recent call last):\n  File \"x.py\", line 1\nRuntimeError: index_copy_(): self and "
+                  "source expected to have the same dtype\n  0%|          | 0/2 [00:00<?, ?it/s]\r  0%|  | 0/2\n")
+    assert gc.last_line(trl_stderr).startswith("RuntimeError: index_copy_()")
+    assert gc.last_line("RuntimeError: x\nerror: --steps must be >= 1\n") == "error: --steps must be >= 1"
+    assert gc.last_line("step 1\nstep 2\n") == "step 2"
