@@ -248,7 +248,8 @@ def test_training_stops_in_one_line_when_the_reward_server_fails(tiny, tmp_path)
     ({"reward_model_url": "http://h:1", "reward_model_path": "none"}, "--reward_model_url needs --reward_model_path"),
     ({"reward_model_url": "http://h:1", "rm_weight": 0}, "--reward_model_url scores the reward model, and --rm_weight is 0"),
     ({"reward_url": "ftp://x"}, "--reward_url ftp://x: expected http://HOST:PORT/PATH"),
-    ({"reward_timeout": 1800}, "--reward_timeout 1800.0 must be a number of seconds > 0 and below --ddp_timeout 1800"),
+    ({"reward_url": "http://h:1/r", "reward_timeout": 1800},
+     "--reward_timeout 1800.0 must be a number of seconds > 0 and below --ddp_timeout 1800"),
 ])
 def test_bad_reward_server_flags_are_one_line(flags, expect):
     from trainer.run import cli as C
@@ -257,6 +258,33 @@ def test_bad_reward_server_flags_are_one_line(flags, expect):
     with pytest.raises(SystemExit) as e:
         C.validate(C.parse_args(argv))
     assert str(e.value).startswith("error: ") and expect in str(e.value) and "\n" not in str(e.value)
+
+
+def test_reward_timeout_is_unread_without_a_reward_server():
+    """A run without a reward server never reads --reward_timeout: a short --ddp_timeout alone is not refused."""
+    from trainer.run import cli as C
+
+    C.validate(C.parse_args(["--ddp_timeout", "60"]))
+
+
+def test_a_stalled_reward_server_gives_up_at_the_ranks_deadline():
+    """Under torchrun the rank-local block's deadline (--ddp_timeout less a margin) bounds the wait, not only
+    --reward_timeout: the other ranks wait in a collective for this one no longer than that."""
+    import time
+
+    from trainer import dist as D
+
+    server = start_fn(lambda p, r, ref: time.sleep(3) or 1.0)
+    try:
+        fn = RewardFunctionServer(server.url + "/reward", timeout=300)
+        t0 = time.monotonic()
+        with D.rank_local_deadline(0.5, "--ddp_timeout 6"), pytest.raises(RewardServerError) as e:
+            fn(["p"], ["x"], [None])
+        took = time.monotonic() - t0
+    finally:
+        server.stop()
+    assert took < 2.5 and "\n" not in str(e.value)
+    assert "(--ddp_timeout 6, less a margin)" in str(e.value), str(e.value)
 
 
 def test_a_dead_reward_server_stops_the_run_before_any_step(tiny, tmp_path):

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trainer import dist as D
 from trainer.reward_model import conversation_ids
 from trainer.rewards import RewardFnError
 
@@ -101,16 +102,20 @@ class _Client:
         req = urllib.request.Request(self.url + path, data=data, method="GET" if body is None else "POST",
                                      headers={"Content-Type": "application/json"})
         where, what = f"{self.flag} {self.url}", path or "the batch"
+        wait = timeout or self.timeout
+        due = D.deadline()  # under torchrun the other ranks wait for this one in a collective, for so long only
+        if due is not None and due.left() < wait:
+            wait = max(due.left(), 0.001)
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
+            with urllib.request.urlopen(req, timeout=wait) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
             raise RewardServerError(f"{where} refused {what}: HTTP {e.code} {_error_text(e)}") from None
         except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError, OSError) as e:
             reason = getattr(e, "reason", e)
             if isinstance(reason, (socket.timeout, TimeoutError)):  # alive but slow (or hung): not a restart's matter
-                limit = timeout or self.timeout
-                raise RewardServerError(f"{where} did not answer {what} within {limit:g} s (--reward_timeout): is it "
+                bound = "--reward_timeout" if wait == (timeout or self.timeout) or due is None else due.flag + ", less a margin"
+                raise RewardServerError(f"{where} did not answer {what} within {wait:.3g} s ({bound}): is it "
                                         f"overloaded or stuck? Raise --reward_timeout (below --ddp_timeout) or fix the "
                                         f"server, then continue with --from_resume 1") from None
             hint = ("the last checkpoint is intact: restart the server, then continue with --from_resume 1" if self.started

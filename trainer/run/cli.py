@@ -431,7 +431,7 @@ def reward_server_checks(cfg: Config) -> list[tuple[bool, str]]:
         (cfg.reward_url is None or URL.fullmatch(cfg.reward_url) is not None,
          f"--reward_url {cfg.reward_url}: expected http://HOST:PORT/PATH"),
         (math.isfinite(cfg.reward_url_weight), f"--reward_url_weight {cfg.reward_url_weight} must be a finite number"),
-        (math.isfinite(cfg.reward_timeout) and 0 < cfg.reward_timeout < cfg.ddp_timeout,
+        (not (rm_urls or cfg.reward_url) or math.isfinite(cfg.reward_timeout) and 0 < cfg.reward_timeout < cfg.ddp_timeout,
          f"--reward_timeout {cfg.reward_timeout} must be a number of seconds > 0 and below --ddp_timeout "
          f"{cfg.ddp_timeout} (the other ranks wait that long for a rank's rewards)"),
     ]
