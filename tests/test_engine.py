@@ -771,3 +771,19 @@ def test_two_gloo_ranks_sample_ahead_from_one_engine(standin, tmp_path):
     assert sum(p == "/generate" for p, _ in standin.requests) == 2 * (1 + 2)
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2] and [r["rollout/staleness"] for r in rows] == [0, 1]
+
+
+def test_two_batches_ahead_with_fenced_vllm_pushes_landing_between_requests(hf_dir, tmp_path):
+    """--async_rollouts 2 against the vLLM stand-in (fenced reloads, each request slowed): pushes land while batches
+    are in flight, the client accepts the versions from the one a batch was asked for at to the newest push, the
+    fence keeps every request on one weight version (none mixed), and no batch is more than 2 updates behind."""
+    s = start(hf_dir, "vllm", delay_s=0.2)
+    try:
+        code, out = run_main(demo_flags(tmp_path, s.url, "vllm", async_rollouts=2, max_steps=4, batch_size=2,
+                                        mini_batch_size=8))
+    finally:
+        s.stop()
+    assert code is None, out[-3000:]
+    lags = [r["rollout/staleness"] for r in read_metrics(tmp_path / "run")]
+    assert lags[:2] == [0, 1] and all(0 <= x <= 2 for x in lags) and len(lags) == 4, lags
+    assert s.pushes == ["0", "1", "2", "3"] and s.mixed == 0

@@ -114,6 +114,9 @@ class Engine:
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.version: int | None = None  # the weight version last pushed (None: none yet)
+        # The version a push under way makes the engine serve, set before it starts: a batch sampled ahead
+        # (--async_rollouts) may be stamped with it before the push returns.
+        self.next_version: int | None = None
 
     # ---- HTTP
     def _request(self, path: str, body: dict | None = None, *, method: str | None = None,
@@ -206,7 +209,8 @@ class Engine:
         """Stop when a response came from other weights than the last push (a restarted engine, another trainer), or
         with `oldest` (sampled ahead: a push may land between a batch's requests) than a push from `oldest` on."""
         want = None if self.version is None else str(self.version)
-        ok = {want} if oldest is None or self.version is None else {str(v) for v in range(oldest, self.version + 1)}
+        newest = max(self.version or 0, self.next_version or 0)
+        ok = {want} if oldest is None or self.version is None else {str(v) for v in range(oldest, newest + 1)}
         for v in seen:
             if v is not None and v not in ok:
                 raise EngineError(
