@@ -42,7 +42,8 @@ from trainer.evaluate import EvalSettings, evaluate_policy, training_metrics
 from trainer.multiturn import Episode, episode_components, generate_episodes
 from trainer.ppo import RewardNormalizer, kl_penalty, masked_whiten, rollout_is_weights
 from trainer.registry import estimator_spec
-from trainer.rewards import RewardFnError, compute_rewards, overlong_penalty
+from trainer.reward_server import exits_on_reward_error
+from trainer.rewards import compute_rewards, overlong_penalty
 from trainer.rollout import Rollout, Sampled, attention_implementation, critic_values, forward_in_row_chunks
 
 # isort: split
@@ -216,8 +217,8 @@ def score_responses(cfg: Config, batch: dict, ro: Rollout, m: Models, custom_fns
         replies = [e.final_reply for e in episodes]
     weights = {"format": cfg.format_weight, "tags": cfg.tag_weight, "rm": cfg.rm_weight,
                "accuracy": cfg.accuracy_weight, "eos": cfg.eos_penalty, "ifeval": cfg.ifeval_weight,
-               "ifeval_partial": cfg.ifeval_partial_weight}
-    try:
+               "ifeval_partial": cfg.ifeval_partial_weight, "url": cfg.reward_url_weight}
+    with exits_on_reward_error():  # the user's function or reward server, the user's to fix: one line, not a traceback
         rewards, comps = compute_rewards(
             prompts=expand(batch["prompt"]), messages=expand(batch["messages"]), replies=replies,
             references=expand(batch["reference"]), has_eos=ro.has_eos.tolist(), weights=weights,
@@ -225,10 +226,8 @@ def score_responses(cfg: Config, batch: dict, ro: Rollout, m: Models, custom_fns
             timer=lambda name: phase(name, autocast=False),
             constraints=expand(batch.get("constraints") or [None] * len(batch["prompt"])),
             gts=expand(batch.get("gt") or [None] * len(batch["prompt"])),
-            rg=expand(batch.get("rg") or [None] * len(batch["prompt"])),
+            rg=expand(batch.get("rg") or [None] * len(batch["prompt"])), reward_url=m.reward_url,
         )
-    except RewardFnError as e:  # the user's function, the user's to fix: one line, not a traceback
-        raise SystemExit(f"error: {e}") from None
     if cfg.overlong_buffer_len:  # DAPO: warn long responses before the cut, in proportion
         comps["overlong"] = overlong_penalty(ro.response_mask.sum(1).cpu(), cfg.max_gen_len, cfg.overlong_buffer_len)
         rewards = rewards + cfg.overlong_penalty * comps["overlong"]
@@ -303,7 +302,7 @@ def evaluate(cfg: Config, m: Models, rt: Runtime, records: list, tools: ToolRunn
     """Greedy replies to held-out prompts, scored as in training (format, accuracy, reward model; with --tools,
     multi-turn episodes and how often they call a tool). Runs on rank 0 only, in its own random stream: training's
     samples are the same with or without it."""
-    with rt.autocast():
+    with rt.autocast(), exits_on_reward_error():  # a --reward_model_url server gone: one line, as in training
         ev = evaluate_policy(m.actor, m.tok, records, EvalSettings.for_training(cfg), rm_scorer=m.rm_scorer, tools=tools)
     return training_metrics(ev, tools=tools is not None)
 

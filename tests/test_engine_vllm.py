@@ -4,7 +4,9 @@ converted to HF and served by scripts/serve_engine.sh from the engine's own virt
 Where that virtualenv is: $MINIPPO_ENGINE_VENV, else .venv-engine in the repository (setup_engine.sh's default);
 without one every test here is skipped with the reason. `bash scripts/engine_check.sh` builds it and runs this file.
 All slow: one server for the module (~25 s to start, ~15 s of warm-up on its first requests), a second one for the
-kill test. Every request uses the same few shapes (4 prompts, MAX_GEN tokens), so the warm-up is paid once.
+kill test. Every request uses the same few shapes (4 prompts, MAX_GEN tokens), so the warm-up is paid once. Last, the
+demo's reward model on vLLM's pooling runner (scripts/serve_reward_model.sh, --reward_model_url: trainer/reward_server.py)
+against the in-process scorer.
 """
 
 from __future__ import annotations
@@ -348,3 +350,94 @@ def test_an_engine_killed_mid_run_stops_every_rank_with_one_line(engine, tmp_pat
     state = read_resume(saved[-1])  # verifies the zip's checksums
     assert state["step"] == 1, sorted(state)
     print(f"\nkilled engine: exit codes {[c for c, _, _ in results]}, {line}")
+
+
+# --------------------------------------------------------------------------------------- the reward model, served
+RM_DIR = ROOT / "out" / "demo_rm"
+RM_GAP_LIMIT = 1e-3  # fp32 both; the scores are raw logits of order 1
+
+
+@pytest.fixture(scope="module")
+def rm_server(tmp_path_factory):
+    """The demo's reward model (Qwen3ForSequenceClassification) served by scripts/serve_reward_model.sh --foreground."""
+    tmp = tmp_path_factory.mktemp("rm")
+    port = free_port()
+    log = tmp / "rm.log"
+    env = dict(os.environ, ENGINE_VENV=str(VENV), KV_CACHE_GB="1")
+    with log.open("w") as out:
+        proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "serve_reward_model.sh"), "--foreground", str(RM_DIR),
+                                 str(port)], env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    server = SimpleNamespace(url=f"http://127.0.0.1:{port}", proc=proc, log=log, started=time.monotonic())
+    deadline = time.monotonic() + 300
+    while not _healthy(server.url):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_server(server)
+            tail = " | ".join(log.read_text(errors="replace").splitlines()[-5:])
+            pytest.fail(f"the vLLM reward-model server did not start (rc {proc.returncode}): {tail}")
+        time.sleep(1)
+    print(f"\nvLLM reward-model server ready in {time.monotonic() - server.started:.1f} s at {server.url}")
+    yield server
+    stop_server(server)
+
+
+def _rm_conversations() -> list[list[dict]]:
+    """Demo prompts with replies of several lengths, one longer than the 512 tokens the scorer keeps (its end is scored)."""
+    rows = [json.loads(line) for line in (ROOT / "dataset" / "demo_train.jsonl").read_text(encoding="utf-8").splitlines()[:16]]
+    replies = ["<think>\nlet me count\n</think>\n<answer>\n2\n</answer>", "2", "I do not know.",
+               "<think>\n" + "many words to think about, " * 120 + "\n</think>\n<answer>\n7\n</answer>"]
+    return [[r["conversations"][0], {"role": "assistant", "content": replies[i % len(replies)]}] for i, r in enumerate(rows)]
+
+
+def test_served_reward_model_scores_equal_the_in_process_ones(rm_server):
+    """--reward_model_url against vLLM's pooling runner: trainer/reward_server.py RemoteRewardModel's scores of 16
+    conversations (one cut to its last 512 tokens) equal trainer/reward_model.py RewardModelScorer's in this process,
+    in one /classify request; without use_activation false vLLM would answer sigmoid(score) (why the client sets it)."""
+    from model.loader import load_reward_model
+    from trainer.reward_model import RewardModelScorer, conversation_ids
+    from trainer.reward_server import RemoteRewardModel
+
+    model, tok = load_reward_model(RM_DIR)
+    convs = _rm_conversations()
+    ours = RewardModelScorer(model, tok, clip=100.0).score(convs)
+    remote = RemoteRewardModel(rm_server.url, tok, RM_DIR, clip=100.0).connect()
+    t0 = time.perf_counter()
+    theirs = remote.score(convs)
+    took = time.perf_counter() - t0
+    rows = conversation_ids(tok, convs, 512)
+    gap = (theirs - ours).abs()
+    print(f"\nreward model served by vLLM vs in process: max |score gap| {gap.max():.2e} (mean {gap.mean():.2e}) over "
+          f"{len(convs)} conversations of {min(map(len, rows))}-{max(map(len, rows))} tokens, scores "
+          f"{ours.min():.3f}..{ours.max():.3f}; one /classify request {took:.2f} s")
+    assert max(map(len, rows)) == 512 and float(gap.max()) < RM_GAP_LIMIT, (theirs, ours)
+    default = _post(rm_server.url, "/classify", {"model": remote.model_name, "input": rows[:2]})
+    probs = [d["probs"][0] for d in default["data"]]
+    assert probs == pytest.approx(torch.sigmoid(ours[:2]).tolist(), abs=RM_GAP_LIMIT)
+
+
+def test_a_policy_engine_is_refused_as_a_reward_model(engine):
+    """The rollout engine (a generative model) given as --reward_model_url: refused at start in one line."""
+    from model.loader import load_reward_model
+    from trainer.reward_server import RemoteRewardModel, RewardServerError
+
+    _, tok = load_reward_model(RM_DIR)
+    with pytest.raises(RewardServerError) as e:
+        RemoteRewardModel(engine.url, tok, RM_DIR).connect()
+    assert "\n" not in str(e.value) and "serves another model" in str(e.value), str(e.value)
+    print(f"\npolicy engine as --reward_model_url: {e.value}")
+
+
+def test_training_scores_with_the_served_reward_model_as_in_process(rm_server, tmp_path):
+    """train_ppo --reward_model_url (vLLM) beside --rollout_engine torch: every step's reward/rm and reward/total equal
+    the same run's with the reward model in this process (same seed: the same samples)."""
+    rewards = {}
+    for name, extra in (("local", {}), ("served", {"reward_model_url": rm_server.url})):
+        (tmp_path / name).mkdir()  # the engine's flags are left unread (a warning): the policy samples in this process
+        code, out = run_main(_train_flags("http://127.0.0.1:9", tmp_path / name, rollout_engine="torch", max_steps=2, **extra))
+        assert code in (None, 0), out[-3000:]
+        rewards[name] = [(r["reward/rm"], r["reward/total"]) for r in read_metrics(tmp_path / name / "runs") if "reward/rm" in r]
+    assert len(rewards["served"]) == 2
+    for (rm_a, tot_a), (rm_b, tot_b) in zip(rewards["local"], rewards["served"]):
+        assert rm_b == pytest.approx(rm_a, abs=RM_GAP_LIMIT) and tot_b == pytest.approx(tot_a, abs=RM_GAP_LIMIT)
+    print(f"\n2 steps scored by the served reward model: reward/rm {[round(r, 6) for r, _ in rewards['served']]} "
+          f"(in process: {[round(r, 6) for r, _ in rewards['local']]})")

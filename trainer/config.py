@@ -218,6 +218,18 @@ class RewardArgs:
     by the mean and std of every reward so far (OpenRLHF; kept in the resume file). The logged rewards stay raw."""
     reward_clip: float = 0.0
     """Clip the (normalised) reward to [-this, this] before the advantages (0 = off)."""
+    reward_model_url: str | None = None
+    """Score the reward model on a server instead of in this process: vLLM's pooling runner started on
+    --reward_model_path (scripts/serve_reward_model.sh; docs/reward_servers.md). The text is rendered and tokenized here
+    with --reward_model_path's tokenizer and chat template, as in-process, and sent as token IDs; the weights load
+    there only. Comma-separated for several: the ranks split into as many contiguous blocks (one server per node)."""
+    reward_url: str | None = None
+    """A reward function behind HTTP: each rank POSTs its rows as {"prompts", "replies", "references"} and reads
+    {"rewards": [one number per reply]} (docs/reward_servers.md); the "url" component (reward/url)."""
+    reward_url_weight: float = 1.0
+    """Weight of the --reward_url reward."""
+    reward_timeout: float = 300.0
+    """Seconds one request to --reward_model_url / --reward_url may take before the run stops (below --ddp_timeout)."""
 
 
 @dataclass(frozen=True)

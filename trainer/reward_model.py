@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["pad_ids", "RewardModelScorer"]
+__all__ = ["pad_ids", "conversation_ids", "RewardModelScorer"]
 
 
 def pad_ids(rows: list[list[int]], pad_id: int, left: bool = False) -> tuple[Tensor, Tensor]:
@@ -21,6 +21,25 @@ def pad_ids(rows: list[list[int]], pad_id: int, left: bool = False) -> tuple[Ten
         input_ids[i, span] = torch.tensor(r, dtype=torch.long)
         attention_mask[i, span] = 1
     return input_ids, attention_mask
+
+
+def _render(tokenizer: Any, conversation: list[dict]) -> tuple[str, bool]:
+    """Text for one conversation and whether the tokenizer should add special tokens."""
+    if getattr(tokenizer, "chat_template", None):
+        # The template already writes BOS/role markers; adding special tokens would double BOS.
+        return tokenizer.apply_chat_template(conversation, tokenize=False), False
+    return "\n".join(f"{m['role']}: {m['content']}" for m in conversation), True
+
+
+def conversation_ids(tokenizer: Any, conversations: list[list[dict]], max_length: int) -> list[list[int]]:
+    """The token IDs a sequence-classification reward model scores, one row per conversation: its chat template
+    (or "role: content" lines without one), at most the last `max_length` tokens. The in-process scorer and the
+    served one (trainer/reward_server.py RemoteRewardModel) both score these rows, so they see the same tokens."""
+    rendered = [_render(tokenizer, conv) for conv in conversations]
+    add_special = rendered[0][1]  # the same for every conversation: it depends on the template only
+    ids = tokenizer([text for text, _ in rendered], add_special_tokens=add_special, verbose=False)["input_ids"]
+    # Keep the END: the classifier reads the last token, and the reply is at the end.
+    return [list(row)[-max_length:] for row in ids]
 
 
 class RewardModelScorer:
@@ -75,19 +94,8 @@ class RewardModelScorer:
             text_config.pad_token_id = tok.pad_token_id
         self.pad_id = int(text_config.pad_token_id)
 
-    def _render(self, conversation: list[dict]) -> tuple[str, bool]:
-        """Text for one conversation and whether the tokenizer should add special tokens."""
-        if getattr(self.tokenizer, "chat_template", None):
-            # The template already writes BOS/role markers; adding special tokens would double BOS.
-            return self.tokenizer.apply_chat_template(conversation, tokenize=False), False
-        return "\n".join(f"{m['role']}: {m['content']}" for m in conversation), True
-
     def _tokenize(self, conversations: list[list[dict]]) -> list[list[int]]:
-        rendered = [self._render(conv) for conv in conversations]
-        add_special = rendered[0][1]  # the same for every conversation: it depends on the template only
-        ids = self.tokenizer([text for text, _ in rendered], add_special_tokens=add_special, verbose=False)["input_ids"]
-        # Keep the END: the classifier reads the last token, and the reply is at the end.
-        return [list(row)[-self.max_length:] for row in ids]
+        return conversation_ids(self.tokenizer, conversations, self.max_length)
 
     @torch.no_grad()
     def score(self, conversations: list[list[dict]]) -> Tensor:

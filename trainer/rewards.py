@@ -38,6 +38,9 @@ __all__ = [
 ]
 
 RewardFn = Callable[[str, str, "str | None"], float]
+# A batch reward function (--reward_url: trainer/reward_server.py RewardFunctionServer): (prompts, replies, references)
+# -> one float per row.
+BatchRewardFn = Callable[[list[str], list[str], "list[str | None]"], list[float]]
 # `with timer(name):` times a block and sums per name (trainer/run/timing.py PhaseTimer).
 Timer = Callable[[str], contextlib.AbstractContextManager]
 
@@ -48,7 +51,7 @@ Timer = Callable[[str], contextlib.AbstractContextManager]
 _NO_TAG = r"(?:(?!</?think>|</?answer>).)*?"
 FORMAT_PATTERN = re.compile(rf"^<think>\n{_NO_TAG}\n</think>\n\n?<answer>\n{_NO_TAG}\n</answer>$", re.DOTALL)
 REASONING_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
-BUILTIN_COMPONENTS = ("format", "tags", "rm", "accuracy", "eos", "ifeval", "ifeval_partial")
+BUILTIN_COMPONENTS = ("format", "tags", "rm", "accuracy", "eos", "ifeval", "ifeval_partial", "url")
 
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 # Full-width digits/signs/separators (common in Chinese text) and U+2212 MINUS SIGN -> ASCII.
@@ -272,6 +275,7 @@ def compute_rewards(
     constraints: list[list[dict] | None] | None = None,
     gts: list[list[str] | None] | None = None,
     rg: list[dict | None] | None = None,
+    reward_url: BatchRewardFn | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Total reward [B] (float32) and each component's raw, unweighted value [B].
 
@@ -282,11 +286,14 @@ def compute_rewards(
     it has none; adds 0 there) with "ifeval/<type>" for every type (1/0, nan where absent; weight 0: logged only),
     "ifeval_partial" (ifeval.partial_credit: how close the unmet constraints come, nan likewise),
     "eos" (-1 when cut at the length limit), "rm" (only computed when rm is given and
-    weights["rm"] != 0), and "custom/<name>" per custom function. Built-in weights default to 0
+    weights["rm"] != 0; `rm` may score in this process or on a server, trainer/reward_server.py), "url" (a batch
+    reward function's, --reward_url: only computed when given and weights["url"] != 0), and "custom/<name>" per
+    custom function. Built-in weights default to 0
     when absent, custom ones (key "custom/<name>") to 1.
 
     A custom function that raises or returns a non-number raises RewardFnError. With `timer`, each
-    custom function's calls are timed under "reward/<name>", summed over the batch.
+    custom function's calls are timed under "reward/<name>", summed over the batch, and `reward_url`'s under
+    "reward/url". A reward server's failure (trainer/reward_server.py RewardServerError) passes through.
     """
     n = len(replies)
     lengths = {"prompts": len(prompts), "messages": len(messages), "references": len(references),
@@ -328,6 +335,9 @@ def compute_rewards(
             components["rm"] = 0.4 * scores[:n] + 0.6 * scores[n:]
         else:
             components["rm"] = rm.score(full)
+    if reward_url is not None and weights.get("url", 0.0) != 0:
+        with timer("reward/url") if timer is not None else contextlib.nullcontext():
+            components["url"] = col(reward_url(prompts, replies, references))
     for name, fn in custom_fns.items():
         vals = []
         for i, (p, r, ref) in enumerate(zip(prompts, replies, references)):

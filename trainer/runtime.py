@@ -28,12 +28,13 @@ class Models:
     critic: nn.Module | None  # None with a critic-free --advantage_estimator
     ref: nn.Module
     old_actor: nn.Module | None  # MiniMind's frozen copy (--update_old_actor_freq N), else None
-    rm_scorer: object | None  # trainer.reward_model.RewardModelScorer
+    rm_scorer: object | None  # trainer.reward_model.RewardModelScorer, or reward_server.RemoteRewardModel (--reward_model_url)
     tok: Any  # a transformers tokenizer
     eos_ids: list[int]  # HF chat models may stop on several ids (tokenizer EOS + generation_config)
     actor_train: nn.Module | None = None
     critic_train: nn.Module | None = None
     engine: Any = None  # trainer.engine.Engine: the rollout engine that samples for this rank (None: the actor itself)
+    reward_url: Any = None  # trainer.reward_server.RewardFunctionServer (--reward_url; None: off)
 
     @property
     def rm_module(self) -> nn.Module | None:

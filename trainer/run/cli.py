@@ -425,6 +425,30 @@ def shared_default_unreadable(cfg: Config) -> str:
     return f"the engine at {remote[0]} is on another host" if remote else ""
 
 
+URL = re.compile(r"https?://[^\s,/]+(/\S*)?")
+
+
+def reward_server_checks(cfg: Config) -> list[tuple[bool, str]]:
+    """--reward_model_url / --reward_url (trainer/reward_server.py), as validate's (ok, message) pairs."""
+    rm_urls = [u.strip() for u in (cfg.reward_model_url or "").split(",") if u.strip()]
+    no_rm = cfg.reward_model_path in (None, "none")
+    return [
+        (all(URL.fullmatch(u) for u in rm_urls) and (cfg.reward_model_url is None or bool(rm_urls)),
+         f"--reward_model_url {cfg.reward_model_url}: expected http://HOST:PORT (comma-separated for several)"),
+        (not rm_urls or not no_rm,
+         "--reward_model_url needs --reward_model_path, the reward model's directory: its tokenizer and chat template "
+         "render the text here (the server loads its weights)"),
+        (not rm_urls or cfg.rm_weight != 0,
+         "--reward_model_url scores the reward model, and --rm_weight is 0: give --rm_weight, or drop --reward_model_url"),
+        (cfg.reward_url is None or URL.fullmatch(cfg.reward_url) is not None,
+         f"--reward_url {cfg.reward_url}: expected http://HOST:PORT/PATH"),
+        (math.isfinite(cfg.reward_url_weight), f"--reward_url_weight {cfg.reward_url_weight} must be a finite number"),
+        (math.isfinite(cfg.reward_timeout) and 0 < cfg.reward_timeout < cfg.ddp_timeout,
+         f"--reward_timeout {cfg.reward_timeout} must be a number of seconds > 0 and below --ddp_timeout "
+         f"{cfg.ddp_timeout} (the other ranks wait that long for a rank's rewards)"),
+    ]
+
+
 def engine_urls(cfg: Config) -> list[str]:
     """The engines' URLs: --engine_url (comma-separated), for sglang --sglang_base_url or MiniMind's default."""
     raw = cfg.engine_url or cfg.sglang_base_url or ("http://localhost:8998" if cfg.rollout_engine == "sglang" else "")
@@ -531,6 +555,7 @@ def validate(cfg: Config) -> None:
           for f in ("ref_device", "critic_device", "reward_device")],
         *fsdp2_checks(cfg),
         *engine_checks(cfg),
+        *reward_server_checks(cfg),
     ]
     # nan compares False with everything, so "x > 0" alone would let it through.
     for flag, lowest in (("beta", ">= 0"), ("epsilon", "> 0"), ("epsilon_high", "> 0"), ("learning_rate", "> 0"),

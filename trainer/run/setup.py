@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from transformers import AutoTokenizer
 
 from dataset import rgym
 from dataset.rlaif import TOOLS_UNSEEN, DataError, PromptRecord, RLAIFDataset, read_rlaif_jsonl, template_renders_tools, tool_name
@@ -30,6 +31,7 @@ from trainer.config import Config
 from trainer.dist import DistInfo, all_gather_objects
 from trainer.ppo import AdaptiveKLController, FixedKLController, RewardNormalizer
 from trainer.reward_model import RewardModelScorer
+from trainer.reward_server import RemoteRewardModel, RewardFunctionServer, exits_on_reward_error, server_index
 from trainer.rewards import load_reward_fn
 from trainer.run.cli import resolve, validate
 from trainer.run.distributed import failing_together, gpu_identity, in_turn, init_distributed, keep_until_exit, stop_all
@@ -180,8 +182,8 @@ def build_models(cfg: Config, device: torch.device, frozen_dtype: torch.dtype,
         num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
         tokenizer_path=cfg.tokenizer_path, device=device, trust_remote_code=bool(cfg.trust_remote_code),
     )
-    rm_scorer = None
-    if cfg.rm_weight and cfg.reward_model_path not in (None, "none"):
+    rm_scorer = None  # --reward_model_url: connect_reward_servers scores on a server instead
+    if cfg.rm_weight and cfg.reward_model_path not in (None, "none") and not cfg.reward_model_url:
         devices = devices or {"ref": device, "critic": device, "reward": device}
         rm_model, rm_tok = load_reward_model(cfg.reward_model_path, dtype=frozen_dtypes.get("reward", frozen_dtype),
                                              device=devices["reward"], trust_remote_code=bool(cfg.trust_remote_code))
@@ -287,9 +289,31 @@ def setup(raw: Config, info: DistInfo | None = None) -> Setup:
         built.optim = build_optim(cfg, built.models, rt.total_steps, DTYPES[cfg.dtype], info.device)
     wrap_for_training(cfg, built.models, info)  # DDP's constructor broadcasts rank 0's weights
     built.models.engine = connect_engine(cfg, info)  # --rollout_engine vllm / sglang: this rank's, reachable
+    connect_reward_servers(cfg, built.models, info)  # --reward_model_url / --reward_url: this rank's, checked
     if info.enabled:
         keep_until_exit(built)  # freed by the process's exit, not by returning from main (a gloo hang)
     return built
+
+
+def connect_reward_servers(cfg: Config, models: Models, info: DistInfo) -> None:
+    """--reward_model_url: this rank's reward-model server (the ranks in contiguous blocks over the URLs), checked against
+    --reward_model_path (trainer/reward_server.py RemoteRewardModel.connect), as models.rm_scorer; --reward_url: the
+    reward function's server, checked with an empty batch. A rank whose server fails a check stops every rank."""
+    if not (cfg.reward_model_url or cfg.reward_url):
+        return
+    with failing_together(info), exits_on_reward_error():
+        if cfg.reward_model_url:
+            urls = [u.strip() for u in cfg.reward_model_url.split(",") if u.strip()]
+            url = urls[server_index(info.rank, info.world_size, len(urls))]
+            try:
+                tok = AutoTokenizer.from_pretrained(cfg.reward_model_path, trust_remote_code=bool(cfg.trust_remote_code))
+            except (OSError, ValueError) as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise SystemExit(f"error: --reward_model_path {cfg.reward_model_path}: no loadable tokenizer there "
+                                 f"({first}); --reward_model_url renders the text with it") from None
+            models.rm_scorer = RemoteRewardModel(url, tok, cfg.reward_model_path, timeout=cfg.reward_timeout).connect()
+        if cfg.reward_url:
+            models.reward_url = RewardFunctionServer(cfg.reward_url, cfg.reward_timeout).check()
 
 
 def _build_sharded(raw: Config, info: DistInfo) -> Setup:
@@ -320,7 +344,8 @@ def _rewards_beside(cfg: Config, custom_fns: dict, component: str) -> bool:
     rm = cfg.rm_weight if cfg.reward_model_path not in (None, "none") else 0.0
     rules = {"format": cfg.format_weight, "tags": cfg.tag_weight, "accuracy": cfg.accuracy_weight, "eos": cfg.eos_penalty}
     rules.pop(component, None)
-    return any((rm, *rules.values())) or bool(custom_fns) or bool(cfg.overlong_buffer_len and cfg.overlong_penalty)
+    return (any((rm, *rules.values())) or bool(custom_fns) or bool(cfg.overlong_buffer_len and cfg.overlong_penalty)
+            or bool(cfg.reward_url and cfg.reward_url_weight))
 
 
 def read_prompts(cfg: Config) -> tuple[list[PromptRecord], int, list[PromptRecord]]:
