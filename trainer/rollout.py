@@ -209,6 +209,7 @@ class Rollout:
     is_weights: torch.Tensor | None = None  # [B, R] their truncated importance weights pi_old / mu (--rollout_is)
     rewards_finite: bool = True  # False: a reward was NaN/inf, and the update skips this step on every rank
     weight_version: int | None = None  # a rollout engine's samples: the weight version (updates) that sampled them
+    staleness: int | None = None  # --async_rollouts: updates between those weights and the ones it trains
 
     @property
     def response_len(self) -> int:
@@ -371,6 +372,8 @@ def rollout_metrics(ro: Rollout, comps: dict[str, torch.Tensor], entropy: torch.
     if num_generations > 1:  # spread of rewards among the responses to the same prompt
         metrics["reward/group_std"] = rewards.view(-1, num_generations).std(dim=1).mean().item()
     metrics["tokens_generated"] = float(n_tok.sum().item())
+    if ro.staleness is not None:  # --async_rollouts: how far behind the weights that sampled the batch are
+        metrics["rollout/staleness"] = float(ro.staleness)
     return metrics, weights
 
 

@@ -29,6 +29,7 @@ the uninterrupted run (with the same world size; with another one they are sampl
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -50,8 +51,8 @@ from trainer.run.engine_sync import push_weights
 from trainer.run.lifecycle import Run
 from trainer.runtime import Models, Phase, Runtime
 
-# sample(batch, generator, oldest_version) -> the batch's rollout from the engine (train_ppo.sample_rollout)
-Sample = Callable[[dict, torch.Generator, int], Rollout]
+# train_ppo.sample_rollout(cfg, batch, m, rt, tools, generator=..., oldest_version=...) -> (the batch's rollout, None)
+Sample = Callable[..., tuple[Rollout, object]]
 _SAVED = ("sequences", "attention_mask", "response_mask", "has_eos", "rollout_logprobs")
 
 
@@ -141,7 +142,6 @@ class SampledAhead:
         self.exhausted = False
         self.worker = Worker()
         self.restored = {int(d["index"]): d for d in (run.resumed_ahead or [])}
-        self.lag = 0
         run.sampled_ahead = self.in_flight
 
     # ---- the trainer's thread
@@ -167,7 +167,7 @@ class SampledAhead:
         assert head.index == step, (head.index, step)
         with phase("generate", autocast=False, rank_local=True), exits_on_engine_error():
             ro = self._wait(head)
-            self.lag = check_lag(ro, step, self.cfg, engine.url)
+            ro = dataclasses.replace(ro, staleness=check_lag(ro, step, self.cfg, engine.url))
         self.run.trained_pos = head.position
         if step % self.cfg.engine_sync_interval == 0 and engine.version != step:
             with phase("engine_sync", autocast=False):
@@ -208,6 +208,7 @@ class SampledAhead:
             else:
                 oldest, gen = engine.version, batch_seed(self.cfg.seed, self.rt.info.rank, p.index)
                 assert oldest is not None
-                self.worker.submit(lambda b=batch, g=gen, v=oldest: self.sample(b, g, v), p.future)
+                self.worker.submit(lambda b=batch, g=gen, v=oldest: self.sample(self.cfg, b, self.m, self.rt, None, generator=g,
+                                                                                oldest_version=v)[0], p.future)
             self.queue.append(p)
             self.next_index += 1
