@@ -729,18 +729,18 @@ def test_async_rollouts_sample_the_next_batch_while_the_update_runs(hf_dir, tmp_
     assert s.pushes == ["0", "1", "2", "3"] and all("rollout/staleness" not in r for r in rows)
 
 
-@pytest.mark.slow
 def test_async_rollouts_resume_exactly_after_a_crash(hf_dir, tmp_path, monkeypatch):
-    """--async_rollouts 1, killed during step 3 (its reward function crashes): the step-2 resume file holds the
-    samples of batch 3, asked for during step 2 (by weights 1); --from_resume 1 trains on them and asks for batch 4
-    by weights 2, as the uninterrupted run did: steps 3 and 4 log the same figures and end in the same weights."""
+    """--async_rollouts 1, killed during step 3 of 3 (its reward function crashes): the step-2 resume file holds the
+    samples of batch 3, asked for during step 2 (by weights 1); --from_resume 1 trains on them, as the uninterrupted
+    run did: step 3 logs the same figures and ends in the same weights. (Without the saved batch the resumed run would
+    sample it again by weights 2: other figures.)"""
     s = start(hf_dir, "sglang")
     try:
         monkeypatch.setenv("ENGINE_HOOK_AFTER", str(10**9))
-        over = dict(async_rollouts=1, max_steps=4, reward_fn=f"{HOOKS}:crash")
+        over = dict(async_rollouts=1, batch_size=2, mini_batch_size=8, reward_fn=f"{HOOKS}:crash")
         code, out = run_main(demo_flags(tmp_path / "whole", s.url, **over))
         assert code is None, out[-3000:]
-        monkeypatch.setenv("ENGINE_HOOK_AFTER", str(2 * 16))  # 4 prompts x 4 samples per step: step 3's first call
+        monkeypatch.setenv("ENGINE_HOOK_AFTER", str(2 * 8))  # 2 prompts x 4 samples per step: step 3's first call
         code, out = run_main(demo_flags(tmp_path / "cut", s.url, **over))
         assert "the test stops this run mid-step" in one_line_error(code, out)
         ckpts = sorted((tmp_path / "cut" / "ckpt").glob("*_resume_step*.pth"))
@@ -755,10 +755,10 @@ def test_async_rollouts_resume_exactly_after_a_crash(hf_dir, tmp_path, monkeypat
     whole, cut = (read_metrics(tmp_path / d / "run") for d in ("whole", "cut"))
     pick = lambda rows: {r["step"]: {k: v for k, v in r.items() if not k.startswith(("time", "tokens_per_s"))}  # noqa: E731
                          for r in rows if "reward/total" in r and r["step"] >= 3}
-    assert pick(whole) == pick(cut) and sorted(pick(cut)) == [3, 4]
+    assert pick(whole) == pick(cut) and sorted(pick(cut)) == [3] and pick(cut)[3]["rollout/staleness"] == 1
     a, b = (resume_state(sorted((tmp_path / d / "ckpt").glob("*_resume_step*.pth"))[-1]) for d in ("whole", "cut"))
-    assert a["step"] == b["step"] == 4 and all(torch.equal(a["actor"][k], b["actor"][k]) for k in a["actor"])
-    assert not a.get("ahead") or a["ahead"] == [[]]  # nothing in flight after the last step
+    assert a["step"] == b["step"] == 3 and all(torch.equal(a["actor"][k], b["actor"][k]) for k in a["actor"])
+    assert a["ahead"] == [[]]  # nothing in flight after the last step
 
 
 @pytest.mark.slow
@@ -787,3 +787,21 @@ def test_two_batches_ahead_with_fenced_vllm_pushes_landing_between_requests(hf_d
     lags = [r["rollout/staleness"] for r in read_metrics(tmp_path / "run")]
     assert lags[:2] == [0, 1] and all(0 <= x <= 2 for x in lags) and len(lags) == 4, lags
     assert s.pushes == ["0", "1", "2", "3"] and s.mixed == 0
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_stop_in_one_line_when_a_batch_sampled_ahead_hangs(standin, tmp_path):
+    """--async_rollouts 1, the engine hangs on a rank's first batch (its thread's request waits --engine_timeout 600):
+    the trainer's wait for it is bounded by the rank-local deadline (--ddp_timeout 30 less the margin), so every rank
+    stops inside the process group's timeout with one line naming the batch, not in gloo's timeout or NCCL's watchdog."""
+    from tests.test_distributed import _only_line, _spawn_ranks
+
+    standin.stall_at, standin.stall_s = 3, 300  # /generate 1 and 2: the probes; 3: a rank's first batch
+    flags = demo_flags(tmp_path, standin.url, max_steps=2, batch_size=2, mini_batch_size=8, device="cpu",
+                       ddp_timeout=30, reward_timeout=20, async_rollouts=1)
+    t0 = time.monotonic()
+    line = _only_line(_spawn_ranks([flags, flags], tmp_path, timeout=240))
+    assert f"the sglang engine at {standin.url} did not answer the batch of step 1 (asked for ahead) within the 25 s " \
+           f"the other ranks can wait for this one (--ddp_timeout 30, less a margin)" in line, line
+    assert time.monotonic() - t0 < 150
+    assert not list((tmp_path / "ckpt").glob("*_resume_step*.pth"))
