@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
-import time
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -65,7 +64,6 @@ class Pending:
     batch: dict
     position: tuple[int, int]  # (epoch, consumed) after this batch: what a save after its step records
     future: Future = field(default_factory=Future)
-    asked_at: float = 0.0  # time.monotonic() when it was queued (tests read it)
 
 
 class Worker:
@@ -199,7 +197,7 @@ class SampledAhead:
                 self.exhausted = True
                 return
             pos = self.run.pos
-            p = Pending(self.next_index, batch, (pos.epoch, pos.consumed), asked_at=time.monotonic())
+            p = Pending(self.next_index, batch, (pos.epoch, pos.consumed))
             saved = self.restored.pop(p.index, None)
             ro = None if saved is None else _restored(saved, self.rt.device)
             n = self.cfg.num_generations
