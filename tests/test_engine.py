@@ -805,3 +805,13 @@ def test_two_gloo_ranks_stop_in_one_line_when_a_batch_sampled_ahead_hangs(standi
            f"the other ranks can wait for this one (--ddp_timeout 30, less a margin)" in line, line
     assert time.monotonic() - t0 < 150
     assert not list((tmp_path / "ckpt").glob("*_resume_step*.pth"))
+
+
+def test_one_batch_ahead_with_a_push_every_second_update_is_at_most_two_behind(standin, tmp_path):
+    """--async_rollouts 1 --engine_sync_interval 2: the bounds add (K + I - 1 = 2): pushes of weights 0 and 2 only,
+    and the batches are 0, 1, 2, 1 updates behind (the third was asked for by weights 0, the fourth by weights 2)."""
+    code, out = run_main(demo_flags(tmp_path, standin.url, async_rollouts=1, engine_sync_interval=2, max_steps=4,
+                                    batch_size=2, mini_batch_size=8))
+    assert code is None, out[-3000:]
+    assert [r["rollout/staleness"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2, 1]
+    assert standin.pushes == ["0", "2"]
