@@ -140,8 +140,8 @@ def sample_rollout(cfg: Config, batch: dict, m: Models, rt: Runtime, tools: Tool
     or the rollout engine: single turns, or with --tools multi-turn episodes, whose old log-probs are then scored by a
     forward (tool replies sit between the sampled tokens). `ahead`: generate_rollout's for a batch sampled ahead."""
     n = 1 if greedy else cfg.num_generations
-    sampling = dict(temperature=1.0, top_k=0, top_p=1.0, greedy=True) if greedy else dict(
-        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, greedy=bool(cfg.greedy), suppress_eos=bool(cfg.suppress_eos))
+    sampling = {"cuda_graphs": bool(cfg.cuda_graphs), **(dict(temperature=1.0, top_k=0, top_p=1.0, greedy=True) if greedy else dict(
+        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, greedy=bool(cfg.greedy), suppress_eos=bool(cfg.suppress_eos)))}
     eos, policy = m.eos_ids or m.tok.eos_token_id, m.engine or m.actor
     if tools is not None:
         return generate_episodes(policy, m.tok, tools, batch, max_turns=cfg.max_turns, max_total_len=cfg.max_total_len,

@@ -425,6 +425,7 @@ class ConfigRun:
         memory["trained_state"] = (param_mb["actor"] + param_mb["critic"]) + grad_bytes / MB + adam_bytes / MB
         dev = built.runtime.device  # on a GPU: the most its allocator handed out at once, builds and steps together
         memory["cuda_peak_allocated"] = torch.cuda.max_memory_allocated(dev) / MB if dev.type == "cuda" else None
+        memory["cuda_peak_reserved"] = torch.cuda.max_memory_reserved(dev) / MB if dev.type == "cuda" else None
 
         med = {k: statistics.median(r[k] for r in per_step) for k in TIME_KEYS} if per_step else {}
         B, P, R = args.batch_size * args.num_generations, cfg["prompt_len"], cfg["gen_len"]  # rows

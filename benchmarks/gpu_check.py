@@ -26,8 +26,8 @@ script, used by tests/test_gpu_check.py) runs 64x2 models, 1-2 steps, a few toke
                  --device cpu over gloo, and 2 ranks with --device cuda are checked to stop with rank 1's
                  line naming the cause (only 1 GPU visible).
   minimind       benchmarks/time_minimind.py (MiniMind's trainer/train_ppo.py, unmodified) at 512x8 with
-                 --steps timed steps, on the GPU (time_minimind.py itself passes --device cpu; this
-                 script's child swaps in the GPU), against the bench row's s/step. Needs --minimind_dir.
+                 --steps timed steps, on the GPU (--device cuda:0), against the bench row's s/step, with our
+                 root off its path (peer_env). Needs --minimind_dir.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import re
 import shlex
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -91,11 +92,35 @@ def shown(cmd: list[str]) -> str:
 
 
 def child_env(smoke: bool) -> dict[str, str]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", SWANLAB_MODE="disabled", PYTHONPATH=str(ROOT))
+    """Our checks' environment: the repository root first on PYTHONPATH, the entries already there kept after it
+    (e.g. where carried wheels were installed: `pip install --target`)."""
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and not _is_root(p)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", SWANLAB_MODE="disabled",
+               PYTHONPATH=os.pathsep.join([str(ROOT), *kept]))
     if smoke:  # everything on the CPU, also on a machine that has a GPU
         env["CUDA_VISIBLE_DEVICES"] = ""
         env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+def _is_root(entry: str) -> bool:
+    try:
+        return (ROOT / entry).resolve() == ROOT  # '' and relative entries: from the root, where the checks run
+    except (OSError, RuntimeError):
+        return False
+
+
+def peer_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a peer's own code (MiniMind, TRL): our root taken off PYTHONPATH, every other entry kept.
+    MiniMind's `trainer/` has no __init__.py: our `trainer` package anywhere on its path would shadow it
+    (benchmarks/time_minimind.py also takes the root off sys.path itself)."""
+    kept = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and not _is_root(p)]
+    out = dict(env)
+    if kept:
+        out["PYTHONPATH"] = os.pathsep.join(kept)
+    else:
+        out.pop("PYTHONPATH", None)
+    return out
 
 
 class CheckFailed(Exception):
@@ -117,10 +142,12 @@ def run(cmd: list[str], env: dict[str, str], timeout: int, expect_ok: bool = Tru
 
 def last_line(text: str) -> str:
     """The last `error: ...` line (the project's one-line errors; torchrun prints its own summary after
-    them), else the last line that says something (not a blank line or a banner of = or *)."""
+    them), else the last Python exception line (`RuntimeError: ...`: a peer's traceback, which a progress bar may
+    follow), else the last line that says something (not a blank line or a banner of = or *)."""
     lines = [l.strip() for l in text.splitlines() if any(ch.isalnum() for ch in l)]
     errors = [l for l in lines if l.startswith("error: ")]
-    return (errors or lines or ["(no output)"])[-1][:300]
+    raised = [l for l in lines if re.match(r"[\w.]+(Error|Exception|Interrupt|Exit): ", l)]
+    return (errors or raised or lines or ["(no output)"])[-1][:300]
 
 
 def train_flags(work: Path, name: str, hidden: int, layers: int, batch: int, gen_len: int, steps: int) -> list[str]:
@@ -312,6 +339,31 @@ def check_fsdp2(c: Context) -> tuple[str, str]:
     return "PASS", f"{where}, 64x2: " + "; ".join(figures) + " (with start-up; policy and DCP shards written)." + untested
 
 
+def check_cuda_graphs(c: Context) -> tuple[str, str]:
+    out = c.work / "cuda_graphs.json"
+    run([c.py, "benchmarks/gpu_check.py", "--_child", "cuda_graphs", "--device", c.sz.device, "--json", str(out)],
+        c.env, c.o.timeout)
+    return cuda_graphs_figures(json.loads(out.read_text()))
+
+
+def cuda_graphs_figures(r: dict) -> tuple[str, str]:
+    """The cuda graphs row from the child's JSON: PASS where the graph gives its eager step's bits."""
+    shape = f"{r['size']} {r['dtype']}, batch {r['batch']}, {r['prompt_len']}+{r['gen_len']} tokens"
+    loop = (f"against the CPU's decode loop: {r['loop_identical_rows']}/{r['batch']} rows identical, max |d log-prob| "
+            f"{r['loop_max_abs_dlogprob']:.1e}")
+    if not r["cuda"]:
+        return "PASS", (f"no CUDA: graphs not exercised; the static step run eagerly, {shape}: {loop}; "
+                        f"{r['eager_ms_per_token']:.2f} ms per token")
+    same = r["graph_identical"] and r["graphs_captured"] == 2
+    if not r["graphs_captured"]:
+        return "FAIL", f"{shape}: the decode step was not captured (it ran eagerly; the run's warning says why)"
+    figures = (f"{shape}: graph replay {'bit-identical to' if same else 'DIFFERS from'} the eager step (tokens, "
+               f"log-probs, entropies; greedy and seeded); {r['graph_ms_per_token']:.2f} ms per decode token with graphs, "
+               f"{r['eager_ms_per_token']:.2f} eager ({r['eager_ms_per_token'] / r['graph_ms_per_token']:.1f}x; the "
+               f"prefill and the capture included, target <= 1.0 at 768x8); {loop}")
+    return ("PASS" if same else "FAIL"), figures
+
+
 def check_minimind(c: Context) -> tuple[str, str]:
     if not c.o.minimind_dir:
         return "SKIP", "no --minimind_dir given"
@@ -319,8 +371,8 @@ def check_minimind(c: Context) -> tuple[str, str]:
     h, l = sz.model
     out = c.work / "minimind.json"
     device = "cuda:0" if sz.device == "cuda" else "cpu"
-    run([c.py, "benchmarks/gpu_check.py", "--_child", "minimind", "--minimind_dir", str(c.o.minimind_dir),
-         "--size", f"{h}x{l}", "--steps", str(sz.steps), "--device", device, "--json", str(out)], c.env, c.o.timeout)
+    run([c.py, "benchmarks/time_minimind.py", "--minimind_dir", str(c.o.minimind_dir), "--size", f"{h}x{l}",
+         "--steps", str(sz.steps), "--device", device, "--json", str(out)], peer_env(c.env), c.o.timeout)
     med = json.loads(out.read_text())["median_s"]
     figures = (f"MiniMind's trainer/train_ppo.py on {device}, {h}x{l}, batch 8, 64+64 tokens: {med:.3f} s/step "
                f"(median of {sz.steps})")
@@ -332,8 +384,284 @@ def check_minimind(c: Context) -> tuple[str, str]:
 CHECKS: list[tuple[str, Callable[[Context], tuple[str, str]]]] = [
     ("gpu tests", check_gpu_tests), ("bench", check_bench), ("deterministic", check_deterministic),
     ("fast decode", check_fast_decode), ("logprob gap", check_logprob_gap), ("2 processes", check_two_processes),
-    ("fsdp2", check_fsdp2), ("minimind", check_minimind),
+    ("fsdp2", check_fsdp2), ("minimind", check_minimind), ("cuda graphs", check_cuda_graphs),
 ]
+
+
+def child_cuda_graphs(o: argparse.Namespace) -> None:
+    """sample() at the peers' PPO shape (random-init 768x8, bf16 autocast, batch 8, 64 random prompt tokens, 64 new
+    tokens, EOS suppressed) with the decode step replayed from a CUDA graph, launched eagerly, and by the CPU's loop;
+    on a CPU (smoke) 64x2 fp32, 8 + 8 tokens, the static step eager against the loop. Seeded sampling and greedy."""
+    import torch
+
+    from model.generation import sample
+    from model.loader import build_minimind
+
+    device = torch.device(o.device)
+    cuda = device.type == "cuda"
+    (h, l), P, R, dtype = ((768, 8), 64, 64, torch.bfloat16) if cuda else ((64, 2), 8, 8, None)
+    torch.manual_seed(0)
+    model = build_minimind(h, l).to(device).eval()
+    ids = torch.randint(3, model.config.vocab_size, (8, P), generator=torch.Generator().manual_seed(0)).to(device)
+    mask = torch.ones_like(ids)
+    kw = dict(max_new_tokens=R, eos_token_id=2, pad_token_id=0, temperature=0.8, suppress_eos=True, return_logprobs=True)
+    cast = (lambda: torch.autocast("cuda", dtype=dtype)) if cuda else (lambda: torch.autocast("cpu", enabled=False))
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def draw(greedy: bool, **mode):
+        torch.manual_seed(1)
+        with cast():
+            return sample(model, ids, mask, greedy=greedy, **kw, **mode)
+
+    def ms_per_token(**mode) -> float:
+        times = []
+        for _ in range(5):
+            sync()
+            t0 = time.perf_counter()
+            draw(False, **mode)
+            sync()
+            times.append(time.perf_counter() - t0)
+        return 1000 * statistics.median(times[1:]) / R
+
+    from model.generation import StaticDecode
+
+    graph_mode, eager_mode = dict(cuda_graphs=True), (dict(cuda_graphs=False) if cuda else dict(static_step=True))
+    captured, same = StaticDecode.captured, True
+    for greedy in (True, False):
+        a, b = draw(greedy, **graph_mode), draw(greedy, **eager_mode)
+        same &= bool(torch.equal(a.sequences, b.sequences) and torch.equal(a.logprobs, b.logprobs)
+                     and torch.equal(a.entropy, b.entropy))
+    captured = StaticDecode.captured - captured  # 2 on a GPU: both graph runs replayed a graph
+    a, c = draw(False, **eager_mode), draw(False, static_step=False)
+    rows_same = [bool(torch.equal(a.sequences[i], c.sequences[i])) for i in range(ids.shape[0])]
+    common = (a.sequences[:, P:] == c.sequences[:, P:]).long().cumprod(1).bool()
+    d = (a.logprobs - c.logprobs).abs()[common]
+    Path(o.json).write_text(json.dumps({
+        "cuda": cuda, "size": f"{h}x{l}", "dtype": "bf16" if cuda else "fp32", "batch": ids.shape[0], "prompt_len": P,
+        "gen_len": R, "graph_identical": same if cuda else None, "graphs_captured": captured,
+        "graph_ms_per_token": ms_per_token(**graph_mode) if cuda else None, "eager_ms_per_token": ms_per_token(**eager_mode),
+        "loop_identical_rows": sum(rows_same), "loop_max_abs_dlogprob": d.max().item() if d.numel() else float("nan")}))
+
+
+# ------------------------------------------------------------------------------------ peers (--peers)
+# Qwen2.5-0.5B's width, random init, in our (Qwen3-style) layout: q/k RMSNorm, no q/k/v bias, tied embeddings.
+WIDE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
+            vocab_size=151936)
+WIDE_SMOKE = dict(hidden_size=112, num_hidden_layers=2, num_attention_heads=14, num_key_value_heads=2,
+                  intermediate_size=256, vocab_size=151936)
+MINIMIND_WIDE_SKIP = ("MiniMind's command line sets only --hidden_size and --num_hidden_layers (8 heads, 4 KV heads, its "
+                      "FFN rule, vocab 6400): it cannot build 14/2 heads, FFN 4864, vocab 151,936")
+POLICIES = {
+    "ours": ("bf16 autocast over fp32 master weights (--dtype bfloat16); reference held in bf16 (bench_ppo's "
+             "--frozen_low_precision 1); old log-probs taken from the sampling pass (--rollout_logprobs 1: no extra "
+             "forward); PPO: the critic's scoring forward reused by the update (--reuse_values auto); decode by "
+             "model/fast_decode.py{graphs}"),
+    "MiniMind": ("its own: rollout and actor update under bf16 autocast over fp32 weights; critic (PPO) and reference "
+                 "forwards in fp32 (outside autocast); an extra forward after generate() for the old log-probs "
+                 "(rollout_engine.compute_per_token_logps); GRPO's default loss (cispo); samples with its generate()'s "
+                 "top-k 50 / top-p 0.85 at temperature 0.8 (ours and TRL: temperature 0.8, no top-k/top-p)"),
+    "TRL": ("GRPOTrainer, bf16=True (accelerate's bf16 autocast over fp32 weights, the reference loaded again in "
+            "fp32), transformers' generate() (min_new_tokens = max), num_iterations 1 (old log-probs = the update's "
+            "own, no extra forward), gradient checkpointing off, a reward function returning 0"),
+}
+
+
+@dataclass(frozen=True)
+class PeerSizes:
+    device: str
+    main: tuple[int, int]  # HIDDEN x LAYERS of the MiniMind-3 shape
+    wide: dict
+    prompt_len: int
+    gen_len: int
+    steps: int
+    warmup: int
+
+
+def peer_sizes(smoke: bool, steps: int) -> PeerSizes:
+    if smoke:
+        return PeerSizes("cpu", (64, 2), WIDE_SMOKE, 8, 4, 1, 1)
+    return PeerSizes("cuda", (768, 8), WIDE, 64, 64, steps, 2)
+
+
+def _spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} [{min(xs):.3f}-{max(xs):.3f}]"
+
+
+def _peer_available(c: "Context", modules: str) -> str | None:
+    """None where `import <modules>` works in a peer's environment, else why not (one line)."""
+    r = subprocess.run([c.py, "-c", f"import {modules}"], cwd=ROOT, env=peer_env(c.env), capture_output=True, text=True)
+    return None if r.returncode == 0 else last_line(r.stderr)
+
+
+def peer_models(c: "Context", ps: PeerSizes, minimind_dir: Path | None) -> dict[str, Path]:
+    """The weights every framework starts from: MiniMind's native file of the main shape (random init, seed 0, by
+    model.loader.build_minimind: the same tensor names as MiniMind's own model) in <minimind_dir>/out where MiniMind
+    reads it (kept if already there), and HF directories (our tokenizer) of it and of the wide shape for TRL and ours."""
+    import torch
+
+    from model.loader import build_minimind, load_policy, load_tokenizer
+    from scripts.convert_model import policy_to_hf
+
+    h, l = ps.main
+    out = (minimind_dir / "out") if minimind_dir else c.work / "weights"
+    out.mkdir(parents=True, exist_ok=True)
+    native = out / f"full_sft_{h}.pth"
+    if not native.exists():
+        torch.manual_seed(0)
+        torch.save(build_minimind(h, l).state_dict(), native)
+    tok = load_tokenizer()
+    paths = {"native_dir": out, "hf_main": c.work / f"hf_{h}x{l}", "hf_wide": c.work / "hf_wide"}
+    if not paths["hf_main"].exists():
+        policy, _ = load_policy(weights=native, hidden_size=h, num_hidden_layers=l)
+        policy_to_hf(policy, tok, paths["hf_main"])
+    if not paths["hf_wide"].exists():
+        torch.manual_seed(0)
+        policy_to_hf(build_minimind(**ps.wide), tok, paths["hf_wide"])
+    return paths
+
+
+def ours_row(c: "Context", ps: PeerSizes, algo: str, model: list[str], train_flags: list[str], label: str,
+             rows: tuple[int, int]) -> dict:
+    """benchmarks/bench_ppo.py on the peers' work: `model` its model flags, `train_flags` more of train_ppo's (they
+    travel in --extra, split at spaces), `rows` (prompts, samples each)."""
+    prompts, gens = rows
+    out = c.work / f"ours_{algo}_{label}.json"
+    extra = [*train_flags, "--cuda_graphs", str(c.o.cuda_graphs)]
+    if algo == "GRPO":  # 2 prompts x 4, one optimizer step per rollout (as MiniMind's and TRL's), KL coefficient 0.1
+        extra += ["--advantage_estimator", "grpo", "--num_generations", str(gens), "--kl_coef", "0.1", "--mini_batch_size", "0"]
+    cmd = [c.py, "benchmarks/bench_ppo.py", "--device", ps.device, *model, "--dtypes", "bfloat16",
+           "--update_old_actor_freq", "0", "--batch_size", str(prompts), "--prompt_len", str(ps.prompt_len),
+           "--gen_len", str(ps.gen_len), "--steps", str(ps.steps), "--warmup", str(ps.warmup), "--reward_model", "none",
+           "--count_flops", "0", "--json", str(out), "--extra", " ".join(extra)]
+    if c.smoke:
+        cmd += ["--num_threads", "1"]
+    run(cmd, c.env, c.o.timeout)
+    (res,) = json.loads(out.read_text())["results"]
+    if not res.get("ok"):
+        raise CheckFailed(f"bench failed: {res.get('error')}")
+    t, mem = res["time_s_all"], res["memory_mb"]
+    return {"step_s": t["step"], "generate_s": t["generate"], "score_s": t["score"], "update_s": t["update"],
+            "params": res["params"]["actor"], "peak_allocated_mb": mem.get("cuda_peak_allocated"),
+            "peak_reserved_mb": mem.get("cuda_peak_reserved")}
+
+
+def minimind_row(c: "Context", ps: PeerSizes, script: str, mm: Path) -> dict:
+    h, l = ps.main
+    out = c.work / f"minimind_{script}.json"
+    cmd = [c.py, "benchmarks/time_minimind.py", "--minimind_dir", str(mm), "--script", script, "--size", f"{h}x{l}",
+           "--steps", str(ps.steps), "--warmup", str(ps.warmup), "--device", "cuda:0" if ps.device == "cuda" else "cpu",
+           "--dtype", "bfloat16", "--json", str(out)]
+    if c.smoke:
+        cmd += ["--num_threads", "1"]
+    run(cmd, peer_env(c.env), c.o.timeout)
+    r = json.loads(out.read_text())
+    commit = (mm / "MINIMIND_COMMIT").read_text().strip()[:10] if (mm / "MINIMIND_COMMIT").is_file() else "checkout"
+    return {"step_s": r["steps_s"], "generate_s": r["generate_s"], "peak_allocated_mb": r.get("peak_allocated_mb"),
+            "peak_reserved_mb": r.get("peak_reserved_mb"), "version": f"MiniMind {commit}"}
+
+
+def trl_row(c: "Context", ps: PeerSizes, model_dir: Path, cache: str | None) -> dict:
+    out = c.work / f"trl_{model_dir.name}_{cache or 'dynamic'}.json"
+    cmd = [c.py, "benchmarks/trl_peer.py", "--work", "zero", "--device", ps.device, "--model", str(model_dir),
+           "--prompts", "2", "--num_generations", "4", "--prompt_len", str(ps.prompt_len), "--gen_len", str(ps.gen_len),
+           "--beta", "0.1", "--steps", str(ps.steps), "--warmup", str(ps.warmup), "--json", str(out)]
+    if cache:
+        cmd += ["--cache_implementation", cache]
+    run(cmd, peer_env(c.env), c.o.timeout)
+    r = json.loads(out.read_text())
+    w = r["warmup"]
+    return {"step_s": r["step_s"][w:], "generate_s": r["generate_s"], "params": r["params"],
+            "peak_allocated_mb": r.get("peak_allocated_mb"), "peak_reserved_mb": r.get("peak_reserved_mb"),
+            "version": f"TRL {r['trl']}, transformers {r['transformers']}"}
+
+
+def peers_table(rows: list[dict]) -> str:
+    head = ["framework", "algorithm", "shape (params)", "rows x tokens", "s/step median [min-max]",
+            "generate / score / update s", "ms per decode token", "tokens/s", "peak alloc / reserved MB", "x ours"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if r.get("skip") or r.get("fail"):
+            cells = [r["framework"], r["algorithm"], r["shape"], "", f"{'SKIP' if r.get('skip') else 'FAIL'}: "
+                     f"{r.get('skip') or r.get('fail')}", "", "", "", "", ""]
+        else:
+            med = statistics.median(r["step_s"])
+            gen = statistics.median(r["generate_s"]) if r.get("generate_s") else None
+            parts = ([f"{gen:.3f}" if gen is not None else "-"]
+                     + [f"{statistics.median(r[k]):.3f}" if r.get(k) else "-" for k in ("score_s", "update_s")])
+            if "score_s" not in r:
+                parts[1:] = [f"rest {med - gen:.3f}" if gen is not None else "-"]
+            mem = (f"{r['peak_allocated_mb']:.0f} / {r['peak_reserved_mb']:.0f}" if r.get("peak_allocated_mb") is not None
+                   else "- (CPU)")
+            params = f" ({r['params'] / 1e6:.1f}M)" if r.get("params") else ""
+            cells = [r["framework"], r["algorithm"], r["shape"] + params, f"{r['rows']} x {r['tokens']}", _spread(r["step_s"]),
+                     " / ".join(parts), f"{1000 * gen / r['tokens']:.2f}" if gen is not None else "-",
+                     f"{r['rows'] * r['tokens'] / med:.0f}", mem, f"{r['ratio']:.2f}x" if r.get("ratio") else "-"]
+        lines.append("| " + " | ".join(str(x).replace("|", "\\|") for x in cells) + " |")
+    return "\n".join(lines)
+
+
+def run_peers(c: Context) -> list[dict]:
+    """Every --peers row: ours, MiniMind's own trainers and TRL's GRPOTrainer on the same work (module docstring)."""
+    ps = peer_sizes(c.smoke, c.o.peer_steps)
+    h, l = ps.main
+    mm = Path(c.o.minimind_dir) if c.o.minimind_dir else (ROOT / "peers" / "minimind")
+    mm_ok = (mm / "trainer" / "train_ppo.py").is_file()
+    trl_missing = _peer_available(c, "trl, datasets")
+    paths = peer_models(c, ps, mm if mm_ok else None)
+    main = f"{h}x{l}"
+    wide = (f"{ps.wide['hidden_size']}x{ps.wide['num_hidden_layers']}, {ps.wide['num_attention_heads']}/"
+            f"{ps.wide['num_key_value_heads']} heads, FFN {ps.wide['intermediate_size']}, vocab {ps.wide['vocab_size']}")
+    ours_main = (["--sizes", main], ["--save_dir", str(paths["native_dir"]), "--from_weight", "full_sft"])
+    plan: list[tuple[str, str, str, tuple[int, int], Callable[[], dict] | str]] = [
+        ("ours", "PPO", main, (8, 1), lambda: ours_row(c, ps, "PPO", *ours_main, main, (8, 1))),
+        ("MiniMind", "PPO", main, (8, 1),
+         (lambda: minimind_row(c, ps, "ppo", mm)) if mm_ok else f"no MiniMind at {mm} (benchmarks/prepare_peers.sh)"),
+        ("ours", "GRPO", main, (2, 4), lambda: ours_row(c, ps, "GRPO", *ours_main, main, (2, 4))),
+        ("MiniMind", "GRPO", main, (2, 4),
+         (lambda: minimind_row(c, ps, "grpo", mm)) if mm_ok else f"no MiniMind at {mm} (benchmarks/prepare_peers.sh)"),
+        ("TRL", "GRPO", main, (2, 4), trl_missing or (lambda: trl_row(c, ps, paths["hf_main"], None))),
+        ("TRL, static cache", "GRPO", main, (2, 4), trl_missing or (lambda: trl_row(c, ps, paths["hf_main"], "static"))),
+        ("ours", "GRPO", wide, (2, 4), lambda: ours_row(c, ps, "GRPO", ["--actor_path", str(paths["hf_wide"])], [], "wide", (2, 4))),
+        ("TRL", "GRPO", wide, (2, 4), trl_missing or (lambda: trl_row(c, ps, paths["hf_wide"], None))),
+        ("MiniMind", "GRPO", wide, (2, 4), MINIMIND_WIDE_SKIP),
+    ]
+    rows: list[dict] = []
+    t_start = time.perf_counter()
+    for framework, algo, shape, (prompts, gens), how in plan:
+        row = {"framework": framework, "algorithm": algo, "shape": shape, "rows": prompts * gens, "tokens": ps.gen_len}
+        print(f"\n== peers: {framework} {algo} {shape}", flush=True)
+        spent = time.perf_counter() - t_start
+        if isinstance(how, str):
+            row["skip"] = how
+        elif framework == "TRL, static cache" and spent > c.o.peers_budget_s:
+            row["skip"] = f"time budget: {spent:.0f} s spent of --peers_budget_s {c.o.peers_budget_s}"
+        else:
+            try:
+                row.update(how())
+            except CheckFailed as e:
+                row["fail"] = str(e)
+            except Exception as e:  # noqa: BLE001 - one row's crash is its row; the others still run
+                row["fail"] = f"{type(e).__name__}: {last_line(str(e))}"
+        if framework == "ours":
+            row["version"] = f"minippo {_git_rev()}"
+        row["framework"] = f"{framework} ({row['version']})" if row.get("version") and framework != "ours" else (
+            f"ours ({row['version']})" if framework == "ours" else framework)
+        ref = next((r for r in rows if r["framework"].startswith("ours") and r["algorithm"] == algo and r["shape"] == shape
+                    and r.get("step_s")), None)
+        if ref and row.get("step_s"):
+            row["ratio"] = statistics.median(row["step_s"]) / statistics.median(ref["step_s"])
+        if row.get("params") is None and ref:
+            row["params"] = ref.get("params")
+        said = (f"SKIP: {row['skip']}" if row.get("skip") else f"FAIL: {row['fail']}" if row.get("fail")
+                else f"{_spread(row['step_s'])} s/step")
+        print(said, flush=True)
+        rows.append(row)
+    return rows
+
+
+def _git_rev() -> str:
+    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else "(no git)"
 
 
 # ------------------------------------------------------------------------------------ children
@@ -373,25 +701,6 @@ def child_fast_decode(o: argparse.Namespace) -> None:
         "mean_abs_dlogprob": d.mean().item() if d.numel() else float("nan"), "fast_decoder_used": used}))
 
 
-def child_minimind(o: argparse.Namespace) -> None:
-    """benchmarks/time_minimind.py on --device: it starts MiniMind's trainer with --device cpu, which this
-    child replaces just before MiniMind's script runs (time_minimind.py has no --device flag)."""
-    import runpy
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import time_minimind
-
-    real = runpy.run_path
-
-    def run_path(path: str, *args, **kwargs):
-        if "--device" in sys.argv:
-            sys.argv[sys.argv.index("--device") + 1] = o.device
-        return real(path, *args, **kwargs)
-
-    runpy.run_path = run_path  # time_minimind calls runpy.run_path(...) at run time: it gets this one
-    time_minimind.main(["--minimind_dir", o.minimind_dir, "--size", o.size, "--steps", str(o.steps), "--json", o.json])
-
-
 # ------------------------------------------------------------------------------------ main
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -402,11 +711,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where no CUDA device is found, run every check on the CPU at tiny sizes (a smoke test of this "
                         "script) instead of exiting with status 2")
     p.add_argument("--timeout", type=int, default=1200, help="seconds each check's subprocess may take")
+    p.add_argument("--peers", action="store_true",
+                   help="instead of the checks: ours against MiniMind's own trainers and TRL's GRPOTrainer on the same work "
+                        "(one table, every step time in --peers_json; docs/distributed.md)")
+    p.add_argument("--peer_steps", type=int, default=10, help="--peers: timed steps per row (after 2 warm-up steps)")
+    p.add_argument("--peers_budget_s", type=int, default=420,
+                   help="--peers: the optional TRL static-cache row is skipped once this many seconds have gone")
+    p.add_argument("--peers_json", default=str(ROOT / "peers" / "result.json"), help="--peers: write every row here")
+    p.add_argument("--cuda_graphs", type=int, default=1, choices=[0, 1],
+                   help="our rows' train_ppo --cuda_graphs (decode steps replayed from CUDA graphs on a GPU)")
     p.add_argument("--workdir", default=None, help="where the runs write their files (default: a temporary folder, removed)")
-    p.add_argument("--_child", default=None, choices=["fast_decode", "minimind"], help=argparse.SUPPRESS)
+    p.add_argument("--_child", default=None, choices=["fast_decode", "cuda_graphs"], help=argparse.SUPPRESS)
     p.add_argument("--device", default="cpu", help=argparse.SUPPRESS)  # children only
     p.add_argument("--gen_len", type=int, default=64, help=argparse.SUPPRESS)
-    p.add_argument("--size", default="512x8", help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -423,10 +740,10 @@ def main(argv: list[str] | None = None) -> None:
     o = build_parser().parse_args(argv)
     if o._child == "fast_decode":
         return child_fast_decode(o)
-    if o._child == "minimind":
-        return child_minimind(o)
-    if o.steps < 1 or o.timeout < 1:
-        raise SystemExit("error: --steps and --timeout must be >= 1")
+    if o._child == "cuda_graphs":
+        return child_cuda_graphs(o)
+    if o.steps < 1 or o.timeout < 1 or o.peer_steps < 1:
+        raise SystemExit("error: --steps, --peer_steps and --timeout must be >= 1")
     if o.minimind_dir and not (Path(o.minimind_dir) / "trainer" / "train_ppo.py").is_file():
         raise SystemExit(f"error: --minimind_dir {o.minimind_dir}: no trainer/train_ppo.py there (clone jingyaogong/minimind)")
     import torch
@@ -446,6 +763,12 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(o.workdir) if o.workdir else Path(tempfile.mkdtemp(prefix="gpu_check_"))
     work.mkdir(parents=True, exist_ok=True)
     ctx = Context(o, smoke, work)
+    if o.peers:
+        try:
+            return main_peers(ctx, started, where)
+        finally:
+            if not o.workdir:
+                shutil.rmtree(work, ignore_errors=True)
     rows = []
     try:
         for name, fn in CHECKS:
@@ -465,6 +788,33 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nminippo gpu_check, {started}: {where}\n")
     print(markdown_table(rows))
     if any(r == "FAIL" for _, r, _ in rows):
+        raise SystemExit(1)
+
+
+def main_peers(ctx: Context, started: str, where: str) -> None:
+    """--peers: the table, its notes and the JSON of every step time."""
+    t0 = time.perf_counter()
+    rows = run_peers(ctx)
+    print("\n== peers: cuda graphs (ours, decode step replayed against launched)", flush=True)
+    try:
+        graph_row = check_cuda_graphs(ctx)
+    except Exception as e:  # noqa: BLE001 - reported, the table stands
+        graph_row = ("FAIL", f"{type(e).__name__}: {last_line(str(e))}")
+    graphs = ", its decode steps replayed from CUDA graphs (--cuda_graphs 1)" if ctx.o.cuda_graphs and not ctx.smoke else ""
+    notes = [f"- {name}: {text.format(graphs=graphs)}" for name, text in POLICIES.items()]
+    print(f"\nminippo gpu_check --peers, {started}: {where}; {time.perf_counter() - t0:.0f} s\n")
+    print(peers_table(rows))
+    print("\nWhat each framework runs (dtype policy, extra forwards):\n" + "\n".join(notes))
+    print("- x ours: the row's median s/step over ours at the same algorithm and shape (> 1: slower than ours); "
+          "ms per decode token = generate time / new tokens (the prefill included)")
+    print(f"\ncuda graphs: {graph_row[0]}: {graph_row[1]}")
+    out = Path(ctx.o.peers_json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"started": started, "where": where, "rows": rows, "notes": notes,
+                               "cuda_graphs": {"result": graph_row[0], "figures": graph_row[1]}}, indent=1))
+    print(f"\nevery step time: {out}")
+    # A peer's row that fails is reported (its line says why: its own stack); the exit status is ours.
+    if any(r.get("fail") for r in rows if r["framework"].startswith("ours")) or graph_row[0] == "FAIL":
         raise SystemExit(1)
 
 

@@ -171,10 +171,17 @@ class FastDecoder:
         return y + torch.cat(deltas, dim=-1).to(y.dtype)
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, position: torch.Tensor, kv_mask: torch.Tensor, cache) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, position: torch.Tensor, kv_mask: torch.Tensor, cache,
+             slot: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B], position [B, 1], kv_mask [B, n+1] bool (True = attend; n = cached length)
         -> logits [B, V] for the next token. Appends this token's K/V to `cache`. Call it under the same
-        autocast context the decoder was built in: autocast casts the activations, as in transformers."""
+        autocast context the decoder was built in: autocast casts the activations, as in transformers.
+
+        The static form (`slot`, a [1] long device tensor: the new token's position in the cache): K/V are written
+        into the cache's full-length buffers at `slot` (index_copy_) and attention reads the whole buffers, kv_mask
+        [B, capacity] saying which slots count. Every shape and address is then the same on every token, and no
+        value reaches the host: the step can be captured in a CUDA graph (model/generation.py). The slots past
+        `slot` must hold finite numbers (the caller zeroes them): masked keys weigh 0, and 0 x NaN would not be 0."""
         B = tokens.shape[0]
         nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         h = self.trunk.embed_tokens(tokens[:, None])  # [B, 1, H], the residual dtype
@@ -189,7 +196,13 @@ class FastDecoder:
             if hasattr(a, "q_norm"):  # Qwen3's per-head q/k norm
                 q, k = _rms(q, a.q_norm), _rms(k, a.k_norm)
             q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, heads, 1, hd]
-            keys, values = cache.layers[a.layer_idx].update(k, v)  # [B, nkv, n+1, hd]
+            if slot is None:
+                keys, values = cache.layers[a.layer_idx].update(k, v)  # [B, nkv, n+1, hd]
+            else:
+                layer_cache = cache.layers[a.layer_idx]
+                keys, values = layer_cache._k, layer_cache._v  # [B, nkv, capacity, hd], as copy_ casts it in update()
+                keys.index_copy_(2, slot, k.to(keys.dtype))
+                values.index_copy_(2, slot, v.to(values.dtype))
             o = decode_attention(q, keys, values, mask, a.scaling, self.pack_gqa)
             h = h + self._proj(o.transpose(1, 2).reshape(B, 1, nq), w, ads, "o")
             gate, up = self._proj(_rms(h, layer.post_attention_layernorm), w, ads, "gate_up").chunk(2, dim=-1)

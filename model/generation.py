@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -174,6 +175,132 @@ def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None =
     return torch.searchsorted(cdf, u, right=True).clamp_(max=logits.shape[-1] - 1).squeeze(-1)
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+class StaticDecode:
+    """The decode loop of `sample()` with the fast decoder as one fixed-shape step: decode the previous token
+    (FastDecoder.step's static form: full-length K/V written with index_copy_, one mask), then sample the next
+    token inside the same step (EOS suppression, filters, inverse-CDF draw, log-probs, the finished rows), its
+    outputs written into [B, max_new_tokens] buffers at a device-side column. No value reaches the host and every
+    tensor keeps its address, so on CUDA the step is captured once per sample() call (one graph per batch shape:
+    the decoder's weights, and so their addresses, change with every update) and replayed for every token; eager
+    otherwise. The operations are sample()'s own eager loop's, in its order, with the same random draws (one
+    torch.rand per sampled token, from `generator` or torch's default stream; CUDA graphs advance the generator's
+    Philox offset on every replay as eager calls do: register_generator_state / the default generator).
+
+    Why: a decode step of a small model launches ~500 kernels of a few microseconds each; launched one by one from
+    Python the GPU waits for the launches (~8 ms per token at 512x8), replayed from a graph it does not."""
+
+    captured = 0  # graphs captured in this process (tests and benchmarks/gpu_check.py check that one was)
+
+    def __init__(self, fast, cache: Cache, prompt_mask: torch.Tensor, position: torch.Tensor, max_new_tokens: int, *,  # noqa: ANN001
+                 eos_t: torch.Tensor, pad_token_id: int, temperature: float, top_k: int, top_p: float, greedy: bool,
+                 suppress_eos: bool, return_logprobs: bool, score_temp: float, generator: torch.Generator | None):
+        B, P = prompt_mask.shape
+        device = prompt_mask.device
+        self.fast, self.cache, self.P, self.generator = fast, cache, P, generator
+        self.opts = dict(eos_t=eos_t, pad=pad_token_id, temperature=temperature, top_k=top_k, top_p=top_p,
+                         greedy=greedy, suppress_eos=suppress_eos, return_logprobs=return_logprobs, score_temp=score_temp)
+        cap = P + max_new_tokens
+        for layer in cache.layers:  # the slots not yet decoded: finite (masked keys weigh 0; 0 x NaN is not 0)
+            layer._k[:, :, P:].zero_()
+            layer._v[:, :, P:].zero_()
+        self.prompt_mask = torch.cat([prompt_mask.bool(), prompt_mask.new_ones(B, max_new_tokens, dtype=torch.bool)], 1)
+        self.arange = torch.arange(cap, device=device)
+        self.position = position.clone()  # [B, 1]: the last token's
+        self.col = torch.zeros(1, dtype=torch.long, device=device)  # the response column sampled next
+        self.prev = torch.zeros(B, dtype=torch.long, device=device)  # the token sampled last
+        self.finished = torch.zeros(B, dtype=torch.bool, device=device)
+        self.finite = torch.ones((), dtype=torch.bool, device=device)
+        self.tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
+        self.entropy = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def take(self, last: torch.Tensor) -> None:
+        """Sample column `col` from logits `last` [B, V] (sample()'s loop body), then advance the column."""
+        o = self.opts
+        raw = last.float()
+        logits = raw.index_fill(-1, o["eos_t"], float("-inf")) if o["suppress_eos"] else raw
+        if o["greedy"]:
+            nxt = logits.argmax(dim=-1)
+        else:
+            nxt = sample_from_logits(filter_logits(logits, o["temperature"], o["top_k"], o["top_p"]), self.generator,
+                                     finite=self.finite)
+        nxt = torch.where(self.finished, torch.full_like(nxt, o["pad"]), nxt)
+        self.tokens.index_copy_(1, self.col, nxt[:, None])
+        if o["return_logprobs"]:
+            lp, ent = token_logprobs(raw, nxt, o["score_temp"], with_entropy=True)
+            self.logprobs.index_copy_(1, self.col, lp[:, None])
+            self.entropy.index_copy_(1, self.col, ent[:, None])
+        if not o["suppress_eos"]:
+            self.finished.logical_or_(torch.isin(nxt, o["eos_t"]))
+        self.prev.copy_(nxt)
+        self.col.add_(1)
+
+    def step(self) -> None:
+        """Decode the token sampled last (it goes to cache slot P + col - 1), then sample the next column."""
+        self.position.add_(1)
+        slot = self.col + (self.P - 1)
+        mask = self.prompt_mask & (self.arange <= slot)  # [B, capacity]: the prompt's tokens and those decoded
+        self.take(self.fast.step(self.prev, self.position, mask, self.cache, slot=slot))
+
+    def capture(self) -> None:
+        """Record `step` in a CUDA graph. A warm-up step runs first on a side stream (as torch.cuda.graph asks), its
+        effects undone: the small state and the random stream are put back, and the K/V it wrote are those the
+        first replay writes again. Capturing runs nothing. Where capture fails (an op that syncs with the host,
+        e.g. a rotary embedding that checks its length), the step runs eagerly, with one warning."""
+        state = [self.position, self.col, self.prev, self.finished, self.finite, self.tokens, self.logprobs, self.entropy]
+        saved = [t.clone() for t in state]
+        gen = self.generator if self.generator is not None else torch.cuda.default_generators[
+            self.col.device.index if self.col.device.index is not None else torch.cuda.current_device()]
+        rng = gen.get_state()
+        side = torch.cuda.Stream(self.col.device)
+        side.wait_stream(torch.cuda.current_stream(self.col.device))
+        with torch.cuda.device(self.col.device), torch.cuda.stream(side):
+            self.step()
+        torch.cuda.current_stream(self.col.device).wait_stream(side)
+        for t, v in zip(state, saved):
+            t.copy_(v)
+        # The warm-up's draws undone before the generator is registered with the graph: capturing records offsets
+        # relative to the generator's (it advances nothing), and each replay reads the generator's seed and offset
+        # and advances the offset by what one step draws, as an eager step does.
+        gen.set_state(rng)
+        graph = torch.cuda.CUDAGraph()
+        if self.generator is not None:  # torch's default generator is registered by capture itself
+            graph.register_generator_state(self.generator)
+        # torch.cuda.graph(graph) without its synchronize + gc.collect() + empty_cache() (once per rollout here)
+        side.wait_stream(torch.cuda.current_stream(self.col.device))
+        try:  # on the tensors' device: capture registers that device's default generator (a rank on cuda:1)
+            with torch.cuda.device(self.col.device), torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self.step()
+                finally:
+                    graph.capture_end()
+            self.graph = graph
+            StaticDecode.captured += 1
+        except RuntimeError as e:  # an op that cannot be captured here: the same step, launched eagerly
+            _warn_once(f"sampling: the decode step could not be captured in a CUDA graph ({str(e).splitlines()[0][:200]}); "
+                       "it runs eagerly (same tokens, slower; --cuda_graphs 0 silences this)")
+            for t, v in zip(state, saved):
+                t.copy_(v)
+        torch.cuda.current_stream(self.col.device).wait_stream(side)
+
+    def run_step(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.step()
+
+
 def _accepts(model: nn.Module, name: str) -> bool:
     try:
         return name in inspect.signature(model.forward).parameters
@@ -197,6 +324,8 @@ def sample(
     suppress_eos: bool = False,
     return_logprobs: bool = False,
     fast_decode: bool = True,
+    cuda_graphs: bool = True,
+    static_step: bool | None = None,
     sync_interval: int | None = None,
     generator: torch.Generator | None = None,
 ) -> Samples:
@@ -211,6 +340,12 @@ def sample(
 
     fast_decode runs the decode steps with model.fast_decode.FastDecoder when the model is a dense
     Qwen3/Llama trunk (same math, fewer ops); otherwise, or with False, transformers' forward.
+
+    On CUDA the fast decoder's steps run as `StaticDecode` (attention over the full-length K/V buffers, sampling
+    inside the step): with cuda_graphs captured in one CUDA graph for the call and replayed per token, without it
+    launched op by op; the two give the same tokens and log-probs bit for bit (the same kernels on the same
+    shapes). static_step: None = that rule; True = StaticDecode on a CPU too, run eagerly (the CPU tests compare it
+    with the loop below: equal up to the rounding of attention's sums over more, masked, slots); False = never.
 
     sync_interval: tokens between host checks of "every row stopped" and "logits finite" (None =
     `host_sync_interval` of the device: 1 on CPU, 8 on CUDA). With k > 1 up to k-1 steps may run after
@@ -255,6 +390,13 @@ def sample(
         if fast is not None:  # the whole-generation key mask, sliced per step: [B, P + max_new_tokens]
             kv_mask = torch.cat([mask.bool(), mask.new_ones(B, max_new_tokens, dtype=torch.bool)], dim=1)
         position = position[:, -1:]
+        static = (static_step if static_step is not None else device_type == "cuda") and fast is not None
+        if static:
+            dec = StaticDecode(fast, cache, mask, position, max_new_tokens, eos_t=eos_t, pad_token_id=pad_token_id,
+                               temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy, suppress_eos=suppress_eos,
+                               return_logprobs=return_logprobs, score_temp=score_temp, generator=generator)
+            return _static_samples(dec, last, input_ids, max_new_tokens, eos_ids, pad_token_id, interval, suppress_eos,
+                                   return_logprobs, capture=device_type == "cuda" and cuda_graphs)
         finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
         # interval 1 checks finiteness per token inside sample_from_logits (a sync), as it always has.
         finite = torch.ones((), dtype=torch.bool, device=input_ids.device) if interval > 1 else None
@@ -293,13 +435,44 @@ def sample(
     if finite is not None and not bool(finite):
         raise RuntimeError(_NONFINITE)
     responses = torch.stack(tokens, dim=1)  # [B, R]; R < max_new_tokens when every row hit EOS
-    response_mask, has_eos = response_mask_from_tokens(responses, eos_ids)
     logprobs = torch.stack(step_logprobs, dim=1) if return_logprobs else None
     entropy = torch.stack(step_entropy, dim=1) if return_logprobs else None
+    return _finish(input_ids, responses, logprobs, entropy, eos_ids, pad_token_id, interval, suppress_eos)
+
+
+def _static_samples(dec: StaticDecode, last: torch.Tensor, input_ids: torch.Tensor, max_new_tokens: int,
+                    eos_ids: list[int], pad_token_id: int, interval: int, suppress_eos: bool,
+                    return_logprobs: bool, capture: bool) -> Samples:
+    """sample()'s loop with StaticDecode: the first token from the prefill's logits, then one step (a graph replay
+    with `capture`) per token, the host checks every `interval` tokens as in the loop."""
+    dec.take(last)
+    steps = 1
+    if capture and max_new_tokens > 1:
+        dec.capture()
+    while steps < max_new_tokens:
+        if steps % interval == 0:  # the host syncs, at the loop's points
+            if not bool(dec.finite):
+                raise RuntimeError(_NONFINITE)
+            if not suppress_eos and bool(dec.finished.all()):
+                break
+        dec.run_step()
+        steps += 1
+    dec.graph = None  # its memory pool goes with it
+    if not bool(dec.finite):
+        raise RuntimeError(_NONFINITE)
+    lp = dec.logprobs[:, :steps] if return_logprobs else None
+    ent = dec.entropy[:, :steps] if return_logprobs else None
+    return _finish(input_ids, dec.tokens[:, :steps], lp, ent, eos_ids, pad_token_id, interval, suppress_eos)
+
+
+def _finish(input_ids: torch.Tensor, responses: torch.Tensor, logprobs: torch.Tensor | None, entropy: torch.Tensor | None,
+            eos_ids: list[int], pad_token_id: int, interval: int, suppress_eos: bool) -> Samples:
+    """Samples from the decoded columns [B, R]: masks, the steps run after the last row stopped cut off, pads."""
+    response_mask, has_eos = response_mask_from_tokens(responses, eos_ids)
     if interval > 1 and not suppress_eos:  # drop the steps run after the last row stopped (one sync)
         R = int(response_mask.sum(dim=1).max())  # = the every-token schedule's step count
         responses, response_mask = responses[:, :R], response_mask[:, :R]
-        if return_logprobs:
+        if logprobs is not None and entropy is not None:
             logprobs, entropy = logprobs[:, :R], entropy[:, :R]
     if suppress_eos:
         has_eos = torch.zeros_like(has_eos)

@@ -639,3 +639,137 @@ def test_no_prepacking_where_onednn_has_no_bf16(monkeypatch):
     m = build_minimind(64, 2, vocab_size=64).eval()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert fast_decoder(m, "cpu").linear is F.linear
+
+
+# ---------------------------------------------------------------- the static decode step (CUDA graphs' step)
+
+
+def _static_vs_loop(m, ids, mask, seed: int | None = None, **kw) -> tuple[Samples, Samples]:
+    """sample() with the static step run eagerly, and with the CPU's decode loop (the fast decoder either way)."""
+    out = []
+    for static in (True, False):
+        if seed is not None:
+            torch.manual_seed(seed)
+        out.append(sample(m, ids, mask, static_step=static, **kw))
+    return out[0], out[1]
+
+
+def _assert_same_up_to_rounding(a: Samples, b: Samples) -> None:
+    """Same tokens, masks and stops; log-probs and entropies within fp32 rounding of attention's sums (the static
+    step sums over every slot of the full-length buffers, the masked ones as exact zeros, in another order)."""
+    assert torch.equal(a.sequences, b.sequences)
+    assert torch.equal(a.response_mask, b.response_mask) and torch.equal(a.has_eos, b.has_eos)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(a.entropy, b.entropy, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("interval", [1, 3, 8])
+def test_static_step_greedy_gives_the_decode_loop_samples(lm8_greedy_stops, interval):
+    """The step a CUDA graph captures (full-length K/V written with index_copy_, one mask over every slot, sampling
+    inside, outputs written at a device-side column) against the loop, rows stopping at EOS after 10, 6, 14, 6, 4
+    tokens, under both host-check schedules."""
+    ids, mask = _left_pad(STOP_PROMPTS)
+    got, want = _static_vs_loop(lm8_greedy_stops, ids, mask, max_new_tokens=24, eos_token_id=EOS, pad_token_id=PAD,
+                                greedy=True, return_logprobs=True, sync_interval=interval)
+    _assert_same_up_to_rounding(got, want)
+    assert got.response_mask.sum(1).tolist() == [10, 6, 14, 6, 4]
+
+
+def test_static_step_seeded_sampling_gives_the_decode_loop_samples(lm8):
+    """Sampled rows stopping at different steps, both schedules, and top-k/top-p: the same draws from the same
+    stream give the same tokens."""
+    ids, mask = _left_pad([[5, 6, 7], [3, 4, 5, 6, 7, 3]])
+    lengths = []
+    for seed in range(6):
+        for interval, filters in ((1, {}), (8, {}), (1, {"top_k": 5, "top_p": 0.9})):
+            got, want = _static_vs_loop(lm8, ids, mask, seed=seed, max_new_tokens=20, eos_token_id=EOS, pad_token_id=PAD,
+                                        temperature=0.9, return_logprobs=True, sync_interval=interval, **filters)
+            _assert_same_up_to_rounding(got, want)
+            _check_samples(got, ids.shape[1], 20)
+            lengths.append(got.sequences.shape[1] - ids.shape[1])
+    assert min(lengths) < 20 and max(lengths) == 20, lengths  # some batches stopped early, some ran to the limit
+
+
+def test_static_step_repeats_bit_for_bit(lm):
+    """What a graph replays: the same step on the same inputs and seed gives the same bits (fp32 and bf16)."""
+    ids, mask = _left_pad(PROMPTS)
+    kw = dict(max_new_tokens=12, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, return_logprobs=True, static_step=True)
+    for ctx in (torch.autocast("cpu", enabled=False), torch.autocast("cpu", dtype=torch.bfloat16)):
+        with ctx:
+            runs = [sample(lm, ids, mask, generator=torch.Generator().manual_seed(1), **kw) for _ in range(2)]
+        _assert_same_samples(*runs)
+
+
+def test_static_step_with_a_generator_and_suppressed_eos(lm8):
+    ids, mask = _left_pad([[5, 6, 7], [3, 4, 5, 6, 7, 3]])
+    kw = dict(max_new_tokens=10, eos_token_id=EOS, pad_token_id=PAD, temperature=1.1, suppress_eos=True, return_logprobs=True)
+    got = sample(lm8, ids, mask, static_step=True, generator=torch.Generator().manual_seed(3), **kw)
+    want = sample(lm8, ids, mask, static_step=False, generator=torch.Generator().manual_seed(3), **kw)
+    _assert_same_up_to_rounding(got, want)
+    assert not got.has_eos.any() and got.response_mask.all()
+
+
+def test_static_step_nonfinite_logits_raise(lm8):
+    import copy
+
+    bad = copy.deepcopy(lm8)
+    with torch.no_grad():
+        bad.model.norm.weight.fill_(float("nan"))
+    ids, mask = _left_pad([[5, 6, 7]])
+    with pytest.raises(RuntimeError, match="non-finite logits"):
+        sample(bad, ids, mask, static_step=True, max_new_tokens=4, eos_token_id=EOS, pad_token_id=PAD)
+
+
+def test_cpu_sampling_keeps_its_decode_loop(lm8, monkeypatch):
+    """On a CPU (cuda_graphs on, the default) the static step is not even built: the demo's numbers stay."""
+    import model.generation as G
+
+    monkeypatch.setattr(G, "StaticDecode", None)  # would fail if it were used
+    ids, mask = _left_pad([[5, 6, 7]])
+    sample(lm8, ids, mask, max_new_tokens=4, eos_token_id=EOS, pad_token_id=PAD, cuda_graphs=True)
+
+
+def test_a_failed_capture_undoes_its_warm_up_and_runs_the_step_eagerly(lm8, monkeypatch, capsys):
+    """StaticDecode.capture's bookkeeping on stand-ins for torch.cuda's streams and graphs, where capture fails (as an
+    op that syncs with the host makes it): the warm-up step it ran first is undone (the small state and the random
+    stream), so the samples are the eager static step's bit for bit, with one warning."""
+    import contextlib
+
+    import model.generation as G
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    class Graph:
+        def register_generator_state(self, gen):
+            pass
+
+        def capture_begin(self, capture_error_mode="global"):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        def capture_end(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "default_generators", (torch.default_generator,))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    real = G._static_samples
+    monkeypatch.setattr(G, "_static_samples", lambda *a, **k: real(*a, **{**k, "capture": True}))
+    monkeypatch.setattr(G, "_WARNED", set())
+    ids, mask = _left_pad([[5, 6, 7], [3, 4, 5, 6, 7, 3]])
+    kw = dict(max_new_tokens=16, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, return_logprobs=True, static_step=True)
+    for own in (False, True):  # torch's default stream, or a generator of the caller's
+        gen = (lambda: torch.Generator().manual_seed(5)) if own else (lambda: None)
+        torch.manual_seed(5)
+        got = sample(lm8, ids, mask, generator=gen(), **kw)
+        monkeypatch.setattr(G, "_static_samples", real)
+        torch.manual_seed(5)
+        want = sample(lm8, ids, mask, generator=gen(), **kw)
+        monkeypatch.setattr(G, "_static_samples", lambda *a, **k: real(*a, **{**k, "capture": True}))
+        _assert_same_samples(got, want)
+    assert capsys.readouterr().err.count("could not be captured in a CUDA graph") == 1  # said once

@@ -184,3 +184,43 @@ def test_sampled_logprobs_match_policy_forward_on_cuda_bf16():
     assert gap.numel() > 0 and torch.isfinite(gap).all()
     assert gap.mean().item() <= 1e-2, gap.mean().item()
     assert gap.max().item() < CLIP_LOG, gap.max().item()
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("own_generator", [False, True])
+def test_cuda_graph_decode_equals_its_eager_step_bit_for_bit(greedy, own_generator):
+    """sample() on CUDA with cuda_graphs (the static decode step captured once, replayed per token) against the same
+    step launched op by op (cuda_graphs=False): the same tokens, log-probs and entropies, bit for bit, under bf16
+    autocast, greedy and seeded sampling, drawing from torch's default CUDA generator or from one of its own (the
+    graph advances the generator's Philox offset on every replay as an eager step does). Rows stop at EOS at
+    different steps (vocabulary 8), so the host checks every 8 tokens and the cut after them are exercised."""
+    m = scramble(build_minimind(64, 2, vocab_size=8, num_attention_heads=4, num_key_value_heads=2), seed=2).eval().to(CUDA)
+    ids, mask = _left_pad(PROMPTS)
+    kw = dict(max_new_tokens=24, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, greedy=greedy, return_logprobs=True)
+    from model.generation import StaticDecode
+
+    runs, captured = [], StaticDecode.captured
+    for graphs in (True, False, True):
+        gen = torch.Generator(CUDA).manual_seed(7) if own_generator else None
+        torch.manual_seed(7)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            runs.append(sample(m, ids, mask, cuda_graphs=graphs, generator=gen, **kw))
+    assert StaticDecode.captured == captured + 2  # both graph runs replayed a graph (no eager fallback)
+    for got in (runs[0], runs[2]):
+        want = runs[1]
+        assert torch.equal(got.sequences, want.sequences) and torch.equal(got.response_mask, want.response_mask)
+        assert torch.equal(got.logprobs, want.logprobs) and torch.equal(got.entropy, want.entropy)
+
+
+def test_cuda_graph_decode_gives_the_loop_samples_up_to_rounding():
+    """The static step (what the graph replays) against the decode loop the CPU runs, on CUDA in fp32: the same
+    tokens, log-probs within fp32 rounding of attention over more (masked) slots."""
+    m = scramble(build_minimind(64, 2, vocab_size=8, num_attention_heads=4, num_key_value_heads=2), seed=2).eval().to(CUDA)
+    ids, mask = _left_pad(PROMPTS)
+    kw = dict(max_new_tokens=24, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, return_logprobs=True)
+    torch.manual_seed(3)
+    got = sample(m, ids, mask, cuda_graphs=True, **kw)
+    torch.manual_seed(3)
+    want = sample(m, ids, mask, static_step=False, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,7 +13,8 @@ from tests.helpers import ROOT
 from tests.test_time_minimind import _fake_minimind
 
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-ROWS = ["gpu tests", "bench", "deterministic", "fast decode", "logprob gap", "2 processes", "fsdp2", "minimind"]
+ROWS = ["gpu tests", "bench", "deterministic", "fast decode", "logprob gap", "2 processes", "fsdp2", "minimind",
+        "cuda graphs"]
 
 
 def _run(args: list[str], timeout: int) -> subprocess.CompletedProcess:
@@ -66,24 +68,90 @@ def test_allow_cpu_smoke_run_prints_every_row(tmp_path):
     assert "gloo with --device cpu" in table["2 processes"][1]
     assert table["fsdp2"][0] == "PASS" and "policy and DCP shards written" in table["fsdp2"][1]
     assert "x as long" in table["minimind"][1]  # MiniMind's s/step against the bench row's
+    assert table["cuda graphs"][1].startswith("no CUDA: graphs not exercised") and "8/8 rows identical" in table["cuda graphs"][1]
     # Each check's command was printed before it ran, and the runs wrote where they were told.
     commands = [l for l in r.stdout.splitlines() if l.startswith("$ ")]
     for part in ("-m pytest -q -m gpu", "benchmarks/bench_ppo.py", "train_ppo.py --device cpu --dtype bfloat16 --deterministic 1",
-                 "--_child fast_decode", "benchmarks/measure_logprob_gap.py", "torch.distributed.run", "--_child minimind"):
+                 "--_child fast_decode", "benchmarks/measure_logprob_gap.py", "torch.distributed.run",
+                 "benchmarks/time_minimind.py", "--_child cuda_graphs"):
         assert any(part in c for c in commands), part
     assert (work / "det_a" / "out" / "ppo_actor_64.pth").is_file() and (work / "ddp_gloo" / "out" / "ppo_actor_64.pth").is_file()
 
 
+def _gpu_check_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_minimind_row_runs_minimind_off_our_root_with_carried_wheels(tmp_path, monkeypatch):
+    """The minimind row, as gpu_check runs it (its child environment, from our root), against a stand-in with
+    MiniMind's namespace `trainer/`: our root must not shadow it (it did: `import trainer.trainer_utils`
+    failed), and PYTHONPATH entries already set (where carried wheels were installed) must reach MiniMind."""
+    import argparse
+
+    gc = _gpu_check_module()
+    mm, wheels = tmp_path / "minimind", tmp_path / "site"
+    _fake_minimind(mm)
+    wheels.mkdir()
+    (wheels / "carried_probe.py").write_text("WHERE = 'carried'\n")
+    monkeypatch.setenv("PYTHONPATH", str(wheels))
+    monkeypatch.setenv("MINIPPO_TEST_PROBE", "1")
+    o = argparse.Namespace(minimind_dir=str(mm), steps=1, timeout=120)
+    ctx = gc.Context(o, True, tmp_path / "work")
+    (tmp_path / "work").mkdir()
+    assert ctx.env["PYTHONPATH"].split(os.pathsep) == [str(ROOT), str(wheels)]  # ours: root first, wheels kept
+    result, figures = gc.check_minimind(ctx)
+    assert result == "PASS" and "s/step" in figures, figures
+    assert (mm / "seen_probe.txt").read_text() == "carried"
+    args = (mm / "seen_args.txt").read_text().split()
+    assert args[args.index("--device") + 1] == "cpu" and args.count("--device") == 1
+
+
+def test_peer_env_takes_our_root_off_and_keeps_the_rest(monkeypatch):
+    gc = _gpu_check_module()
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), "/opt/site", f"{ROOT}/.", "/x"]), "A": "1"}
+    assert gc.peer_env(env) == {"PYTHONPATH": os.pathsep.join(["/opt/site", "/x"]), "A": "1"}
+    assert gc.peer_env({"PYTHONPATH": str(ROOT)}) == {}
+
+
 @pytest.mark.slow
-def test_minimind_child_runs_minimind_on_the_given_device(tmp_path):
-    """time_minimind.py starts MiniMind's trainer with --device cpu; the check's child swaps in its --device
-    (the stand-in trainer records its arguments and never touches a GPU)."""
+def test_peers_allow_cpu_prints_every_row_and_writes_every_step_time(tmp_path):
+    """--peers --allow_cpu: every row of the GPU run at a tiny shape on the CPU. Ours run for real; MiniMind is the
+    stand-in checkout; TRL runs where it is installed and is a SKIP row naming why where it is not (as in CI)."""
     mm = tmp_path / "minimind"
     _fake_minimind(mm)
-    out = tmp_path / "mm.json"
-    r = _run(["--_child", "minimind", "--minimind_dir", str(mm), "--size", "16x2", "--steps", "1", "--device", "cuda:0",
-              "--json", str(out)], timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    args = (mm / "seen_args.txt").read_text().split()
-    assert args[args.index("--device") + 1] == "cuda:0" and args.count("--device") == 1
-    assert '"median_s"' in out.read_text()
+    out = tmp_path / "peers.json"
+    r = _run(["--peers", "--allow_cpu", "--minimind_dir", str(mm), "--peer_steps", "1", "--workdir", str(tmp_path / "w"),
+              "--peers_json", str(out)], timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    head = next(l for l in r.stdout.splitlines() if l.startswith("| framework"))
+    assert [c.strip() for c in head.strip("|").split("|")] == [
+        "framework", "algorithm", "shape (params)", "rows x tokens", "s/step median [min-max]",
+        "generate / score / update s", "ms per decode token", "tokens/s", "peak alloc / reserved MB", "x ours"]
+    rows = json.loads(out.read_text())["rows"]
+    names = [(r["framework"].split(" (")[0], r["algorithm"], r["shape"].split(",")[0]) for r in rows]
+    assert names == [("ours", "PPO", "64x2"), ("MiniMind", "PPO", "64x2"), ("ours", "GRPO", "64x2"), ("MiniMind", "GRPO", "64x2"),
+                     ("TRL", "GRPO", "64x2"), ("TRL, static cache", "GRPO", "64x2"), ("ours", "GRPO", "112x2"), ("TRL", "GRPO", "112x2"),
+                     ("MiniMind", "GRPO", "112x2")]
+    assert not any(r.get("fail") for r in rows), [r.get("fail") for r in rows]
+    for row in rows[:4] + rows[6:7]:  # ours and the MiniMind stand-in ran: every timed step is in the JSON
+        assert len(row["step_s"]) == 1 and len(row["generate_s"]) == 1 and row["rows"] == 8 and row["tokens"] == 4
+    assert rows[1]["ratio"] > 0 and rows[3]["ratio"] > 0  # MiniMind's s/step over ours at the same work
+    trl = rows[4:6] + rows[7:8]
+    assert all(t.get("skip", "").startswith("ModuleNotFoundError") or len(t.get("step_s", [])) == 1 for t in trl), trl
+    assert "cannot build 14/2 heads" in rows[8]["skip"]
+    assert "\ncuda graphs: PASS: no CUDA: graphs not exercised" in r.stdout  # the graph row, after the table
+
+
+def test_a_failed_row_names_the_exception_not_a_progress_bar_after_it():
+    gc = _gpu_check_module()
+    trl_stderr = ("Traceback (most recent call last):\n  File \"x.py\", line 1\nRuntimeError: index_copy_(): self and "
+                  "source expected to have the same dtype\n  0%|          | 0/2 [00:00<?, ?it/s]\r  0%|  | 0/2\n")
+    assert gc.last_line(trl_stderr).startswith("RuntimeError: index_copy_()")
+    assert gc.last_line("RuntimeError: x\nerror: --steps must be >= 1\n") == "error: --steps must be >= 1"
+    assert gc.last_line("step 1\nstep 2\n") == "step 2"

@@ -43,7 +43,7 @@ README_MAX_LINES = 260
 PENDING: set[str] = set()
 
 # Paths in the pages that name another project's files (MiniMind's trainer), not this repository's.
-EXTERNAL = {"trainer/train_ppo.py", "trainer/train_agent.py"}
+EXTERNAL = {"trainer/train_ppo.py", "trainer/train_agent.py", "trainer/train_grpo.py"}
 REPO_PATH = re.compile(r"(?:trainer|model|dataset|scripts|builders|benchmarks|examples|tests|configs|docs)/"
                        r"[\w/.-]+\.(?:py|md|yaml|yml|json|jsonl|jinja|txt)")
 

@@ -1058,3 +1058,23 @@ def test_a_minimind_grpo_command_line_runs_end_to_end(world, tmp_path):
     got = {k: run["args"][k] for k in ("policy_loss", "advantage_estimator", "kl_coef", "kl_placement", "cispo_max_weight")}
     assert got == {"policy_loss": "cispo", "advantage_estimator": "grpo", "kl_coef": 0.05, "kl_placement": "loss",
                    "cispo_max_weight": 4.0}
+
+
+@pytest.mark.parametrize("flag", ["0", "1"])
+def test_cuda_graphs_flag_reaches_the_sampler(flag, monkeypatch):
+    """--cuda_graphs is read once into the config and handed to model.generation.sample with the other decode
+    settings (on a CPU it changes nothing: tests/test_generation.py::test_cpu_sampling_keeps_its_decode_loop)."""
+    import train_ppo as T
+    import trainer.rollout as R
+
+    world = _world("--cuda_graphs", flag)
+    seen = {}
+    real = R.sample
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(R, "sample", spy)
+    T.sample_rollout(world.cfg, world.batch, world.models, world.runtime, None)
+    assert seen["cuda_graphs"] is (flag == "1") and seen["fast_decode"] is True

@@ -320,6 +320,7 @@ def generate_rollout(
     num_generations: int = 1,
     return_logprobs: bool = False,
     fast_decode: bool = True,
+    cuda_graphs: bool = True,
     generator: torch.Generator | None = None,
     oldest_version: int | None = None,
 ) -> Rollout:
@@ -338,7 +339,8 @@ def generate_rollout(
         input_ids = input_ids.repeat_interleave(num_generations, dim=0)
         attention_mask = attention_mask.repeat_interleave(num_generations, dim=0)
     s = (draw(policy, *prompts, num_generations=num_generations, oldest_version=oldest_version, **kw) if engine else
-         draw(policy, input_ids, attention_mask, return_logprobs=return_logprobs, fast_decode=fast_decode, **kw))
+         draw(policy, input_ids, attention_mask, return_logprobs=return_logprobs, fast_decode=fast_decode,
+              cuda_graphs=cuda_graphs, **kw))
     full_mask = torch.cat([attention_mask, s.response_mask.to(attention_mask.dtype)], dim=1)  # [B, P+R]
     return Rollout(
         sequences=s.sequences, attention_mask=full_mask, response_mask=s.response_mask.float(), has_eos=s.has_eos,
