@@ -49,6 +49,7 @@ from trainer.rollout import Rollout, Sampled, attention_implementation, critic_v
 # isort: split
 from trainer.rollout import generate_rollout, group_has_signal, policy_forward, rollout_metrics, select_groups
 from trainer.run import distributed
+from trainer.run.async_rollouts import SampledAhead
 from trainer.run.cli import parse_args
 from trainer.run.engine_sync import push_weights, start_engine
 from trainer.run.lifecycle import Run
@@ -89,13 +90,14 @@ class Scores:
 @torch.no_grad()
 def make_experience(cfg: Config, batch: dict, m: Models, rt: Runtime, kl_coef: float, custom_fns: dict,
                     phase: Phase, more_prompts: Callable[[], dict | None] | None = None,
-                    reward_norm: RewardNormalizer | None = None, tools: ToolRunner | None = None) -> Experience:
-    """Rollout, reward, score, advantages for one batch of prompts (with --filter_groups, more prompts
-    from `more_prompts` until every group of the batch carries signal). `reward_norm` holds --reward_norm
-    running's moments (a fresh one when None); `tools` runs --tools calls (None: single-turn rollouts)."""
+                    reward_norm: RewardNormalizer | None = None, tools: ToolRunner | None = None,
+                    ready: Rollout | None = None) -> Experience:
+    """Rollout (or `ready`: sampled ahead, --async_rollouts), reward, score, advantages for one batch of prompts (with
+    --filter_groups, more prompts from `more_prompts` until every group of the batch carries signal). `reward_norm` holds
+    --reward_norm running's moments (a fresh one when None); `tools` runs --tools calls (None: single-turn rollouts)."""
     filter_stats = {}
     with reuse_decoder(m.actor) if cfg.filter_groups else contextlib.nullcontext():  # rounds share one weight copy
-        sampled = sample_and_reward(cfg, batch, m, rt, custom_fns, phase, tools)  # steps 1 and 2
+        sampled = sample_and_reward(cfg, batch, m, rt, custom_fns, phase, tools, ready)  # steps 1 and 2
         if cfg.filter_groups:
             sampled, filter_stats = keep_groups_with_signal(cfg, sampled, m, rt, custom_fns, phase, more_prompts, tools)
         baseline = None
@@ -122,21 +124,21 @@ def make_experience(cfg: Config, batch: dict, m: Models, rt: Runtime, kl_coef: f
 
 
 def sample_and_reward(cfg: Config, batch: dict, m: Models, rt: Runtime, custom_fns: dict, phase: Phase,
-                      tools: ToolRunner | None = None) -> Sampled:
-    """1. rollout: [B*N, P+R] sequences, N = --num_generations (with --tools, multi-turn episodes); 2. reward.
+                      tools: ToolRunner | None = None, ready: Rollout | None = None) -> Sampled:
+    """1. rollout: [B*N, P+R] sequences, N = --num_generations (with --tools, multi-turn episodes; or `ready`); 2. reward.
     Rank-local: a failure on some ranks only (reward function, reward model, OOM) stops every rank with its line."""
     with D.unsharded(None if m.engine else m.actor), phase("generate", rank_local=True):  # fsdp2: whole weights, no collective per token
-        ro, episodes = sample_rollout(cfg, batch, m, rt, tools)
+        ro, episodes = (ready, None) if ready is not None else sample_rollout(cfg, batch, m, rt, tools)
     with D.unsharded(m.rm_module), phase("score", autocast=False, rank_local=True), phase("score_reward", autocast=False):
         rewards, responses, comps = score_responses(cfg, batch, ro, m, custom_fns, phase, episodes=episodes)
     return Sampled(dataclasses.replace(ro, rewards=rewards), batch, responses, comps)
 
 
 def sample_rollout(cfg: Config, batch: dict, m: Models, rt: Runtime, tools: ToolRunner | None,
-                   greedy: bool = False) -> tuple[Rollout, list[Episode] | None]:
+                   greedy: bool = False, **ahead) -> tuple[Rollout, list[Episode] | None]:
     """Responses to the batch's prompts (one greedy one per prompt with `greedy`, for ReMax's baseline) from the actor
     or the rollout engine: single turns, or with --tools multi-turn episodes, whose old log-probs are then scored by a
-    forward (tool replies sit between the sampled tokens)."""
+    forward (tool replies sit between the sampled tokens). `ahead`: generate_rollout's for a batch sampled ahead."""
     n = 1 if greedy else cfg.num_generations
     sampling = {"cuda_graphs": bool(cfg.cuda_graphs), **(dict(temperature=1.0, top_k=0, top_p=1.0, greedy=True) if greedy else dict(
         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, greedy=bool(cfg.greedy), suppress_eos=bool(cfg.suppress_eos)))}
@@ -148,13 +150,12 @@ def sample_rollout(cfg: Config, batch: dict, m: Models, rt: Runtime, tools: Tool
     ro = generate_rollout(
         policy, batch["input_ids"].to(rt.device), batch["attention_mask"].to(rt.device), max_new_tokens=cfg.max_gen_len,
         eos_token_id=eos, pad_token_id=m.tok.pad_token_id, num_generations=n, fast_decode=bool(cfg.fast_decode),
-        return_logprobs=bool(cfg.rollout_logprobs) and m.old_actor is None and not greedy, **sampling)
+        return_logprobs=bool(cfg.rollout_logprobs) and m.old_actor is None and not greedy, **ahead, **sampling)
     return ro, None
 
 
 def keep_groups_with_signal(cfg: Config, first: Sampled, m: Models, rt: Runtime, custom_fns: dict, phase: Phase,
-                            more_prompts: Callable[[], dict | None] | None,
-                            tools: ToolRunner | None = None) -> tuple[Sampled, dict]:
+                            more_prompts: Callable[[], dict | None] | None, tools: ToolRunner | None = None) -> tuple[Sampled, dict]:
     """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): a group whose N rewards are all equal has zero
     advantage under a group baseline, so it only dilutes the batch. Keep the groups with signal and sample
     the next prompts (the same extra batches on every rank: the prompt stream is global) until each rank
@@ -216,11 +217,9 @@ def score_responses(cfg: Config, batch: dict, ro: Rollout, m: Models, custom_fns
             prompts=expand(batch["prompt"]), messages=expand(batch["messages"]), replies=replies,
             references=expand(batch["reference"]), has_eos=ro.has_eos.tolist(), weights=weights,
             rm=m.rm_scorer if cfg.rm_weight else None, reasoning=bool(cfg.reasoning), custom_fns=custom_fns,
-            timer=lambda name: phase(name, autocast=False),
+            timer=lambda name: phase(name, autocast=False), reward_url=m.reward_url,
             constraints=expand(batch.get("constraints") or [None] * len(batch["prompt"])),
-            gts=expand(batch.get("gt") or [None] * len(batch["prompt"])),
-            rg=expand(batch.get("rg") or [None] * len(batch["prompt"])), reward_url=m.reward_url,
-        )
+            gts=expand(batch.get("gt") or [None] * len(batch["prompt"])), rg=expand(batch.get("rg") or [None] * len(batch["prompt"])))
     if cfg.overlong_buffer_len:  # DAPO: warn long responses before the cut, in proportion
         comps["overlong"] = overlong_penalty(ro.response_mask.sum(1).cpu(), cfg.max_gen_len, cfg.overlong_buffer_len)
         rewards = rewards + cfg.overlong_penalty * comps["overlong"]
@@ -314,17 +313,19 @@ def main(argv: list[str] | None = None) -> None:
             run.logger.info(start_engine(cfg, m, rt, run.step))
         if built.eval_records and run.step == 0:
             run.log_eval(held_out(), 0)  # where the policy starts
-        for batch in run.batches():
+        ahead = SampledAhead(cfg, m, rt, run, sample_rollout) if cfg.async_rollouts else None  # the engine samples K ahead
+        for batch in ahead.batches() if ahead else run.batches():
             if m.old_actor is not None and run.step % cfg.update_old_actor_freq == 0:
                 m.old_actor.load_state_dict(m.actor.state_dict())  # MiniMind's scheme: refresh the frozen copy
             timer = PhaseTimer(rt.cuda_devices)
             phase = phases(timer, rt)
             with phase("step", autocast=False):
+                ready = ahead.take(phase) if ahead else None  # --async_rollouts: batch t, sampled while step t-1 updated
                 exp = make_experience(cfg, batch, m, rt, kl_ctl.value, built.custom_fns, phase, run.next_batch,
-                                      built.reward_norm, built.tools)  # 1-4
+                                      built.reward_norm, built.tools, ready)  # 1-4
                 with phase("update", autocast=False):
                     stats = ppo_update(cfg, exp.rollout, m, opt, run.step, rt, kl_ctl.value, phase)  # 5
-                if m.engine is not None and (run.step + 1) % cfg.engine_sync_interval == 0:
+                if m.engine is not None and not ahead and (run.step + 1) % cfg.engine_sync_interval == 0:
                     with phase("engine_sync", autocast=False):  # the engine samples the updated policy next
                         push_weights(cfg, m, rt, version=run.step + 1)
             times = {f"time/{k}": v for k, v in timer.wall.items()

@@ -36,6 +36,7 @@ class Samples:
     has_eos: torch.Tensor  # [B] bool: the row stopped by itself (else it was cut at max_new_tokens)
     logprobs: torch.Tensor | None = None  # [B, R] fp32 log pi(token) under softmax(logits / T) (return_logprobs)
     entropy: torch.Tensor | None = None  # [B, R] fp32 entropy of that distribution (return_logprobs)
+    weight_version: int | None = None  # a rollout engine's: the (oldest) weight version that sampled them
 
 
 class PreallocatedLayer(DynamicLayer):

@@ -63,6 +63,7 @@ class StandIn:
         self.lock = threading.Lock()
         self.cond = threading.Condition()  # vLLM's pause: the requests in flight, and whether new ones wait
         self.inflight, self.paused, self.sampled = 0, False, 0
+        self.sampled_at: list[float] = []  # time.monotonic() when each sampling request arrived
         self.mixed = 0  # requests in flight during a weight reload (a real server samples them with both weights)
         self.released = threading.Event()  # stop(): a stalled request answers at once
         self.rng = random.Random(0)
@@ -197,6 +198,7 @@ class StandIn:
         """Count the request; stall the stall_at-th; wait out delay_s."""
         with self.cond:
             self.sampled += 1
+            self.sampled_at.append(time.monotonic())
             k = self.sampled
         if self.stall_at is not None and k == self.stall_at:
             self.released.wait(self.stall_s)

@@ -54,6 +54,7 @@ def test_new_settings_default_to_the_previous_behaviour():
                      "tools", "max_turns", "max_total_len", "tool_timeout", "tool_error_penalty", "save_timeout", "hsdp",
                      "tools_system_prompt", "tool_ok_weight", "ifeval_partial_weight",
                      "engine_url", "engine_sync_interval", "engine_shared_path", "engine_timeout", "rollout_is", "rollout_is_cap",
+                     "async_rollouts",
                      "reasoning_gym", "reasoning_gym_size", "cuda_graphs",
                      "reward_model_url", "reward_url", "reward_url_weight", "reward_timeout"}
     cfg = C.resolve(C.parse_args([]), DistInfo())
@@ -64,6 +65,7 @@ def test_new_settings_default_to_the_previous_behaviour():
     assert cfg.tools is None  # single-turn rollouts as before; the other tool settings only matter with --tools
     assert cfg.tools_system_prompt is None and cfg.tool_ok_weight == 0  # tools through the template, no call bonus
     assert cfg.rollout_engine == "torch" and cfg.engine_url is None  # sampling in this process; engine settings unread
+    assert cfg.async_rollouts == 0  # sampling, scoring and updating take turns
     assert cfg.reasoning_gym is None  # prompts from --data_path; --reasoning_gym_size only matters with --reasoning_gym
     assert cfg.reward_model_url is None and cfg.reward_url is None  # rewards in this process; the weight, timeout unread
     # cuda_graphs (on) changes nothing on a CPU (tests/test_generation.py::test_cpu_sampling_keeps_its_decode_loop)

@@ -22,7 +22,7 @@ from tests.engine_standin import start
 from tests.helpers import ROOT, build_update_world, free_port, read_metrics, resume_state, run_main, run_train, scramble
 from trainer.engine import EngineError, SamplingParams, SGLangEngine, VLLMEngine, engine_index, model_mismatch, write_weights
 from trainer.ppo import rollout_is_weights
-from trainer.rollout import policy_forward
+from trainer.rollout import Rollout, policy_forward
 from trainer.run.engine_sync import _config_json
 
 SFT = ROOT / "out" / "full_sft_128.pth"
@@ -629,3 +629,189 @@ def test_two_gloo_ranks_stop_in_one_line_when_an_engine_hangs(standin, tmp_path)
            f"for this one (--ddp_timeout 30, less a margin)" in line, line
     assert took < 150, took
     assert not list((tmp_path / "ckpt").glob("*_resume_step*.pth"))
+
+
+# ------------------------------------------------------------------ asynchronous rollouts (--async_rollouts K)
+@pytest.mark.parametrize("flags, says", [
+    (["--async_rollouts", "1"], "--async_rollouts 1 needs --rollout_engine vllm / sglang"),
+    (["--rollout_engine", "sglang", "--async_rollouts", "-1"], "--async_rollouts must be >= 0"),
+    (["--rollout_engine", "sglang", "--async_rollouts", "1", "--filter_groups", "1", "--num_generations", "4"],
+     "with --filter_groups 1"),
+    (["--rollout_engine", "sglang", "--async_rollouts", "2", "--tools", str(ROOT / "trainer" / "tools.py")],
+     "--async_rollouts 2 with --tools"),
+    (["--rollout_engine", "sglang", "--async_rollouts", "1", "--advantage_estimator", "remax", "--num_generations", "2"],
+     "--advantage_estimator remax: its greedy baseline rollout is not sampled ahead"),
+])
+def test_async_rollouts_refuse_what_they_cannot_sample_ahead_in_one_line(flags, says):
+    from trainer.run.cli import parse_args, validate
+
+    with pytest.raises(SystemExit) as e:
+        validate(parse_args(flags))
+    msg = str(e.value.code)
+    assert msg.startswith("error: ") and says in msg and "\n" not in msg, msg
+
+
+def test_a_batch_staler_than_the_bound_is_refused(demo):
+    """check_lag: a batch trained at step t sampled by weights v is t - v updates behind; K + I - 1 is the most
+    allowed (K = --async_rollouts, I = --engine_sync_interval), a newer version than the trainer's is refused too;
+    the engine client accepts versions from the one a batch was asked for at to the last push, and no other."""
+    from trainer.run.async_rollouts import check_lag
+    from trainer.run.cli import parse_args
+
+    ro = lambda v: Rollout(torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 1), torch.ones(1), 1, weight_version=v)  # noqa: E731
+    cfg = parse_args(["--rollout_engine", "sglang", "--async_rollouts", "1"])
+    assert check_lag(ro(4), 5, cfg, "u") == 1 and check_lag(ro(5), 5, cfg, "u") == 0
+    for v in (3, 6, None):
+        with pytest.raises(EngineError) as e:
+            check_lag(ro(v), 5, cfg, "u")
+        assert "\n" not in str(e.value)
+    assert "sampled by weight version 3, 2 updates behind the trainer's 5: --async_rollouts 1 with " \
+           "--engine_sync_interval 1 allows 0 to 1; refused" in _msg(check_lag, ro(3), 5, cfg)
+    assert check_lag(ro(2), 5, cfg.replace(async_rollouts=2, engine_sync_interval=2), "u") == 3  # 2 + 2 - 1
+    engine = SGLangEngine("http://127.0.0.1:1")
+    engine.version = 7
+    engine.check_version(["5", "6", "7"], oldest=5)
+    for seen, oldest in ((["4"], 5), (["6"], None), (["8"], 5), (["default"], 5)):
+        with pytest.raises(EngineError):
+            engine.check_version(seen, oldest=oldest)
+
+
+def _msg(fn, *args) -> str:
+    with pytest.raises(EngineError) as e:
+        fn(*args, "u")
+    return str(e.value)
+
+
+def _timed_run(tmp: Path, standin, monkeypatch, **over) -> tuple[object, str, list[tuple[float, float]]]:
+    """A demo run against the stand-in, with each update's (start, end) time.monotonic()."""
+    import train_ppo
+
+    updates: list[tuple[float, float]] = []
+    real = train_ppo.ppo_update
+
+    def timed(*a, **kw):
+        t0 = time.monotonic()
+        try:
+            return real(*a, **kw)
+        finally:
+            updates.append((t0, time.monotonic()))
+
+    monkeypatch.setattr(train_ppo, "ppo_update", timed)
+    code, out = run_main(demo_flags(tmp, standin.url, **over))
+    return code, out, updates
+
+
+def test_async_rollouts_sample_the_next_batch_while_the_update_runs(hf_dir, tmp_path, monkeypatch):
+    """--async_rollouts 1: the request for batch t+1 reaches the engine before update t has ended (sampled while the
+    trainer scores and updates), where the synchronous loop (--async_rollouts 0, the default: today's loop) asks for it
+    only after the push that follows update t. Batch 1 is sampled by the start weights and trained from weights 1: the
+    staleness each step logs (0, 1, 1) is the version every response carried, the engine/trainer gap the importance
+    weights correct is 0 for the on-policy batch only, and there are pushes of weights 0, 1, 2 (none after the last
+    update: nothing samples it)."""
+    runs = {}
+    for k in (0, 1):
+        s = start(hf_dir, "sglang", delay_s=0.3)
+        try:
+            code, out, updates = _timed_run(tmp_path / str(k), s, monkeypatch, async_rollouts=k)
+        finally:
+            s.stop()
+        assert code is None, out[-3000:]
+        asked = s.sampled_at[1:]  # the probe first, then batches 0, 1, 2
+        assert len(asked) == 3 and len(updates) == 3
+        runs[k] = (asked, updates, s, read_metrics(tmp_path / str(k) / "run"))
+    asked, updates, s, rows = runs[1]
+    assert all(asked[t + 1] < updates[t][1] for t in range(2)), (asked, updates)
+    assert s.pushes == ["0", "1", "2"]
+    assert [r["rollout/staleness"] for r in rows] == [0, 1, 1]
+    assert abs(rows[0]["rollout/engine_kl"]) < 1e-5 and all(abs(r["rollout/engine_kl"]) > 1e-7 for r in rows[1:]), rows
+    asked, updates, s, rows = runs[0]
+    assert all(asked[t + 1] > updates[t][1] for t in range(2)), (asked, updates)  # take turns
+    assert s.pushes == ["0", "1", "2", "3"] and all("rollout/staleness" not in r for r in rows)
+
+
+def test_async_rollouts_resume_exactly_after_a_crash(hf_dir, tmp_path, monkeypatch):
+    """--async_rollouts 1, killed during step 3 of 3 (its reward function crashes): the step-2 resume file holds the
+    samples of batch 3, asked for during step 2 (by weights 1); --from_resume 1 trains on them, as the uninterrupted
+    run did: step 3 logs the same figures and ends in the same weights. (Without the saved batch the resumed run would
+    sample it again by weights 2: other figures.)"""
+    s = start(hf_dir, "sglang")
+    try:
+        monkeypatch.setenv("ENGINE_HOOK_AFTER", str(10**9))
+        over = dict(async_rollouts=1, batch_size=2, mini_batch_size=8, reward_fn=f"{HOOKS}:crash")
+        code, out = run_main(demo_flags(tmp_path / "whole", s.url, **over))
+        assert code is None, out[-3000:]
+        monkeypatch.setenv("ENGINE_HOOK_AFTER", str(2 * 8))  # 2 prompts x 4 samples per step: step 3's first call
+        code, out = run_main(demo_flags(tmp_path / "cut", s.url, **over))
+        assert "the test stops this run mid-step" in one_line_error(code, out)
+        ckpts = sorted((tmp_path / "cut" / "ckpt").glob("*_resume_step*.pth"))
+        state = resume_state(ckpts[-1])
+        assert state["step"] == 2 and [d["index"] for d in state["ahead"][0]] == [2]
+        assert state["ahead"][0][0]["weight_version"] == 1
+        monkeypatch.setenv("ENGINE_HOOK_AFTER", str(10**9))
+        code, out = run_main(demo_flags(tmp_path / "cut", s.url, from_resume=1, **over))
+        assert code is None, out[-3000:]
+    finally:
+        s.stop()
+    whole, cut = (read_metrics(tmp_path / d / "run") for d in ("whole", "cut"))
+    pick = lambda rows: {r["step"]: {k: v for k, v in r.items() if not k.startswith(("time", "tokens_per_s"))}  # noqa: E731
+                         for r in rows if "reward/total" in r and r["step"] >= 3}
+    assert pick(whole) == pick(cut) and sorted(pick(cut)) == [3] and pick(cut)[3]["rollout/staleness"] == 1
+    a, b = (resume_state(sorted((tmp_path / d / "ckpt").glob("*_resume_step*.pth"))[-1]) for d in ("whole", "cut"))
+    assert a["step"] == b["step"] == 3 and all(torch.equal(a["actor"][k], b["actor"][k]) for k in a["actor"])
+    assert a["ahead"] == [[]]  # nothing in flight after the last step
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_sample_ahead_from_one_engine(standin, tmp_path):
+    """torchrun 2 ranks, --async_rollouts 1: each rank's thread asks for its own batches, the collectives stay on the
+    trainers' threads in one order; pushes of weights 0 and 1, staleness 0 then 1."""
+    flags = demo_flags(tmp_path, standin.url, max_steps=2, batch_size=2, mini_batch_size=8, device="cpu", async_rollouts=1)
+    run_train(flags, cwd=tmp_path, torchrun_procs=2, timeout=300)
+    assert standin.pushes == ["0", "1"]
+    assert sum(p == "/generate" for p, _ in standin.requests) == 2 * (1 + 2)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2] and [r["rollout/staleness"] for r in rows] == [0, 1]
+
+
+def test_two_batches_ahead_with_fenced_vllm_pushes_landing_between_requests(hf_dir, tmp_path):
+    """--async_rollouts 2 against the vLLM stand-in (fenced reloads, each request slowed): pushes land while batches
+    are in flight, the client accepts the versions from the one a batch was asked for at to the newest push, the
+    fence keeps every request on one weight version (none mixed), and no batch is more than 2 updates behind."""
+    s = start(hf_dir, "vllm", delay_s=0.2)
+    try:
+        code, out = run_main(demo_flags(tmp_path, s.url, "vllm", async_rollouts=2, max_steps=4, batch_size=2,
+                                        mini_batch_size=8))
+    finally:
+        s.stop()
+    assert code is None, out[-3000:]
+    lags = [r["rollout/staleness"] for r in read_metrics(tmp_path / "run")]
+    assert lags[:2] == [0, 1] and all(0 <= x <= 2 for x in lags) and len(lags) == 4, lags
+    assert s.pushes == ["0", "1", "2", "3"] and s.mixed == 0
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_stop_in_one_line_when_a_batch_sampled_ahead_hangs(standin, tmp_path):
+    """--async_rollouts 1, the engine hangs on a rank's first batch (its thread's request waits --engine_timeout 600):
+    the trainer's wait for it is bounded by the rank-local deadline (--ddp_timeout 30 less the margin), so every rank
+    stops inside the process group's timeout with one line naming the batch, not in gloo's timeout or NCCL's watchdog."""
+    from tests.test_distributed import _only_line, _spawn_ranks
+
+    standin.stall_at, standin.stall_s = 3, 300  # /generate 1 and 2: the probes; 3: a rank's first batch
+    flags = demo_flags(tmp_path, standin.url, max_steps=2, batch_size=2, mini_batch_size=8, device="cpu",
+                       ddp_timeout=30, reward_timeout=20, async_rollouts=1)
+    t0 = time.monotonic()
+    line = _only_line(_spawn_ranks([flags, flags], tmp_path, timeout=240))
+    assert f"the sglang engine at {standin.url} did not answer the batch of step 1 (asked for ahead) within the 25 s " \
+           f"the other ranks can wait for this one (--ddp_timeout 30, less a margin)" in line, line
+    assert time.monotonic() - t0 < 150
+    assert not list((tmp_path / "ckpt").glob("*_resume_step*.pth"))
+
+
+def test_one_batch_ahead_with_a_push_every_second_update_is_at_most_two_behind(standin, tmp_path):
+    """--async_rollouts 1 --engine_sync_interval 2: the bounds add (K + I - 1 = 2): pushes of weights 0 and 2 only,
+    and the batches are 0, 1, 2, 1 updates behind (the third was asked for by weights 0, the fourth by weights 2)."""
+    code, out = run_main(demo_flags(tmp_path, standin.url, async_rollouts=1, engine_sync_interval=2, max_steps=4,
+                                    batch_size=2, mini_batch_size=8))
+    assert code is None, out[-3000:]
+    assert [r["rollout/staleness"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2, 1]
+    assert standin.pushes == ["0", "2"]

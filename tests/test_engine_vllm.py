@@ -263,6 +263,37 @@ def test_grpo_three_steps_sample_from_the_engine(engine, tmp_path):
     assert (tmp_path / "out" / "engtest_128.pth").exists()
 
 
+def test_async_rollouts_one_step_ahead_train_against_the_engine(engine, tmp_path):
+    """--async_rollouts 1 against the real server: batch t+1 is sampled by the weights of t updates while update t
+    runs; every batch carries its weight version (staleness 0, 1, 1), the engine/trainer gap is float rounding on the
+    on-policy first batch and the one update's lag afterwards (corrected by the truncated importance weights), and
+    the run ends with the policy saved; pushes of weights 0, 1, 2 only (none after the last update)."""
+    import train_ppo
+
+    pushes: list[int] = []
+    real = train_ppo.SampledAhead.take
+
+    def take(self, phase):
+        before = self.m.engine.version
+        ro = real(self, phase)
+        if self.m.engine.version != before:
+            pushes.append(self.m.engine.version)
+        return ro
+
+    with mock.patch.object(train_ppo.SampledAhead, "take", take):
+        code, out = run_main(_train_flags(engine.url, tmp_path, async_rollouts=1))
+    assert code in (None, 0), out[-3000:]
+    rows = [r for r in read_metrics(tmp_path / "runs") if "rollout/engine_kl" in r]
+    assert [r["rollout/staleness"] for r in rows] == [0, 1, 1], rows
+    assert rows[0]["rollout/logprob_diff"] < GAP_LIMIT and abs(rows[0]["rollout/is_weight"] - 1) < GAP_LIMIT
+    floor = 100 * max(rows[0]["rollout/logprob_diff"], 1e-7)  # one update behind: measurably off-policy
+    assert all(r["rollout/logprob_diff"] > floor for r in rows[1:]), rows
+    assert all(0 < r["rollout/is_weight"] < 2 for r in rows), rows
+    assert pushes == [1, 2] and (tmp_path / "out" / "engtest_128.pth").exists()
+    diffs = [f"{r['rollout/logprob_diff']:.1e}" for r in rows]
+    print(f"\n3 GRPO steps one step ahead: rollout/logprob_diff {diffs}, time/step {[round(r['time/step'], 2) for r in rows]} s")
+
+
 def test_a_version_changed_behind_the_trainers_back_stops_the_run(engine, tmp_path):
     """Another writer sets the server's weight version between two steps: the next rollout is refused with one line
     (nothing is trained on samples of unknown weights)."""

@@ -156,6 +156,10 @@ class EngineArgs:
     node, in node order); sglang: default --sglang_base_url."""
     engine_sync_interval: int = 1
     """Push the policy's weights to the engine every N updates (1: every rollout samples the current policy)."""
+    async_rollouts: int = 0
+    """The engine samples the next K batches while the trainer scores and updates (verl's one-step off-policy,
+    prime-rl's async level): a batch is sampled by weights at most K updates (+ --engine_sync_interval - 1) older than
+    the ones it trains (staler ones are refused), the lag corrected by --rollout_is (docs/engines.md). 0 = take turns."""
     engine_shared_path: str | None = None
     """Folder the pushed weights are written to; the engine must read the same path (default: a folder in /dev/shm
     named after the engine's URL, else under --checkpoint_dir, on one node with local engines only: needed for an

@@ -19,11 +19,13 @@ reloads it (vLLM: the worker's `reload_weights` through `/collective_rpc`, which
 by /pause?mode=wait ... /resume where the server has them; SGLang: `/update_weights_from_disk`), then records the
 weight version (the number of updates in those weights). Every response is stamped with the version it was sampled
 with (SGLang: per response; vLLM: the server's version read before and after the batch); any other version than the
-last pushed one stops the run (EngineError).
+last pushed one stops the run (EngineError). Sampled ahead (--async_rollouts, trainer/run/async_rollouts.py), a batch
+asked for at version v may carry any version from v to the last push, and its Samples carry the oldest one.
 
 Waits: every request waits at most `timeout` (--engine_timeout) and, inside a rank-local block under torchrun, at
 most what is left of the block's deadline (trainer.dist.deadline(): the other ranks wait for this one in the
-collective at its end), so a hung engine ends the run with one line, never in the process group's watchdog.
+collective at its end), so a hung engine ends the run with one line, never in the process group's watchdog. A thread
+that samples ahead (`sampling_ahead`) is in no such block: the trainer's wait for its result is bounded instead.
 
 Only the standard library talks HTTP here: the trainer's requirements do not grow for an engine.
 """
@@ -34,6 +36,7 @@ import contextlib
 import json
 import os
 import socket
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -48,6 +51,14 @@ from model.generation import Samples
 from trainer import dist as D
 
 WEIGHTS_FILE = "model.safetensors"
+_THREAD = threading.local()  # .ahead: this thread samples ahead of the trainer (--async_rollouts)
+
+
+def sampling_ahead() -> None:
+    """Mark the calling thread as one that samples batches ahead of the trainer (--async_rollouts): its requests wait
+    --engine_timeout only, not the rank-local deadline of whatever block the trainer's thread is in (the trainer's
+    wait for the result is bounded by its own block's deadline)."""
+    _THREAD.ahead = True
 
 
 class EngineError(RuntimeError):
@@ -103,6 +114,9 @@ class Engine:
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.version: int | None = None  # the weight version last pushed (None: none yet)
+        # The version a push under way makes the engine serve, set before it starts: a batch sampled ahead
+        # (--async_rollouts) may be stamped with it before the push returns.
+        self.next_version: int | None = None
 
     # ---- HTTP
     def _request(self, path: str, body: dict | None = None, *, method: str | None = None,
@@ -111,7 +125,8 @@ class Engine:
         req = urllib.request.Request(self.url + path, data=data, method=method or ("POST" if body is not None else "GET"),
                                      headers={"Content-Type": "application/json"})
         wait = timeout or self.timeout
-        due = D.deadline()  # under torchrun: the other ranks wait for this one in a collective, for so long only
+        # under torchrun: the other ranks wait for this one in a collective, for so long only
+        due = None if getattr(_THREAD, "ahead", False) else D.deadline()
         if due is not None and due.left() < wait:
             wait = due.left()
             if wait <= 0:
@@ -159,6 +174,10 @@ class Engine:
         """The weight version the server reports now (None where it reports none)."""
         return None
 
+    def _versions_after(self) -> list[str | None]:
+        """What the server reports after a batch, to check beside the responses' own stamps (vLLM: its version)."""
+        return []
+
     def max_model_len(self) -> int | None:
         """The longest prompt + response the server accepts (None: unknown)."""
         return None
@@ -186,11 +205,14 @@ class Engine:
         self._load(Path(folder).resolve(), version)
         self.version = version
 
-    def check_version(self, seen: Sequence[str | None]) -> None:
-        """Stop when a response came from other weights than the last push (a restarted engine, another trainer)."""
+    def check_version(self, seen: Sequence[str | None], oldest: int | None = None) -> None:
+        """Stop when a response came from other weights than the last push (a restarted engine, another trainer), or
+        with `oldest` (sampled ahead: a push may land between a batch's requests) than a push from `oldest` on."""
         want = None if self.version is None else str(self.version)
+        newest = max(self.version or 0, self.next_version or 0)
+        ok = {want} if oldest is None or self.version is None else {str(v) for v in range(oldest, newest + 1)}
         for v in seen:
-            if v is not None and v != want:
+            if v is not None and v not in ok:
                 raise EngineError(
                     f"the {self.kind} engine at {self.url} sampled with weight version {v!r} but the trainer pushed "
                     f"{want!r} last (was the engine restarted, or does another run push to it?); nothing was trained "
@@ -200,13 +222,15 @@ class Engine:
     def sample(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
                eos_token_id: int | list[int], pad_token_id: int, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, greedy: bool = False, suppress_eos: bool = False, num_generations: int = 1,
-               generator: torch.Generator | None = None, **_ignored: Any) -> Samples:
+               generator: torch.Generator | None = None, oldest_version: int | None = None, **_ignored: Any) -> Samples:
         """model.generation.sample's contract, sampled by the engine: `num_generations` responses per prompt row
         (rows i*N .. i*N+N-1), right-padded, on the inputs' device; `logprobs` are the engine's. Each prompt gets
         its own seed, drawn from `generator` (None: torch's default stream) and sent as vLLM's `seed` (its N samples
         from one seeded stream) or SGLang's `sampling_seed` (seed + j for its j-th row), so a seeded run asks for the
         same draws; the replies repeat where the server honours the seeds (vLLM does; SGLang with
-        --enable-deterministic-inference). `fast_decode` and the like are the local decoder's and mean nothing here."""
+        --enable-deterministic-inference). `fast_decode` and the like are the local decoder's and mean nothing here.
+        `oldest_version` (--async_rollouts): the version the batch was asked for at; any pushed since is accepted, and
+        the Samples' `weight_version` is the oldest one seen (the request's when no response says)."""
         eos = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
         prompts = [row[m.bool()].tolist() for row, m in zip(input_ids.cpu(), attention_mask.cpu())]
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator,
@@ -218,9 +242,13 @@ class Engine:
         if len(done) != len(prompts) * num_generations or any(len(g) != num_generations for g in groups):
             raise EngineError(f"the {self.kind} engine at {self.url} returned {len(done)} responses for "
                               f"{len(prompts)} prompts x {num_generations}")
-        self.check_version([c.weight_version for c in done])
-        return _as_samples(done, input_ids.repeat_interleave(num_generations, dim=0), [] if suppress_eos else eos,
-                           pad_token_id, max_new_tokens, self.url)
+        stamps = [c.weight_version for c in done]
+        self.check_version(stamps + self._versions_after(), oldest_version)
+        seen = [int(v) for v in stamps if v is not None and v.isdigit()]
+        s = _as_samples(done, input_ids.repeat_interleave(num_generations, dim=0), [] if suppress_eos else eos,
+                        pad_token_id, max_new_tokens, self.url)
+        s.weight_version = min(seen) if seen else (oldest_version if oldest_version is not None else self.version)
+        return s
 
 
 def _error_text(e: urllib.error.HTTPError) -> str:
@@ -312,8 +340,10 @@ class VLLMEngine(Engine):
 
         with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(prompts)))) as pool:
             groups = list(pool.map(one, prompts, seeds))
-        self.check_version([self.server_version()])  # the server's version did not change under the batch
         return groups
+
+    def _versions_after(self) -> list[str | None]:
+        return [self.server_version()]  # the server's version did not change under the batch (ahead: to a push of ours)
 
     def fenced(self) -> bool:
         """Whether the server can pause generation around a reload (vLLM's /pause, /resume, /is_paused: dev mode,

@@ -208,6 +208,8 @@ class Rollout:
     rollout_logprobs: torch.Tensor | None = None  # [B, R] a rollout engine's log-probs of its samples (trainer/engine.py)
     is_weights: torch.Tensor | None = None  # [B, R] their truncated importance weights pi_old / mu (--rollout_is)
     rewards_finite: bool = True  # False: a reward was NaN/inf, and the update skips this step on every rank
+    weight_version: int | None = None  # a rollout engine's samples: the weight version (updates) that sampled them
+    staleness: int | None = None  # --async_rollouts: updates between those weights and the ones it trains
 
     @property
     def response_len(self) -> int:
@@ -320,13 +322,15 @@ def generate_rollout(
     fast_decode: bool = True,
     cuda_graphs: bool = True,
     generator: torch.Generator | None = None,
+    oldest_version: int | None = None,
 ) -> Rollout:
     """Sample `num_generations` responses per prompt (prompt i's samples are rows i*N .. i*N+N-1): in this process
     the prompt batch is repeated row-wise and generated in one call; an engine gets each prompt once with n = N.
 
     return_logprobs fills `old_logprobs` and `entropy` from the sampling pass itself (in this process only: an
     engine's log-probs go to `rollout_logprobs`, and the old log-probs are the trainer's forward). `generator`: the
-    draws' random stream (evaluation's own); None = torch's default one, training's."""
+    draws' random stream (evaluation's own); None = torch's default one, training's. `oldest_version`: an engine's
+    batch sampled ahead (--async_rollouts), asked for at that weight version (Engine.sample)."""
     kw = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id, temperature=temperature,
               top_k=top_k, top_p=top_p, greedy=greedy, suppress_eos=suppress_eos, generator=generator)
     engine = isinstance(policy, Engine)
@@ -334,14 +338,14 @@ def generate_rollout(
     if num_generations > 1:
         input_ids = input_ids.repeat_interleave(num_generations, dim=0)
         attention_mask = attention_mask.repeat_interleave(num_generations, dim=0)
-    s = (draw(policy, *prompts, num_generations=num_generations, **kw) if engine else
+    s = (draw(policy, *prompts, num_generations=num_generations, oldest_version=oldest_version, **kw) if engine else
          draw(policy, input_ids, attention_mask, return_logprobs=return_logprobs, fast_decode=fast_decode,
               cuda_graphs=cuda_graphs, **kw))
     full_mask = torch.cat([attention_mask, s.response_mask.to(attention_mask.dtype)], dim=1)  # [B, P+R]
     return Rollout(
         sequences=s.sequences, attention_mask=full_mask, response_mask=s.response_mask.float(), has_eos=s.has_eos,
         prompt_len=input_ids.shape[1], old_logprobs=None if engine else s.logprobs, entropy=s.entropy,
-        rollout_logprobs=s.logprobs if engine else None,
+        rollout_logprobs=s.logprobs if engine else None, weight_version=s.weight_version,
     )
 
 
@@ -370,6 +374,8 @@ def rollout_metrics(ro: Rollout, comps: dict[str, torch.Tensor], entropy: torch.
     if num_generations > 1:  # spread of rewards among the responses to the same prompt
         metrics["reward/group_std"] = rewards.view(-1, num_generations).std(dim=1).mean().item()
     metrics["tokens_generated"] = float(n_tok.sum().item())
+    if ro.staleness is not None:  # --async_rollouts: how far behind the weights that sampled the batch are
+        metrics["rollout/staleness"] = float(ro.staleness)
     return metrics, weights
 
 

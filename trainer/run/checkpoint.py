@@ -282,6 +282,7 @@ class Resumed:
     record: dict  # the entry for run.json's resume log
     changed_inputs: dict  # {path: new hash record}, accepted with check_inputs=False
     run_id: str | None  # the run the file belongs to (None in files written before run ids)
+    ahead: list[dict] | None = None  # this rank's samples of the batches in flight at the save (--async_rollouts)
 
 
 def resume_run(checkpoint_dir: str | Path, save_weight: str, prefix: str, flags: dict, trainables: dict, *,
@@ -354,4 +355,5 @@ def resume_run(checkpoint_dir: str | Path, save_weight: str, prefix: str, flags:
               "flag_changes": choice["changes"], "changed_inputs": list(choice["changed"])}
     return Resumed(step=step, epoch=state["epoch"], consumed=state["consumed"], nonfinite_run=state["nonfinite_run"],
                    swanlab_id=state.get("swanlab_id"), rng=rng, record=record, changed_inputs=choice["changed"],
-                   run_id=state.get("run_id"))
+                   run_id=state.get("run_id"),
+                   ahead=state["ahead"][rank] if state.get("ahead") and saved_world == world_size else None)

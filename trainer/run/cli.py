@@ -361,7 +361,9 @@ def fsdp2_checks(cfg: Config) -> list[tuple[bool, str]]:
 def engine_checks(cfg: Config) -> list[tuple[bool, str]]:
     """What a rollout engine needs and does not combine with, as validate's (ok, message) pairs."""
     if cfg.rollout_engine == "torch":
-        return []
+        return [(not cfg.async_rollouts,
+                 f"--async_rollouts {cfg.async_rollouts} needs --rollout_engine vllm / sglang: with torch the policy "
+                 f"samples in the trainer's own process, so there is nothing to sample beside the update")]
     eng = f"--rollout_engine {cfg.rollout_engine}"
     why = "" if cfg.engine_shared_path or cfg.sglang_shared_path else shared_default_unreadable(cfg)
     return [
@@ -377,6 +379,16 @@ def engine_checks(cfg: Config) -> list[tuple[bool, str]]:
         (all(re.fullmatch(r"https?://[^\s,/]+(/\S*)?", u) for u in engine_urls(cfg)),
          f"--engine_url {cfg.engine_url or cfg.sglang_base_url}: expected http://HOST:PORT (comma-separated for several)"),
         (cfg.engine_sync_interval >= 1, "--engine_sync_interval must be >= 1 (updates between weight pushes)"),
+        (cfg.async_rollouts >= 0, "--async_rollouts must be >= 0 (batches the engine samples ahead; 0 = take turns)"),
+        (not (cfg.async_rollouts and cfg.filter_groups),
+         f"--async_rollouts {cfg.async_rollouts} with --filter_groups 1: the extra prompt batches a step draws are not "
+         f"sampled ahead; use one of them"),
+        (not (cfg.async_rollouts and cfg.tools),
+         f"--async_rollouts {cfg.async_rollouts} with --tools: multi-turn episodes run tools between their engine calls "
+         f"and are not sampled ahead; use one of them"),
+        (not (cfg.async_rollouts and estimator_spec(cfg.advantage_estimator).needs_baseline_rollout),
+         f"--async_rollouts {cfg.async_rollouts} with --advantage_estimator {cfg.advantage_estimator}: its greedy "
+         f"baseline rollout is not sampled ahead; use another estimator (grpo, rloo, ...) or --async_rollouts 0"),
         (math.isfinite(cfg.engine_timeout) and cfg.engine_timeout > 0, "--engine_timeout must be a number of seconds > 0"),
         (math.isfinite(cfg.rollout_is_cap) and cfg.rollout_is_cap >= 1,
          f"--rollout_is_cap {cfg.rollout_is_cap} must be a finite number >= 1 (an on-policy token's weight is 1)"),

@@ -104,6 +104,7 @@ def push_weights(cfg: Config, m: Models, rt: Runtime, version: int) -> None:
     weights) stops every rank with one line, and nothing else is written."""
     engine = m.engine
     assert engine is not None
+    engine.next_version = version  # a batch sampled ahead may see the new version before this returns
     if is_sharded(m.actor):
         state = full_state_dict(m.actor)  # a collective: every rank takes part; rank 0 receives the whole weights
     elif rt.info.is_main:

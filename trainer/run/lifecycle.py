@@ -21,7 +21,7 @@ import errno
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -67,12 +67,19 @@ class Run:
         self.stopped_by: str | None = None  # the signal that stopped the run (every rank agrees on it)
         self.saved_at = -1  # the step of the last save (-1: none in this process)
         self.evaluated_at = -1  # the step of the last held-out evaluation (-1: none in this process)
+        # --async_rollouts (trainer/run/async_rollouts.py) draws batches ahead of the step: a save records the data
+        # position after the last trained batch (`trained_pos`; None: `pos`) and the samples of the batches in flight
+        # (`sampled_ahead()`, this rank's, waited for); a resumed run gets its rank's back (`resumed_ahead`).
+        self.trained_pos: tuple[int, int] | None = None
+        self.sampled_ahead: Callable[[], list[dict]] | None = None
+        self.resumed_ahead: list[dict] | None = None
         try:
             distributed.on_main(self._claim_folders, info)
             resumed = self._resume() if cfg.from_resume else None
             self.run_id = distributed.on_main(lambda: (resumed and resumed.run_id) or uuid.uuid4().hex[:12], info)
             self.pos = (Position(resumed.step, resumed.epoch, resumed.consumed, resumed.nonfinite_run)
                         if resumed else Position())
+            self.resumed_ahead = resumed.ahead if resumed else None
             self.started_at = self.pos.step
             with distributed.failing_together(info):  # rank 0's start-up writes: a failure there must not strand the others
                 self.logger = RunLogger(
@@ -231,6 +238,7 @@ class Run:
             raise SystemExit(f"error: the weights are not finite after step {self.pos.step}: nothing was saved; the last good "
                              f"checkpoint in {cfg.checkpoint_dir}/ is intact. Lower --learning_rate or --grad_clip.")
         rngs = D.all_gather_objects(seeding.capture_rng_state(info.device), info)  # a collective: every rank takes part
+        ahead = None if self.sampled_ahead is None else D.all_gather_objects(self.sampled_ahead(), info)
         full, shards = None, None
         if cfg.strategy == "fsdp2":  # collectives: the whole policy to rank 0, every rank's shards to the DCP folder
             full = sharding.full_state_dict(m.actor)
@@ -241,17 +249,21 @@ class Run:
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises on every rank when any rank's write failed
                 raise SystemExit(f"error: saving step {self.pos.step}'s shards to {shards}: {distributed.one_line(e)}; the previous "
                                  f"checkpoint is intact") from None
-        distributed.main_writes(lambda: self._write(rngs, full, shards), info)  # the others wait outside --ddp_timeout
+        distributed.main_writes(lambda: self._write(rngs, full, shards, ahead), info)  # the others wait outside --ddp_timeout
         self.saved_at = self.pos.step
 
-    def _write(self, rngs: list[dict], full: dict | None = None, shards: Path | None = None) -> None:
+    def _write(self, rngs: list[dict], full: dict | None = None, shards: Path | None = None,
+               ahead: list[list[dict]] | None = None) -> None:
         """Rank 0's part of a save: the policy (`full`: its whole weights under --strategy fsdp2) and the resume
         file (naming `shards`, the DCP folder of a sharded run, which is written by then)."""
         cfg, m, o = self.cfg, self.built.models, self.built.optim
         state = ckpt.training_state(actor=m.actor, critic=m.critic, optims=o.optims, scheds=o.scheds, kl_ctl=self.built.kl_ctl,
                                     old_actor=m.old_actor, scaler=o.scaler, reward_norm=self.built.reward_norm,
                                     shards=None if shards is None else shards.name)
-        state.update(step=self.pos.step, epoch=self.pos.epoch, consumed=self.pos.consumed, nonfinite_run=self.pos.nonfinite_run,
+        epoch, consumed = self.trained_pos or (self.pos.epoch, self.pos.consumed)
+        if ahead is not None:
+            state["ahead"] = ahead  # per rank: the samples of the batches in flight (--async_rollouts)
+        state.update(step=self.pos.step, epoch=epoch, consumed=consumed, nonfinite_run=self.pos.nonfinite_run,
                      rng=rngs, world_size=self.rt.info.world_size, args=self.cfg.flat(), swanlab_id=self.logger.id,
                      run=self.provenance or {}, run_id=self.run_id)
         try:
