@@ -2,21 +2,35 @@
 a short writing request on a topic plus one or two constraints, each row carrying its constraints for the reward
 and, for Google's checker, the same as IFEval's instruction ids and kwargs.
 
-    python builders/make_ifeval_data.py       # the four files below, in dataset/
+    python builders/make_ifeval_data.py       # the five files below, in dataset/
+    python builders/make_ifeval_data.py --train_wordings_per_type 3 --out_dir out/   # out/ifeval_train_w3.jsonl only
 
 - ifeval_train.jsonl (2,000 rows) and ifeval_eval.jsonl (300 held-out rows): every type we train, equally often,
   each constraint worded either as IFEval words it (its build_description for the row's arguments) or in one of
   our own phrasings (about half each).
 - ifeval_eval_ifeval_wording.jsonl (220 held-out rows): IFEval's 22 instructions that we train, in IFEval's
   wording only (start_phrase, which has none, is not in it).
+- ifeval_eval_heldout_wording.jsonl (300 held-out rows): every type, each constraint worded only in the held-out
+  family of WORDINGS (below), sentences that no training row uses (tests/test_ifeval_wordings.py compares the
+  templates with their slot values stripped): what a gain is worth on instructions a user words in their own way.
 - ifeval_eval_other_types.jsonl (60 held-out rows): the three IFEval instructions we do not train (nor can check:
   dataset/ifeval.py LEFT_OUT), one per row, in IFEval's wording, without "constraints": for scripts/judge_ifeval.py.
 
 Each row: "conversations" (the user turn and an empty assistant slot), "constraints" (ours), "prompt" (the user
 turn), "instruction_id_list" and "kwargs" (Google's, IFEval's input_data format) and "wording" ("ifeval" or "ours"
-per constraint). Train and held-out rows draw their topics from disjoint lists, so a held-out gain is not a
-memorised topic. Two constraints in one row never contradict each other (e.g. quotation marks around the whole
-reply and a phrase it must end with). The same seed writes the same files; nothing here imports if-verifiable
+per constraint; in the held-out-wording file "heldout", with the wording id of each under "template").
+
+Wordings: each type has a training family (IFEval's sentence, our first 2-3 PHRASINGS, and WORDINGS' "train"
+templates: 10 or more) and a held-out family (WORDINGS' "heldout": 6), in several voices (terse, polite, statements
+of a rule, clauses folded into the request or joined with another constraint's, before or after the request,
+numbers in digits and in words, negated and positive forms, a user's typos). The shipped training file uses
+IFEval's sentence and PHRASINGS only, as before the families were added; `--train_wordings_per_type N` writes a
+training file worded by the first N of each training family instead (the same requests and constraints for every
+N), for the curve of the held-out-wording gain against N (docs/smollm2_ifeval.md).
+
+Train and held-out rows draw their topics from disjoint lists, so a held-out gain is not a memorised topic. Two
+constraints in one row never contradict each other (e.g. quotation marks around the whole reply and a phrase it
+must end with). The same seed writes the same files; nothing here imports if-verifiable
 (tests/test_ifeval_reference.py checks IFEval's wording against its build_description).
 """
 
@@ -202,6 +216,360 @@ def sentence(c: dict, style: str, rng: random.Random) -> tuple[str, str]:
     return rng.choice(PHRASINGS[c["type"]])(c), "ours"
 
 
+# ------------------------------------------------------------------------------------------------ wording families
+# Beside IFEval's sentence ("ifeval") and PHRASINGS ("ours/k"), each type has new sentences in two families: "train/k"
+# (may be used for training: --train_wordings_per_type) and "heldout/k" (never trained on: the held-out-wording file).
+# A template is a str.format string over slots(c) (below); one that starts with "~" is a clause (lower case, no final
+# stop) that a row may fold into its request ("Write a note about owls, keeping it lowercase.") or join with another
+# clause in one sentence. Voices: terse, polite, clauses, statements of a rule, negated and positive forms, numbers in
+# digits and in words, a user's typos ("heldout" only carries typos, in their fixed words, never in a slot's value).
+_RESP = '"My answer is yes.", "My answer is no." or "My answer is maybe."'
+WORDINGS: dict[str, dict[str, list[str]]] = {
+    "lowercase": {
+        "train": ["All lowercase, please.", "~keep every letter lowercase",
+                  "Could you write it without using any uppercase letters?", "Lowercase only.",
+                  "Please make sure there isn't a single capital letter in what you write.", "~write it all in small letters"],
+        "heldout": ["No caps anywhere, not even at the start of a sentence.", "~stick to lower-case characters from start to finish",
+                    "I'd appreciate it if every character you type were lower case.", "Capital letters are off limits here.",
+                    "pls writ evrything in lowercase", "Kindly avoid upper-case characters entirely; names stay small too."]},
+    "uppercase": {
+        "train": ["ALL CAPS, please.", "~write every word in capital letters", "Could you answer entirely in uppercase?",
+                  "Capitals only.", "Please don't use any lowercase letters.", "~type the whole thing in block capitals"],
+        "heldout": ["Shout it: each letter has to be a capital.", "~keep all the letters upper-case throughout",
+                    "I'd like the full response in caps lock style, no small letters whatsoever.",
+                    "Lower-case letters are not permitted in this one.", "pls answr in all caps",
+                    "Make each and every letter uppercase, thanks!"]},
+    "number_words": {
+        "train": ["Word count: {bound}.", "~use {bound_w} words", "Please write {over} words.",
+                  "The response must contain {nobound} words.", "~make it {over_w} words long",
+                  "Could you keep the length to {bound} words?", "Length: {over_w} words."],
+        "heldout": ["Aim for {nobound_w} words in total.", "~let the word count be {bound_w}",
+                    "I need {nobound} words from you, please.", "wrd limit: {bound} wrds",
+                    "~write {over_w} words overall", "The reply has a length requirement of {bound_w} words."]},
+    "number_paragraphs": {
+        "train": ["{num_W} paragraphs, split by ***.", "~write {num} paragraphs with *** between each pair",
+                  "Please use {num_w} paragraphs and put the divider *** between them.", "Paragraph count: {num}; divider: ***.",
+                  "Could you break it into {num} paragraphs, each separated by ***?",
+                  "~split the text into {num_w} paragraphs using *** as the separator",
+                  "Exactly {num_w} paragraphs please, with a *** line dividing them."],
+        "heldout": ["Give me {num_w} blocks of text, and between consecutive blocks place three asterisks (***).",
+                    "~lay it out as {num} paragraphs divided by ***",
+                    "I want {num} paragraphs; the only thing between two of them should be ***.",
+                    "Structure: {num_w} paragraphs, markdown separator *** in between.",
+                    "{num} paragrphs pls, seperated with ***", "Kindly produce {num_w} paragraphs, marking each break with ***."]},
+    "paragraph_first_word": {
+        "train": ["Use {num} paragraphs separated by a blank line; paragraph {nth} begins with \"{word}\".",
+                  "~write {num_w} paragraphs with an empty line between them, and start the {nth_ord} one with the word {word}",
+                  "Please write {num_w} paragraphs (blank line between each), the {nth_ord} opening with \"{word}\".",
+                  "Paragraphs: {num}, split by blank lines. Paragraph {nth} starts with {word}.",
+                  "Could you give {num} paragraphs separated by empty lines, where the {nth_ord} paragraph's first word is {word}?",
+                  "~split it into {num} blank-line-separated paragraphs and open paragraph {nth} with \"{word}\"",
+                  "{num_W} paragraphs, blank lines between them, paragraph number {nth} starting with '{word}'."],
+        "heldout": ["I need {num_w} paragraphs divided by single empty lines, and the first word of paragraph {nth} has to be \"{word}\".",
+                    "~make paragraph {nth} of {num} begin with the word \"{word}\", leaving a blank line between paragraphs",
+                    "Lay out {num} paragraphs (one empty line apart); kick off the {nth_ord} of them with {word}.",
+                    "{num} paragrahs with a blank line betwen them, and the {nth_ord} one startin with \"{word}\"",
+                    "Kindly write {num_w} paragraphs with one blank line after each but the last, the word \"{word}\" "
+                    "opening paragraph {nth}.",
+                    "Format: {num_w} paragraphs, blank line in between; paragraph {nth}'s opening word = {word}."]},
+    "no_comma": {
+        "train": ["No commas.", "~leave out all commas", "Please don't put a comma anywhere.", "Commas are not allowed.",
+                  "Could you write this with zero commas?", "~keep your text free of commas"],
+        "heldout": ["Skip the commas entirely, thanks!", "~do it without any comma at all",
+                    "I'd like the response to contain not even one comma.",
+                    "Punctuation rule: periods are fine but the comma character must never appear.", "dont use comas pls",
+                    "Zero commas allowed in the output."]},
+    "end_phrase": {
+        "train": ["End with: \"{phrase}\"", "~close with the exact phrase \"{phrase}\"",
+                  "Please make \"{phrase}\" the very last thing you write.",
+                  "The final words must be \"{phrase}\", with nothing after.", "Could you conclude with exactly this: {phrase}",
+                  "~finish on the words \"{phrase}\" and add nothing after them"],
+        "heldout": ["Wrap up with the sentence \"{phrase}\" and let nothing come after it.",
+                    "~sign off with \"{phrase}\" as your closing line", "I want your last line to read exactly: {phrase}",
+                    "Ending: {phrase} (verbatim, nothing following).", "finsh ur answer with \"{phrase}\" and stop there",
+                    "Kindly let \"{phrase}\" be the concluding words of the reply."]},
+    "start_phrase": {
+        "train": ["Start with \"{phrase}\".", "~open with the exact words \"{phrase}\"", "Please begin your answer with: {phrase}",
+                  "The first words must be \"{phrase}\".", "Could you start your reply with \"{phrase}\"?",
+                  "~let your response begin with \"{phrase}\"", "Opening words: {phrase}",
+                  "Make \"{phrase}\" the first thing you write."],
+        "heldout": ["Kick off your reply with the phrase \"{phrase}\", exactly as written.", "~lead with the words \"{phrase}\"",
+                    "I'd like the very first words you type to be: {phrase}", "Beginning: \"{phrase}\", no greeting before it.",
+                    "strat ur reply with \"{phrase}\" pls", "Kindly put \"{phrase}\" at the very beginning of the response."]},
+    "repeat_prompt": {  # sentences only: the request to repeat is everything before it
+        "train": ["Repeat the request above exactly, then answer it (do not repeat this sentence).",
+                  "Please restate my request word for word first, leaving out this sentence, and then respond.",
+                  "First copy the request above verbatim (not this instruction), then answer.",
+                  "Echo the request above unchanged, excluding this line, before your answer.",
+                  "Could you begin by repeating the request above exactly as written, without this sentence, and then answer it?",
+                  "Say the request above back to me verbatim first (this sentence excluded), then reply.",
+                  "Step 1: repeat the request above word for word, without this instruction. Step 2: answer it."],
+        "heldout": ["Open by writing my request above again, character for character (but not this line), and only afterwards reply to it.",
+                    "I'd like you to reproduce the request above unchanged as your first words, skipping this sentence, then respond.",
+                    "Before you answer, write out the exact request you were given above, minus this final instruction.",
+                    "repeat my request above exacly first (not this bit), then anwser it",
+                    "Kindly start with a faithful copy of the text above this sentence, and follow it with your answer.",
+                    "Your opening must be the request above, reproduced without any change and without this sentence; "
+                    "the answer comes after."]},
+    "quotation": {
+        "train": ["Answer in double quotes.", "~put the entire response between double quotation marks",
+                  "Please surround your whole reply with \" marks.", "The whole reply must begin and end with a double quote (\").",
+                  "Could you wrap everything you write in double quotes?", "~enclose all of it in \"double quotes\"",
+                  "Double quotes around the full answer, please."],
+        "heldout": ["Your output should start with the character \" and end with the character \".",
+                    "~make the first and last characters of your reply double quotation marks",
+                    "I'd like the complete response placed inside a pair of double quotes.",
+                    "Format: one opening \" at the very start, one closing \" at the very end.",
+                    "put the hole thing in double qoutes", "Kindly bracket the full text with quotation marks (\"like this\")."]},
+    "number_bullets": {
+        "train": ["{num_W} bullet points, using *.", "~list exactly {num} points as markdown bullets (* )",
+                  "Please answer with exactly {num_w} bullets, each line starting with *.",
+                  "Bullet count: exactly {num}. Use * for each.",
+                  "Could you give me exactly {num} bullet points in markdown (* item)?", "~use exactly {num_w} \"* \" bullet lines"],
+        "heldout": ["Present it as a bulleted list with precisely {num_w} entries, every entry on a line that begins with an asterisk.",
+                    "~give {num} markdown bullets, no more and no fewer",
+                    "I want a list of {num} items, each introduced by \"* \", and nothing else formatted as a list.",
+                    "Layout: exactly {num_w} lines beginning with * (markdown bullets).",
+                    "exactly {num} bulet points pls, with * at the start of each",
+                    "Kindly break it down into {num_w} asterisk bullets, not one more, not one less."]},
+    "highlighted_sections": {
+        "train": ["Highlight {num}+ parts with *asterisks*.", "~mark at least {num_w} phrases in italics with *single asterisks*",
+                  "Please emphasise at least {num} spans like *this*.", "At least {num} highlighted sections, markdown style (*text*).",
+                  "Could you highlight at least {num_w} bits of the text using *...*?",
+                  "~wrap at least {num} key phrases in asterisks, e.g. *key phrase*", "Use *emphasis* on at least {num_w} phrases."],
+        "heldout": ["Make no fewer than {num_w} phrases stand out by surrounding them with single asterisks, as in *example*.",
+                    "~italicise {num} or more fragments using markdown asterisks (*like so*)",
+                    "I'd like {num} or more pieces of the text emphasised with *stars*.",
+                    "Emphasis requirement: minimum {num} spans wrapped as *...*.", "highlite at least {num} parts with *stars* pls",
+                    "Kindly set off at least {num_w} passages in markdown italics (*passage*)."]},
+    "sections": {
+        "train": ["{num_W} sections, each headed \"{splitter} N\".",
+                  "~divide it into {num} sections titled {splitter} 1, {splitter} 2, and so on",
+                  "Please organise the answer into {num_w} sections, marking each with {splitter} followed by its number.",
+                  "Sections: {num}, labelled \"{splitter} 1\", \"{splitter} 2\", ...",
+                  "Could you split the reply into {num} parts headed {splitter} 1, {splitter} 2 and so forth?",
+                  "~start each of {num_w} sections with the label {splitter} X (X = its number)",
+                  "Use {num} numbered sections: {splitter} 1, {splitter} 2..."],
+        "heldout": ["Break your text into {num_w} chunks, and put a heading line like \"{splitter} 1\" above each chunk (counting up).",
+                    "~give {num} headed parts, the headings reading {splitter} 1, {splitter} 2 etc.",
+                    "I want {num_w} separate sections; label them in order: {splitter} 1, then {splitter} 2, onward.",
+                    "Structure: {num} parts, each introduced by the marker \"{splitter}\" plus a number.",
+                    "{num} sectons pls, startin each with its header ({splitter} 1, then {splitter} 2, ...)",
+                    "Kindly number your {num_w} sections with headers of the form {splitter} N."]},
+    "title": {
+        "train": ["Title in <<double angle brackets>>.", "~add a title wrapped in << >>", "Please give it a title like <<Title Here>>.",
+                  "Include a title formatted as <<...>>.",
+                  "Could you put a title at the top in double angular brackets, e.g. <<A Title>>?", "~begin with a <<title>> line",
+                  "Needs a title: <<like this>>."],
+        "heldout": ["Head the reply with a name for it enclosed by << and >>.",
+                    "~include a heading surrounded by double chevrons, for example <<Morning Light>>",
+                    "I'd like a title somewhere, written between << and >>.", "Title format: <<your title>>, on its own line.",
+                    "giv it a titel in <<these brackets>>", "Kindly supply a heading between double chevrons (<<heading>>)."]},
+    "json": {
+        "train": ["JSON only.", "~answer in JSON format", "Please format the whole reply as JSON.", "Output must be valid JSON.",
+                  "Could you give your answer as a JSON object?", "~return everything as a single JSON value",
+                  "Respond in JSON, nothing outside it."],
+        "heldout": ["Give me machine-readable output: one JSON document and no prose around it.",
+                    "~encode your entire answer as JSON (e.g. {{\"text\": \"...\"}})",
+                    "I need the reply to parse with a JSON parser, start to finish.",
+                    "Output format: JSON. Markdown code fences are okay.", "reply in jason format only pls (JSON)",
+                    "Kindly structure the complete response as a JSON object with keys of your choice."]},
+    "constrained_response": {
+        "train": [f"Answer: {_RESP}", f"~reply using one of {_RESP}",
+                  "Please pick one: My answer is yes. / My answer is no. / My answer is maybe.", f"Choose from {_RESP}",
+                  f"Could you answer with {_RESP}?",
+                  "Only these answers are allowed: My answer is yes. | My answer is no. | My answer is maybe.",
+                  "Respond with one of the three: \"My answer is yes.\" / \"My answer is no.\" / \"My answer is maybe.\""],
+        "heldout": [f"Your reply has to include one of these exact sentences: {_RESP}",
+                    "~settle it by writing just one of these three sentences: " + " / ".join(f'"{o}"' for o in RESPONSE_OPTIONS),
+                    f"I only accept {_RESP} as the answer.",
+                    "Allowed responses (verbatim): My answer is yes. ; My answer is no. ; My answer is maybe.",
+                    "pick one: \"My answer is yes.\" or \"My answer is no.\" or \"My answer is maybe.\" thx",
+                    f"Kindly state your verdict as exactly {_RESP}"]},
+    "placeholders": {
+        "train": ["Include {num}+ [placeholders].", "~add at least {num_w} square-bracket placeholders such as [city]",
+                  "Please leave at least {num} placeholders in brackets, like [date].", "At least {num} placeholders, written [like this].",
+                  "Could you include at least {num} fill-in fields in square brackets (e.g. [name])?",
+                  "~use [placeholder] slots at least {num} times", "Minimum placeholders: {num}, each in [square brackets]."],
+        "heldout": ["Put {num_w} or more template fields into the text, each written inside square brackets, e.g. [your name].",
+                    "~insert no fewer than {num} bracketed blanks like [time] for me to fill in",
+                    "I'd like {num} or more [bracketed] gaps that a reader could fill in later.",
+                    "Template requirement: a minimum of {num_w} fields in [brackets].", "add at lest {num} placeholers in [brackets] pls",
+                    "Kindly include {num} or more square-bracket placeholders, for example [address]."]},
+    "postscript": {
+        "train": ["Add a {marker} at the end.", "~finish with a postscript beginning {marker}",
+                  "Please include a postscript starting with \"{marker}\".", "Postscript required: start it with {marker}",
+                  "Could you end with a {marker} note?", "~close with a short {marker} line", "Add a final line that starts with {marker}"],
+        "heldout": ["After the main text, tack on an afterthought introduced by {marker}", "~append a {marker} afterthought at the bottom",
+                    "I'd like one more line at the very bottom, opening with \"{marker}\".",
+                    "Closing note format: {marker} followed by anything you like.", "pls put a {marker} at teh bottom",
+                    "Kindly conclude with a postscript, marked {marker}"]},
+    "two_responses": {
+        "train": ["Two answers, separated by ******.", "~give two different responses split by six asterisks (******)",
+                  "Please write two versions, with ****** between them.", "Two distinct replies; separator: ******",
+                  "Could you provide two alternative answers divided by a line of ******?",
+                  "~offer two separate answers with ****** in between",
+                  "Write it twice, differently, separating the two with ******."],
+        "heldout": ["Draft a pair of different replies with exactly six asterisks (******) in the middle and nowhere else.",
+                    "~produce two distinct takes, the separator being ******",
+                    "I want two unlike responses, joined only by the string ******.",
+                    "Format: response A, then ******, then response B (A and B must differ).",
+                    "two diffrent answers pls, with ****** betwen them",
+                    "Kindly provide two contrasting responses divided by six stars: ******."]},
+    "keyword_frequency": {
+        "train": ["Say \"{keyword}\" {bound} times.", "~use the word {keyword} {bound_w} times",
+                  "Please mention \"{keyword}\" {bound} times.", "The word \"{keyword}\" must appear {bound_w} times.",
+                  "Could you use \"{keyword}\" {nobound} times?", "~repeat the word \"{keyword}\" {bound} times",
+                  "Word \"{keyword}\": {bound} times."],
+        "heldout": ["Work the word \"{keyword}\" into the text {nobound_w} times.", "~let \"{keyword}\" show up {bound_w} times",
+                    "I want {keyword} to turn up {nobound} times in what you send back.",
+                    "Frequency rule: \"{keyword}\" {cmp} {num} occurrences.", "use the wrd \"{keyword}\" {bound} times pls",
+                    "Kindly ensure {keyword} occurs {bound_w} times."]},
+    "include_keywords": {
+        "train": ["Include: {words_and}.", "~work in the word{s} {words_q}", "Please use the word{s} {words_q}.",
+                  "Required word{s}: {words_and}.", "Could you include the word{s} {words_q} somewhere?",
+                  "~mention {words_and} at least once", "Must contain {words_q}."],
+        "heldout": ["Somewhere in the text, drop in {words_q}.", "~make room for the term{s} {words_and} in your writing",
+                    "I expect to find {words_q} in the reply.", "Keywords to cover: {words_and}.", "pls use {words_q} somwhere",
+                    "Kindly weave {words_and} into what you write."]},
+    "forbidden_words": {
+        "train": ["Banned words: {words_and}.", "~don't use {words_q}", "Please avoid saying {words_or}.",
+                  "The words {words_q} are not allowed.", "Could you write this without the words {words_and}?",
+                  "~steer clear of {words_and}"],
+        "heldout": ["Leave {words_q} out of your vocabulary for this one.", "~never write {words_or}",
+                    "I'd rather you didn't use {words_or} at all.", "Forbidden: {words_q}.", "dont say {words_or} in ur answer",
+                    "Kindly refrain from the terms {words_and}."]},
+    "letter_frequency": {
+        "train": ["Letter {letter}: {bound} times.", "~use the letter {letter} {bound_w} times",
+                  "Please make the letter \"{letter}\" appear {bound} times.", "The letter {letter} should occur {nobound} times.",
+                  "Could you use the letter '{letter}' {bound} times?", "~include the letter {letter} {nobound_w} times",
+                  "Count of letter {letter}: {over}."],
+        "heldout": ["Type the character \"{letter}\" {nobound_w} times across the whole reply.",
+                    "~have the letter {letter} show up {bound} times in total", "I'd like the letter {letter} to appear {over} times.",
+                    "Letter budget: \"{letter}\" {cmp} {num}.", "use the leter {letter} {bound} times",
+                    "Kindly keep the number of {letter}'s {bound_w}."]},
+}
+
+LAYOUTS = ("after", "after", "before", "inline")  # where a row's constraints go: after its request (half the rows),
+# before it, or folded into its sentence (its clauses; sentences still follow the request)
+_ONES = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+         "seventeen eighteen nineteen").split()
+_TENS = {2: "twenty", 3: "thirty", 4: "forty", 5: "fifty", 6: "sixty", 7: "seventy", 8: "eighty", 9: "ninety"}
+
+
+def in_words(n: int) -> str:
+    """n in English words (0-99; digits otherwise): 49 -> "forty-nine"."""
+    if 0 <= n < 20:
+        return _ONES[n]
+    if 20 <= n < 100:
+        tens, ones = divmod(n, 10)
+        return _TENS[tens] + (f"-{_ONES[ones]}" if ones else "")
+    return str(n)
+
+
+def slots(c: dict) -> dict[str, str]:
+    """The values a WORDINGS template may name, for constraint c. A relation is said exactly: "less than 40" is
+    "at most 39" (bound), "no more than 39" (nobound), "under 40" (over); "at least 10" is "at least 10", "no fewer
+    than 10", "more than 9"; _w: the number in words."""
+    s = {k: str(c[k]) for k in ("phrase", "keyword", "letter", "marker", "splitter", "word", "nth") if k in c}
+    if "nth" in c:
+        s["nth_ord"] = _ORDINAL.get(c["nth"], f"number {c['nth']}")
+    if "num" in c:
+        n = c["num"]
+        s.update(num=str(n), num_w=in_words(n), num_W=in_words(n).capitalize())
+        if "relation" in c:
+            lt = c["relation"] == "less than"
+            for suffix, f in (("", str), ("_w", in_words)):
+                s["bound" + suffix] = f"{'at most' if lt else 'at least'} {f(n - 1 if lt else n)}"
+                s["nobound" + suffix] = f"{'no more than' if lt else 'no fewer than'} {f(n - 1 if lt else n)}"
+                s["over" + suffix] = f"{'under' if lt else 'more than'} {f(n if lt else n - 1)}"
+            s.update(rel=_rel(c), cmp="<" if lt else "≥")
+    if "words" in c:
+        ws = list(c["words"])
+        s.update(words_and=_and(ws), words_or=" or ".join(ws), words_q=_and([f'"{w}"' for w in ws]),
+                 s="s" if len(ws) > 1 else "")
+    return s
+
+
+def family(kind: str, name: str) -> list[str]:
+    """The wording ids of a family of `kind`, in order. "train": IFEval's sentence ("ifeval"; start_phrase has none),
+    our first phrasings ("ours/k", PHRASINGS) and the train templates ("train/k"); "heldout": "heldout/k"."""
+    if name == "heldout":
+        return [f"heldout/{k}" for k in range(len(WORDINGS[kind]["heldout"]))]
+    return ([] if kind == "start_phrase" else ["ifeval"]) + [f"ours/{k}" for k in range(len(PHRASINGS[kind]))] \
+        + [f"train/{k}" for k in range(len(WORDINGS[kind]["train"]))]
+
+
+def worded(kind: str, wid: str, c: dict) -> tuple[str, bool]:
+    """(the text that asks for c in wording `wid`, whether it is a clause)."""
+    if wid == "ifeval":
+        return describe(c), False
+    name, k = wid.split("/")
+    if name == "ours":
+        return PHRASINGS[kind][int(k)](c), False
+    template = WORDINGS[kind][name][int(k)]
+    return template.lstrip("~").format(**slots(c)), template.startswith("~")
+
+
+def compose(request: str, pieces: list[tuple[str, bool]], layout: str) -> str:
+    """The user turn: the request and each piece (text, is a clause). Clauses are joined into one sentence (several
+    constraints in one), or with layout "inline" folded into the request's own sentence (not into a question)."""
+    clauses = [t for t, is_clause in pieces if is_clause]
+    texts = [t for t, is_clause in pieces if not is_clause]
+    if clauses and layout == "inline" and request.endswith("."):
+        request, clauses = f"{request[:-1]}, and {_stop(' and '.join(clauses))}", []
+    if clauses:
+        joined = " and ".join(clauses)
+        texts.insert(0, _stop(joined[0].upper() + joined[1:]))
+    parts = [*texts, request] if layout == "before" else [request, *texts]
+    return " ".join([_stop(p) for p in parts[:-1]] + parts[-1:])  # a sentence that runs into the next one gets a stop
+
+
+def _stop(text: str) -> str:
+    return text if text[-1] in ".!?\"')>*:" else text + "."
+
+
+def _draw_constraints(topic: str, first: str, kinds: list[str], two_share: float, rng: random.Random) -> list[dict]:
+    """One constraint of type `first` and, with probability two_share, a compatible second (repeat_prompt last)."""
+    cs = [sample_constraint(first, topic, rng)]
+    if rng.random() < two_share:
+        options = [k for k in kinds if compatible(first, k)]
+        if options:
+            second = sample_constraint(rng.choice(options), topic, rng)
+            while _clash(cs[0], second):
+                second = sample_constraint(second["type"], topic, rng)
+            cs.append(second)
+    cs.sort(key=lambda c: c["type"] == "repeat_prompt")  # its request is everything before its sentence
+    return cs
+
+
+def make_worded_rows(topics: list[str], n: int, wordings: dict[str, list[str]], seed: str,
+                     kinds: list[str] | None = None, two_share: float = 0.4) -> list[dict]:
+    """n rows on `topics`, each of `kinds` equally often as a row's first constraint, each constraint worded by one
+    of wordings[type] (wording ids, `family`), drawn at random, and placed by one of LAYOUTS. Topics and constraints
+    come from one stream and wordings and layouts from another, so files that differ only in `wordings` hold the
+    same requests and constraints. Each row also carries "template": the wording id of each constraint."""
+    kinds = kinds or KINDS
+    crng, wrng = random.Random(f"{seed}/constraints"), random.Random(f"{seed}/wordings")
+    rows = []
+    for i in range(n):
+        topic = crng.choice(topics)
+        first = kinds[i % len(kinds)]
+        cs = _draw_constraints(topic, first, kinds, two_share, crng)
+        request = crng.choice(QUESTIONS if first == "constrained_response" else REQUESTS).format(t=topic)
+        wids = [wrng.choice(wordings[c["type"]]) for c in cs]
+        layout = wrng.choice(LAYOUTS)
+        prompt = compose(request, [worded(c["type"], w, c) for c, w in zip(cs, wids) if c["type"] != "repeat_prompt"], layout)
+        if cs[-1]["type"] == "repeat_prompt":
+            cs[-1]["request"] = prompt
+            prompt = f"{prompt} {worded('repeat_prompt', wids[-1], cs[-1])[0]}"
+        ids, kwargs = ifeval_instructions(validate(cs, f"row {i}"))
+        rows.append(_row(prompt, {"constraints": cs, "instruction_id_list": ids, "kwargs": kwargs,
+                                  "wording": [w.split("/")[0] for w in wids], "template": wids}))
+    crng.shuffle(rows)
+    return rows
+
+
 def _row(prompt: str, extra: dict) -> dict:
     return {"conversations": [{"role": "user", "content": prompt}, {"role": "assistant", "content": ""}], "prompt": prompt, **extra}
 
@@ -215,15 +583,7 @@ def make_rows(topics: list[str], n: int, rng: random.Random, kinds: list[str] | 
     for i in range(n):
         topic = rng.choice(topics)
         first = kinds[i % len(kinds)]
-        cs = [sample_constraint(first, topic, rng)]
-        if rng.random() < two_share:
-            options = [k for k in kinds if compatible(first, k)]
-            if options:
-                second = sample_constraint(rng.choice(options), topic, rng)
-                while _clash(cs[0], second):
-                    second = sample_constraint(second["type"], topic, rng)
-                cs.append(second)
-        cs.sort(key=lambda c: c["type"] == "repeat_prompt")  # its request is everything before its sentence
+        cs = _draw_constraints(topic, first, kinds, two_share, rng)
         template = QUESTIONS if first == "constrained_response" else REQUESTS
         parts, styles = [rng.choice(template).format(t=topic)], []
         for c in cs:
@@ -278,21 +638,41 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n_eval", type=int, default=300)
     p.add_argument("--n_eval_ifeval_wording", type=int, default=220)
     p.add_argument("--n_eval_other_types", type=int, default=60)
+    p.add_argument("--n_eval_heldout_wording", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train_wordings_per_type", type=int, default=0, metavar="N",
+                   help="write only ifeval_train_wN.jsonl: --n_train rows whose constraints are worded by the first N "
+                        "wordings of each type's training family (1 = IFEval's sentence only), for a curve of the "
+                        "held-out-wording gain against N; 0: the five files above")
     a = p.parse_args(argv)
+    most = min(len(family(k, "train")) for k in KINDS)
+    if not 0 <= a.train_wordings_per_type <= most:
+        p.error(f"--train_wordings_per_type must be between 1 and {most} (the wordings each type has for training), "
+                f"or 0 for the shipped files; got {a.train_wordings_per_type}")
     rng = random.Random(a.seed)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if a.train_wordings_per_type:
+        n = a.train_wordings_per_type
+        rows = make_worded_rows(TRAIN_TOPICS, a.n_train, {k: family(k, "train")[:n] for k in KINDS}, f"train_wordings/{a.seed}")
+        _write(out / f"ifeval_train_w{n}.jsonl", rows)
+        return
     ifeval_kinds = [k for k in KINDS if k != "start_phrase"]
     files = [("ifeval_train.jsonl", lambda: make_rows(TRAIN_TOPICS, a.n_train, rng)),
              ("ifeval_eval.jsonl", lambda: make_rows(EVAL_TOPICS, a.n_eval, rng)),
              ("ifeval_eval_ifeval_wording.jsonl", lambda: make_rows(EVAL_TOPICS, a.n_eval_ifeval_wording, rng,
                                                                     kinds=ifeval_kinds, wording="ifeval")),
-             ("ifeval_eval_other_types.jsonl", lambda: make_other_rows(EVAL_TOPICS, a.n_eval_other_types, rng))]
+             ("ifeval_eval_other_types.jsonl", lambda: make_other_rows(EVAL_TOPICS, a.n_eval_other_types, rng)),
+             # its own streams (make_worded_rows): the four files above are what they were before it was added
+             ("ifeval_eval_heldout_wording.jsonl", lambda: make_worded_rows(
+                 EVAL_TOPICS, a.n_eval_heldout_wording, {k: family(k, "heldout") for k in KINDS}, f"heldout_wording/{a.seed}"))]
     for name, make in files:
-        rows = make()
-        (out / name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-        print(f"wrote {len(rows)} rows to {out / name}")
+        _write(out / name, make())
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    print(f"wrote {len(rows)} rows to {path}")
 
 
 if __name__ == "__main__":

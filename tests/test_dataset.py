@@ -540,7 +540,7 @@ def test_the_shipped_ifeval_files_are_what_the_script_writes(tmp_path):
     subprocess.run([sys.executable, "builders/make_ifeval_data.py", "--out_dir", str(tmp_path)], cwd=root, check=True,
                    capture_output=True)
     names = ("ifeval_train.jsonl", "ifeval_eval.jsonl", "ifeval_eval_ifeval_wording.jsonl", "ifeval_eval_other_types.jsonl")
-    for name in names:
+    for name in (*names, "ifeval_eval_heldout_wording.jsonl"):  # (its wordings and topics: tests/test_ifeval_wordings.py)
         assert (tmp_path / name).read_bytes() == (root / "dataset" / name).read_bytes(), name
     train, held, wording, other = (read_rlaif_jsonl(root / "dataset" / name)[0] for name in names)
     starts = [q.format(t=t) for q in REQUESTS + QUESTIONS for t in TRAIN_TOPICS + EVAL_TOPICS]
@@ -553,7 +553,7 @@ def test_the_shipped_ifeval_files_are_what_the_script_writes(tmp_path):
     assert {c["type"] for r in train for c in r.constraints} == set(CHECKS) == {c["type"] for r in held for c in r.constraints}
     assert {c["type"] for r in wording for c in r.constraints} == set(CHECKS) - {"start_phrase"}
     assert all(1 <= len(r.constraints) <= 2 for r in train + held + wording) and all(r.constraints is None for r in other)
-    for name in names:  # what Google's checker needs, beside ours
+    for name in (*names, "ifeval_eval_heldout_wording.jsonl"):  # what Google's checker needs, beside ours
         for line in (root / "dataset" / name).read_text(encoding="utf-8").splitlines():
             row = json.loads(line)
             assert row["prompt"] == row["conversations"][0]["content"] and len(row["wording"]) == len(row["kwargs"])

@@ -301,6 +301,25 @@ def wording_mismatches() -> list[str]:
     return bad
 
 
+SHIPPED = ("ifeval_train.jsonl", "ifeval_eval.jsonl", "ifeval_eval_ifeval_wording.jsonl", "ifeval_eval_heldout_wording.jsonl",
+           "ifeval_eval_other_types.jsonl")
+
+
+def kwargs_drawn_at_random() -> list[str]:
+    """Every instruction of every shipped row, built by Google's checker from the row's kwargs under two seeds: one
+    that build_description would complete with a random draw (a missing or out-of-range argument) is listed."""
+    bad = []
+    for name in SHIPPED:
+        for k, line in enumerate((ROOT / "dataset" / name).read_text(encoding="utf-8").splitlines(), 1):
+            row = json.loads(line)
+            for iid, kwargs in zip(row["instruction_id_list"], row["kwargs"]):
+                try:
+                    google_description(iid, kwargs)
+                except AssertionError as e:
+                    bad.append(f"  {name}:{k}: {e}")
+    return bad
+
+
 def _show(rows: list[tuple]) -> str:
     return "\n".join(f"  {c} {reply[:200]!r}: ours {ours}, Google's {theirs}" for c, reply, ours, theirs in rows)
 
@@ -338,6 +357,10 @@ if pytest is not None:
         bad = wording_mismatches()
         assert not bad, "wording differs from IFEval's build_description:\n" + "\n".join(bad)
 
+    def test_googles_checker_takes_every_shipped_rows_kwargs_as_given():
+        bad = kwargs_drawn_at_random()
+        assert not bad, "build_description would draw a random value for:\n" + "\n".join(bad)
+
 
 def main(argv: list[str] | None = None) -> int:
     """The comparison as a script (the reference venv has no torch for pytest's conftest). --require: a missing
@@ -363,8 +386,14 @@ def main(argv: list[str] | None = None) -> int:
           f"build_description; {len(words)} mismatch(es)")
     if words:
         print("\n".join(words))
-    failed = len(bad) + len(words)
-    print(f"ifeval-reference: {len(cases) + len(wording_cases()) - failed} passed, {failed} failed")
+    drawn = kwargs_drawn_at_random()
+    n_rows = sum(len((ROOT / "dataset" / name).read_text(encoding="utf-8").splitlines()) for name in SHIPPED)
+    print(f"kwargs: the {n_rows} rows of the {len(SHIPPED)} shipped files built by build_description; "
+          f"{len(drawn)} with a random draw")
+    if drawn:
+        print("\n".join(drawn))
+    failed = len(bad) + len(words) + len(drawn)
+    print(f"ifeval-reference: {len(cases) + len(wording_cases()) + n_rows - failed} passed, {failed} failed")
     return 1 if failed else 0
 
 

@@ -95,13 +95,15 @@ def test_the_shipped_rows_name_the_same_checks_for_google_as_for_us():
 
     rng = random.Random(0)
     rows = []
-    for name in ("ifeval_eval.jsonl", "ifeval_eval_ifeval_wording.jsonl"):
+    for name in ("ifeval_eval.jsonl", "ifeval_eval_ifeval_wording.jsonl", "ifeval_eval_heldout_wording.jsonl"):
         for line in (ROOT / "dataset" / name).read_text(encoding="utf-8").splitlines():
             row = json.loads(line)
-            c = row["constraints"][0]
+            c = row["constraints"][rng.randrange(len(row["constraints"]))]  # a reply aimed at one of its constraints
             rows.append({**row, "reply": _random_reply(c["type"], c, rng)})
     report = J.judge(rows, GOOGLE, punkt=False)
+    assert report["n_prompts_scored"] == len(rows) and report["unchecked"] == 0  # Google's checker judges every row
     assert report["ours_vs_google"]["compared"] == sum(len(r["constraints"]) for r in rows)
+    assert {"ifeval", "ours", "heldout"} <= set(report["by_wording"])
     assert {d["type"] for d in report["ours_vs_google"]["differ"]} <= {"lowercase", "uppercase"}
     assert all(d["ours"] and not d["google"] for d in report["ours_vs_google"]["differ"])
     # the types we do not train: the language rows are checked; the punkt ones only where punkt_tab is installed
