@@ -139,6 +139,104 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad, None, None, None
 
 
+@dataclass(frozen=True)
+class Packing:
+    """A padded batch's real tokens packed into fewer, shorter rows (--padding_free; TRL's padding_free, verl's
+    remove-padding): rows are placed whole, first-fit by decreasing length, into bins of the longest row's length;
+    each keeps its own positions from 0, and transformers keeps attention within each of them (masking_utils'
+    `find_packed_sequence_indices`: with no 2D attention mask, a position that does not follow its left
+    neighbour by 1 starts a new sequence; the tail of a bin that no row fills is a sequence of its own).
+
+    input_ids, position_ids [bins, C]: the model's input. `at` [B, R]: each real response-region token
+    (attention_mask 1) with a real token before it in its row (its prompt, or its earlier turns); `before`:
+    the flat index into the packed [bins * C] of the token before each of those, in `at`'s row-major order:
+    the position whose logits (whose value) belong to it, as position P+t-1 in the padded layout."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    at: torch.Tensor
+    before: torch.Tensor
+
+    @property
+    def kept(self) -> int:
+        """Token slots of the packed rows (real tokens + the bins' unused tails)."""
+        return self.input_ids.numel()
+
+
+def pack_rows(sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int) -> Packing | None:
+    """The padding-free layout of a padded batch [B, P+R] (left-padded prompts, right-padded or multi-turn
+    responses: any row whose attention_mask marks its real tokens), or None where packing removes no token slot
+    (then the padded forward is the same work). One host read of the row lengths; the placement is deterministic."""
+    real = attention_mask.bool()
+    B, T = real.shape
+    lengths = real.sum(1).tolist()
+    C = max(max(lengths), 1)
+    used: list[int] = []  # tokens placed in each bin
+    start = [0] * B  # each row's first flat index in the packed [bins * C]
+    for b in sorted(range(B), key=lambda r: -lengths[r]):  # first-fit decreasing (stable: ties in row order)
+        k = next((i for i, u in enumerate(used) if u + lengths[b] <= C), len(used))
+        if k == len(used):
+            used.append(0)
+        start[b] = k * C + used[k]
+        used[k] += lengths[b]
+    if len(used) * C >= B * T:
+        return None
+    dev = sequences.device
+    j = real.long().cumsum(1) - 1  # each real token's position in its row (the padded path's position ids)
+    flat = torch.tensor(start, device=dev)[:, None] + j  # [B, T], meaningful where real
+    n = len(used) * C
+    input_ids = torch.zeros(n, dtype=sequences.dtype, device=dev).index_put_((flat[real],), sequences[real])
+    tail = (torch.arange(C, device=dev)[None, :] - torch.tensor(used, device=dev)[:, None]).clamp(min=0)
+    position_ids = tail.flatten().index_put_((flat[real],), j[real])  # a bin's tail counts from 0: its own sequence
+    P = T - response_len
+    at = real[:, P:] & (j[:, P:] > 0)
+    return Packing(input_ids.view(-1, C), position_ids.view(-1, C), at, flat[:, P:][at] - 1)
+
+
+def unpack(values: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """Per-token values [N] of a packing's `at` positions -> [B, R], 0 elsewhere (differentiable)."""
+    return torch.zeros(at.shape, dtype=values.dtype, device=values.device).masked_scatter(at, values)
+
+
+def _output_head(model: nn.Module) -> nn.Module:
+    """The LM head (output embeddings) of a policy: DDP / peft / fsdp2 / a LoRA reference or old-actor wrapper."""
+    from model.lora import base_of
+
+    model = getattr(model, "module", model)
+    inner = getattr(model, "_actor", None)  # model/lora.py's AdaptersOff / AdapterSnapshot
+    return base_of(inner[0] if inner else model).get_output_embeddings()
+
+
+@contextlib.contextmanager
+def _head_reads(head: nn.Module, rows: torch.Tensor) -> Iterator[None]:
+    """Within the block, `head` projects only the hidden states at flat indices `rows` [M, R] (of its input's
+    [bins * C] positions): the packed twin of logits_to_keep, the vocabulary projection of the needed tokens only."""
+    def pre(module: nn.Module, args: tuple) -> tuple:
+        h = args[0]
+        return (h.reshape(-1, h.shape[-1])[rows], *args[1:])
+
+    handle = head.register_forward_pre_hook(pre)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _packed_policy_forward(model: nn.Module, sequences: torch.Tensor, pk: Packing, temperature: float,
+                           with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    R = pk.at.shape[1]
+    tokens = sequences[:, -R:][pk.at]  # [N]
+    N = tokens.numel()
+    M = max(1, -(-N // R))  # the needed positions in rows of R, as the padded path's [B, R] logits (its memory)
+    rows = torch.nn.functional.pad(pk.before, (0, M * R - N)).view(M, R)  # the fill reads position 0, unused
+    with _head_reads(_output_head(model), rows):
+        out = model(input_ids=pk.input_ids, attention_mask=None, position_ids=pk.position_ids, use_cache=False,
+                    logits_to_keep=0)
+    lp, ent = logprobs_from_logits(out.logits, torch.nn.functional.pad(tokens, (0, M * R - N)).view(M, R),
+                                   temperature, with_entropy=with_entropy)
+    return unpack(lp.flatten()[:N], pk.at), (unpack(ent.flatten()[:N], pk.at) if ent is not None else None)
+
+
 def policy_forward(
     model: nn.Module,
     sequences: torch.Tensor,
@@ -146,8 +244,14 @@ def policy_forward(
     response_len: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    padding_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs [B, R] (and entropy) of the last `response_len` tokens of `sequences`."""
+    """Per-token log-probs [B, R] (and entropy) of the last `response_len` tokens of `sequences`. `padding_free`:
+    on the rows packed without pad tokens (pack_rows) where that removes any; the same values to rounding at
+    every real response token, 0 at the response region's pads (the padded forward leaves unused values there)."""
+    pk = pack_rows(sequences, attention_mask, response_len) if padding_free else None
+    if pk is not None:
+        return _packed_policy_forward(model, sequences, pk, temperature, with_entropy)
     out = model(
         input_ids=sequences,
         attention_mask=attention_mask,
@@ -159,12 +263,18 @@ def policy_forward(
     return logprobs_from_logits(logits, sequences[:, -response_len:], temperature, with_entropy=with_entropy)
 
 
-def critic_forward(critic: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int) -> torch.Tensor:
+def critic_forward(critic: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
+                   padding_free: bool = False) -> torch.Tensor:
     """Values [B, R]: V(s_t) read at the position of the token *before* response token t.
 
     The state before emitting response token t is the prefix ending at position P+t-1, which is
-    where the policy's logits for token t come from; values use the same alignment.
+    where the policy's logits for token t come from; values use the same alignment. `padding_free`: as
+    policy_forward's (0 at the response region's pads).
     """
+    pk = pack_rows(sequences, attention_mask, response_len) if padding_free else None
+    if pk is not None:  # the head is one [hidden, 1] matmul: every packed position, then the needed ones
+        packed = critic(pk.input_ids, attention_mask=None, position_ids=pk.position_ids, values_to_keep=0)
+        return unpack(packed.flatten()[pk.before], pk.at)
     values = critic(
         sequences, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
         values_to_keep=response_len + 1,
@@ -377,7 +487,8 @@ def critic_values(cfg: Config, ro: Rollout, m: Models, rt: Runtime) -> tuple[tor
     seqs, mask = on(rt.critic_device, ro.sequences, ro.attention_mask)
     if cfg.reuse_values:
         with torch.enable_grad(), attention_implementation(cfg.train_attn, m.critic_train):
-            graph = critic_forward(m.critic_train, seqs, mask, ro.response_len)
+            graph = critic_forward(m.critic_train, seqs, mask, ro.response_len, padding_free=bool(cfg.padding_free))
         return graph.detach().float().to(rt.device), graph
-    values = forward_in_row_chunks(critic_forward, m.critic, seqs, mask, ro.response_len, rows=cfg.forward_batch_size)
+    values = forward_in_row_chunks(critic_forward, m.critic, seqs, mask, ro.response_len, rows=cfg.forward_batch_size,
+                                   padding_free=bool(cfg.padding_free))
     return values.float().to(rt.device), None
