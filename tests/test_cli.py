@@ -54,7 +54,7 @@ def test_new_settings_default_to_the_previous_behaviour():
                      "tools", "max_turns", "max_total_len", "tool_timeout", "tool_error_penalty", "save_timeout", "hsdp",
                      "tools_system_prompt", "tool_ok_weight", "ifeval_partial_weight",
                      "engine_url", "engine_sync_interval", "engine_shared_path", "engine_timeout", "rollout_is", "rollout_is_cap",
-                     "reasoning_gym", "reasoning_gym_size"}
+                     "reasoning_gym", "reasoning_gym_size", "padding_free"}
     cfg = C.resolve(C.parse_args([]), DistInfo())
     assert cfg.policy_loss == "vanilla" and cfg.reuse_values == 0 and cfg.loss_agg_mode == "token_mean"
     assert (cfg.mask_truncated, cfg.adv_std_unbiased, cfg.adv_eps, cfg.reward_norm, cfg.reward_clip) == (0, 1, 1e-6, "none", 0.0)
@@ -64,6 +64,7 @@ def test_new_settings_default_to_the_previous_behaviour():
     assert cfg.tools_system_prompt is None and cfg.tool_ok_weight == 0  # tools through the template, no call bonus
     assert cfg.rollout_engine == "torch" and cfg.engine_url is None  # sampling in this process; engine settings unread
     assert cfg.reasoning_gym is None  # prompts from --data_path; --reasoning_gym_size only matters with --reasoning_gym
+    assert cfg.padding_free == 1  # the same math on packed rows (tests/test_padding_free.py: equal to rounding)
 
 
 def test_yaml_preset_is_overridden_by_flags(tmp_path):

@@ -163,24 +163,73 @@ class Packing:
         return self.input_ids.numel()
 
 
-def pack_rows(sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int) -> Packing | None:
+def attention_break_even(model: nn.Module) -> float:
+    """The context length c0 at which a token's attention costs its layer's matmuls: attention is 4 x heads x
+    head_dim flops per (token, context token), the projections and MLP 2 x their weights per token, so
+    c0 = weights / (2 x heads x head_dim) (SmolLM2-135M ~3,000, MiniMind 512x8 ~3,200). What pack_rows
+    weighs a longer packed row's attention against fewer rows with."""
+    found = _hf_models(model)
+    c = getattr(found[0] if found else model, "config", None)
+    h = getattr(c, "hidden_size", None)
+    if not h:
+        return 1024.0
+    nh = getattr(c, "num_attention_heads", None) or max(1, h // 64)
+    hd = getattr(c, "head_dim", None) or h // nh
+    nkv = getattr(c, "num_key_value_heads", None) or nh
+    mlp = (getattr(c, "moe_intermediate_size", 0) * getattr(c, "num_experts_per_tok", 0)
+           or getattr(c, "intermediate_size", 0) or 4 * h)
+    weights = h * hd * (2 * nh + 2 * nkv) + 3 * h * mlp
+    return weights / (2 * nh * hd)
+
+
+def _first_fit(lengths: list[int], capacity: int) -> tuple[list[int], list[int]]:
+    """Rows placed whole, first-fit by decreasing length (ties in row order), into bins of `capacity`: each row's
+    first flat index in the packed [bins * capacity], and the tokens in each bin."""
+    used: list[int] = []
+    start = [0] * len(lengths)
+    for b in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
+        k = next((i for i, u in enumerate(used) if u + lengths[b] <= capacity), len(used))
+        if k == len(used):
+            used.append(0)
+        start[b] = k * capacity + used[k]
+        used[k] += lengths[b]
+    return start, used
+
+
+PACK_TRIES = 16  # packed row widths tried per batch
+
+
+def _widths(lengths: list[int]) -> list[int]:
+    """The packed row widths pack_rows tries: the longest row's length (never more work than padded), and the
+    total's share of k rows for k from 1 up to the rows' count in PACK_TRIES geometric steps (wider rows pack
+    tighter, at the cost of attention over more context)."""
+    longest, total, B = max(max(lengths), 1), sum(lengths), len(lengths)
+    ks = {max(1, round(B ** (i / (PACK_TRIES - 1)))) for i in range(PACK_TRIES)}
+    return sorted({longest} | {max(longest, -(-total // k)) for k in ks})
+
+
+def pack_rows(sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
+              break_even: float = 1024.0) -> Packing | None:
     """The padding-free layout of a padded batch [B, P+R] (left-padded prompts, right-padded or multi-turn
-    responses: any row whose attention_mask marks its real tokens), or None where packing removes no token slot
-    (then the padded forward is the same work). One host read of the row lengths; the placement is deterministic."""
+    responses: any row whose attention_mask marks its real tokens), or None where it would not be cheaper.
+
+    Bins of width C (_widths: at the longest row's length two rows share a bin only if they fit in it, so wider
+    bins pack tighter) cost bins x C x (1 + C / c0) in the model, c0 = `break_even` (attention_break_even:
+    attention, all C x C of it under a packed mask, against the matmuls per token); the cheapest width wins if it
+    is cheaper than the padded B x T x (1 + T / c0). One host read of the row lengths; the placement is
+    deterministic."""
     real = attention_mask.bool()
     B, T = real.shape
     lengths = real.sum(1).tolist()
-    C = max(max(lengths), 1)
-    used: list[int] = []  # tokens placed in each bin
-    start = [0] * B  # each row's first flat index in the packed [bins * C]
-    for b in sorted(range(B), key=lambda r: -lengths[r]):  # first-fit decreasing (stable: ties in row order)
-        k = next((i for i, u in enumerate(used) if u + lengths[b] <= C), len(used))
-        if k == len(used):
-            used.append(0)
-        start[b] = k * C + used[k]
-        used[k] += lengths[b]
-    if len(used) * C >= B * T:
+    cost = lambda rows, width: rows * width * (1.0 + width / break_even)  # noqa: E731
+    best: tuple[float, tuple[int, list[int], list[int]] | None] = (cost(B, T), None)
+    for C in _widths(lengths):
+        start, used = _first_fit(lengths, C)
+        if cost(len(used), C) < best[0]:
+            best = (cost(len(used), C), (C, start, used))
+    if best[1] is None:
         return None
+    C, start, used = best[1]
     dev = sequences.device
     j = real.long().cumsum(1) - 1  # each real token's position in its row (the padded path's position ids)
     flat = torch.tensor(start, device=dev)[:, None] + j  # [B, T], meaningful where real
@@ -249,7 +298,7 @@ def policy_forward(
     """Per-token log-probs [B, R] (and entropy) of the last `response_len` tokens of `sequences`. `padding_free`:
     on the rows packed without pad tokens (pack_rows) where that removes any; the same values to rounding at
     every real response token, 0 at the response region's pads (the padded forward leaves unused values there)."""
-    pk = pack_rows(sequences, attention_mask, response_len) if padding_free else None
+    pk = pack_rows(sequences, attention_mask, response_len, attention_break_even(model)) if padding_free else None
     if pk is not None:
         return _packed_policy_forward(model, sequences, pk, temperature, with_entropy)
     out = model(
@@ -271,7 +320,7 @@ def critic_forward(critic: nn.Module, sequences: torch.Tensor, attention_mask: t
     where the policy's logits for token t come from; values use the same alignment. `padding_free`: as
     policy_forward's (0 at the response region's pads).
     """
-    pk = pack_rows(sequences, attention_mask, response_len) if padding_free else None
+    pk = pack_rows(sequences, attention_mask, response_len, attention_break_even(critic)) if padding_free else None
     if pk is not None:  # the head is one [hidden, 1] matmul: every packed position, then the needed ones
         packed = critic(pk.input_ids, attention_mask=None, position_ids=pk.position_ids, values_to_keep=0)
         return unpack(packed.flatten()[pk.before], pk.at)
