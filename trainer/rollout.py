@@ -142,7 +142,7 @@ class _TokenLogprobs(torch.autograd.Function):
 @dataclass(frozen=True)
 class Packing:
     """A padded batch's real tokens packed into fewer, shorter rows (--padding_free; TRL's padding_free, verl's
-    remove-padding): rows are placed whole, first-fit by decreasing length, into bins of the longest row's length;
+    remove-padding): rows are placed whole, first-fit by decreasing length, into bins of one width (pack_rows);
     each keeps its own positions from 0, and transformers keeps attention within each of them (masking_utils'
     `find_packed_sequence_indices`: with no 2D attention mask, a position that does not follow its left
     neighbour by 1 starts a new sequence; the tail of a bin that no row fills is a sequence of its own).
