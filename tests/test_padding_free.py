@@ -48,6 +48,11 @@ def _hf(family: str, tmp: Path) -> torch.nn.Module:
 MODELS = ["minimind_qwen3", "minimind_llama", "minimind_moe", "hf_llama", "hf_qwen2"]
 
 
+def _fast_only(values: list, fast: set) -> list:
+    """pytest params: those in `fast` in the fast tier, the rest marked slow."""
+    return [v if v in fast else pytest.param(v, marks=pytest.mark.slow) for v in values]
+
+
 def _model(name: str, tmp: Path, attn: str) -> torch.nn.Module:
     m = {"minimind_qwen3": lambda: _native(), "minimind_llama": lambda: _native("llama"),
          "minimind_moe": lambda: _native(use_moe=True), "hf_llama": lambda: _hf("llama", tmp),
@@ -91,8 +96,20 @@ def test_pack_rows_places_whole_rows_with_their_own_positions():
     assert pack_rows(seq, torch.ones_like(att), 6) is None
 
 
+def test_flash_attention_kernels_get_one_packed_row():
+    """transformers' flash-attention path reads packed bounds from position_ids only in a batch of one row: under
+    it, everything goes into one row (its varlen kernel attends within each sequence, so that costs nothing)."""
+    m = _native()
+    assert attention_break_even(m) == 480.0  # 64 wide, 8 + 4 heads of 8: (64 x 8 x (16 + 8) + 3 x 64 x 256) / 128
+    m.config._attn_implementation = "flash_attention_2"  # only read here; the kernel is not run (no GPU)
+    assert attention_break_even(m) == float("inf")
+    seq, att = _batch(100, *LAYOUTS["both"])
+    pk = pack_rows(seq, att, 6, attention_break_even(m))
+    assert pk.input_ids.shape == (1, int(att.sum()))
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", _fast_only(MODELS, {"minimind_qwen3", "hf_llama"}))
 def test_a_rows_log_probs_do_not_change_when_its_packed_neighbour_changes(name, attn, tmp_path):
     m = _model(name, tmp_path, attn)
     vocab = m.config.vocab_size
@@ -142,7 +159,7 @@ def _losses_and_grads(m, critic, seq, att, R, padding_free: bool):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", _fast_only(MODELS, {"minimind_qwen3", "hf_qwen2"}))
 def test_packed_log_probs_values_and_gradients_equal_the_padded(name, attn, layout, tmp_path):
     m = _model(name, tmp_path, attn)
     critic = CriticModel.from_policy(m)
@@ -226,22 +243,24 @@ def _group_flags(estimator: str, *more: str) -> list[str]:
             "--learning_rate", "1e-3", "--device", "cpu", *more]
 
 
-@pytest.mark.parametrize("estimator", estimator_names())
+@pytest.mark.parametrize("estimator", _fast_only(estimator_names(), {"gae", "grpo"}))
 def test_each_estimator_same_seed_same_step_with_padding_free_on_and_off(estimator):
     _assert_twins_equal(_twin(_group_flags(estimator)), critic=estimator == "gae")
 
 
-@pytest.mark.parametrize("loss", policy_loss_names())
+@pytest.mark.parametrize("loss", _fast_only(policy_loss_names(), set()))  # vanilla: the grpo estimator's case
 def test_each_policy_loss_same_seed_same_step_with_padding_free_on_and_off(loss):
     _assert_twins_equal(_twin(_group_flags("grpo", "--policy_loss", loss, "--entropy_coef", "0.01")))
 
 
+@pytest.mark.slow  # two PPO steps (~10 s on 2 shared cores)
 def test_gae_reusing_the_critics_scoring_graph_same_step_with_padding_free_on_and_off():
     flags = _group_flags("gae", "--reuse_values", "1", "--mini_batch_size", "4", "--ppo_update_iters", "1",
                          "--accumulation_steps", "1")
     _assert_twins_equal(_twin(flags), critic=True)
 
 
+@pytest.mark.slow  # two PPO steps (~10 s on 2 shared cores)
 def test_lora_same_step_with_padding_free_on_and_off():
     twins = _twin(_group_flags("grpo", "--lora_r", "4", "--lora_alpha", "8"))
     _assert_twins_equal(twins)
@@ -250,6 +269,7 @@ def test_lora_same_step_with_padding_free_on_and_off():
     assert moved and all("lora_" in n for n in moved)  # the adapters trained, the base did not
 
 
+@pytest.mark.slow  # two PPO steps (~10 s on 2 shared cores)
 def test_hf_actor_same_step_with_padding_free_on_and_off(tmp_path):
     from tests.tiny_hf import save_tiny_causal_lm
 
@@ -316,6 +336,7 @@ def _fsdp2_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             built = setup(T.parse_args([*UPDATE_BASE_FLAGS, *_group_flags("gae"), "--strategy", "fsdp2",
                                         "--padding_free", pf]), info)
             assert is_sharded(built.models.actor) and is_sharded(built.models.critic)
+            start = (full_state_dict(built.models.actor), full_state_dict(built.models.critic))
             records, _ = read_rlaif_jsonl(ROOT / "dataset" / "demo_train.jsonl")
             ds = RLAIFDataset(records[2 * rank:2 * rank + 2], built.models.tok, max_prompt_len=48, seed=0)
             batch = collate_left_pad([ds[i] for i in range(2)], pad_id=built.models.tok.pad_token_id)
@@ -327,7 +348,7 @@ def _fsdp2_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             ro = exp.rollout
             res[pf] = ({k: getattr(ro, k) for k in ("sequences", "attention_mask", "response_mask", "old_logprobs",
                                                     "ref_logprobs", "values", "advantages")},
-                       stats, full_state_dict(built.models.actor), full_state_dict(built.models.critic))
+                       stats, full_state_dict(built.models.actor), full_state_dict(built.models.critic), start)
         torch.save(res, Path(out_dir) / f"rank{rank}.pt")
     finally:
         distributed.cleanup(info)
@@ -340,7 +361,7 @@ def test_fsdp2_two_ranks_same_step_with_padding_free_on_and_off(tmp_path):
     spawn_ranks(_fsdp2_worker, 2, tmp_path, 300, "2-process fsdp2 padding-free twins")
     for rank in (0, 1):
         res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
-        (ro0, st0, a0, c0), (ro1, st1, a1, c1) = res["0"], res["1"]
+        (ro0, st0, a0, c0, start), (ro1, st1, a1, c1, _) = res["0"], res["1"]
         m = ro0["response_mask"].bool()
         assert torch.equal(ro0["sequences"], ro1["sequences"]) and (ro0["attention_mask"] == 0).any()
         for f in ("old_logprobs", "ref_logprobs", "values", "advantages"):
@@ -348,9 +369,8 @@ def test_fsdp2_two_ranks_same_step_with_padding_free_on_and_off(tmp_path):
         for k in st0:
             if k.startswith(("loss/", "grad_norm/")):
                 assert st1[k] == pytest.approx(st0[k], rel=1e-4, abs=1e-5), k
-        if rank == 0:  # the whole weights after the update (rank 0 holds them)
+        if rank == 0:  # the whole weights after Adam's step (rank 0 holds them): as near as _assert_twins_equal's
             assert a0 and c0
-            for k in a0:
-                torch.testing.assert_close(a1[k], a0[k], rtol=1e-4, atol=1e-6, msg=k)
-            for k in c0:
-                torch.testing.assert_close(c1[k], c0[k], rtol=1e-4, atol=1e-6, msg=k)
+            for after0, after1, before in ((a0, a1, start[0]), (c0, c1, start[1])):
+                moved = sum((after0[k] - before[k]).abs().sum().item() for k in after0)
+                assert moved > 0 and sum((after1[k] - after0[k]).abs().sum().item() for k in after0) < 1e-3 * moved

@@ -167,9 +167,15 @@ def attention_break_even(model: nn.Module) -> float:
     """The context length c0 at which a token's attention costs its layer's matmuls: attention is 4 x heads x
     head_dim flops per (token, context token), the projections and MLP 2 x their weights per token, so
     c0 = weights / (2 x heads x head_dim) (SmolLM2-135M ~3,000, MiniMind 512x8 ~3,200). What pack_rows
-    weighs a longer packed row's attention against fewer rows with."""
+    weighs a longer packed row's attention against fewer rows with.
+
+    Infinite under a flash-attention kernel: its varlen kernel attends within each sequence (no C^2 square), and
+    transformers reads packed sequences' bounds from position_ids only in a batch of one row (modeling_flash_
+    attention_utils._is_packed_sequence), which an infinite c0 makes pack_rows choose."""
     found = _hf_models(model)
     c = getattr(found[0] if found else model, "config", None)
+    if "flash" in str(getattr(c, "_attn_implementation", "")):
+        return float("inf")
     h = getattr(c, "hidden_size", None)
     if not h:
         return 1024.0
