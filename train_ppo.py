@@ -237,7 +237,6 @@ def score(cfg: Config, ro: Rollout, m: Models, rt: Runtime, phase: Phase) -> Sco
     """3. log-probs under the sampling distribution (fp32 softmax) of the policy that sampled and of the
     reference, and the critic's values of the sampled tokens."""
     R, temp, rows = ro.response_len, cfg.sample_temperature, cfg.forward_batch_size  # rows per scoring forward (0 = all)
-    packed = bool(cfg.padding_free)  # rows packed without pad tokens (trainer/rollout.py pack_rows)
     old_logprobs, entropy, values, values_with_grad = ro.old_logprobs, ro.entropy, None, None
     # Each forward is rank-local work (a failure is agreed on after it); a sharded model (--strategy fsdp2) is
     # gathered whole before and freed after, one model at a time.
@@ -247,10 +246,10 @@ def score(cfg: Config, ro: Rollout, m: Models, rt: Runtime, phase: Phase) -> Sco
             with D.unsharded(scorer), phase("score_old", autocast=False, rank_local=True), \
                     attention_implementation(cfg.train_attn, scorer):
                 old_logprobs, entropy = forward_in_row_chunks(policy_forward, scorer, ro.sequences, ro.attention_mask,
-                                                              R, temp, with_entropy=True, rows=rows, padding_free=packed)
+                                                              R, temp, with_entropy=True, rows=rows, padding_free=bool(cfg.padding_free))
         with D.unsharded(m.ref), phase("score_ref", device=rt.ref_device, rank_local=True):
             ref_logprobs, _ = forward_in_row_chunks(policy_forward, m.ref, *on(rt.ref_device, ro.sequences, ro.attention_mask),
-                                                    R, temp, rows=rows, padding_free=packed)
+                                                    R, temp, rows=rows, padding_free=bool(cfg.padding_free))
             ref_logprobs = ref_logprobs.to(rt.device)  # [B, R]
         if m.critic is not None and not cfg.reuse_values:
             with D.unsharded(m.critic), phase("score_critic", device=rt.critic_device, rank_local=True):

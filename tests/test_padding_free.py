@@ -106,6 +106,8 @@ def test_flash_attention_kernels_get_one_packed_row():
     seq, att = _batch(100, *LAYOUTS["both"])
     pk = pack_rows(seq, att, 6, attention_break_even(m))
     assert pk.input_ids.shape == (1, int(att.sum()))
+    seq, att = _batch(100, [2, 2, 4], [2, 2, 4], P=4, R=4)  # 4 + 4 fill a row of 8 as well as 8 does
+    assert pack_rows(seq, att, 4, attention_break_even(m)).input_ids.shape == (1, 16)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

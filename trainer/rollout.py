@@ -229,7 +229,8 @@ def pack_rows(sequences: torch.Tensor, attention_mask: torch.Tensor, response_le
     lengths = real.sum(1).tolist()
     cost = lambda rows, width: rows * width * (1.0 + width / break_even)  # noqa: E731
     best: tuple[float, tuple[int, list[int], list[int]] | None] = (cost(B, T), None)
-    for C in _widths(lengths):
+    one_row = break_even == float("inf")  # flash-attention: one row, also where more would tie (attention_break_even)
+    for C in [sum(lengths)] if one_row else _widths(lengths):
         start, used = _first_fit(lengths, C)
         if cost(len(used), C) < best[0]:
             best = (cost(len(used), C), (C, start, used))
@@ -253,13 +254,16 @@ def unpack(values: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     return torch.zeros(at.shape, dtype=values.dtype, device=values.device).masked_scatter(at, values)
 
 
-def _output_head(model: nn.Module) -> nn.Module:
-    """The LM head (output embeddings) of a policy: DDP / peft / fsdp2 / a LoRA reference or old-actor wrapper."""
+def _output_head(model: nn.Module) -> nn.Module | None:
+    """The LM head (output embeddings) of a policy: DDP / peft / fsdp2 / a LoRA reference or old-actor wrapper;
+    None where the model names none (its own code): then the padded forward runs."""
     from model.lora import base_of
 
     model = getattr(model, "module", model)
     inner = getattr(model, "_actor", None)  # model/lora.py's AdaptersOff / AdapterSnapshot
-    return base_of(inner[0] if inner else model).get_output_embeddings()
+    base = base_of(inner[0] if inner else model)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    return head if isinstance(head, nn.Module) else None
 
 
 @contextlib.contextmanager
@@ -277,14 +281,14 @@ def _head_reads(head: nn.Module, rows: torch.Tensor) -> Iterator[None]:
         handle.remove()
 
 
-def _packed_policy_forward(model: nn.Module, sequences: torch.Tensor, pk: Packing, temperature: float,
+def _packed_policy_forward(model: nn.Module, head: nn.Module, sequences: torch.Tensor, pk: Packing, temperature: float,
                            with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     R = pk.at.shape[1]
     tokens = sequences[:, -R:][pk.at]  # [N]
     N = tokens.numel()
     M = max(1, -(-N // R))  # the needed positions in rows of R, as the padded path's [B, R] logits (its memory)
     rows = torch.nn.functional.pad(pk.before, (0, M * R - N)).view(M, R)  # the fill reads position 0, unused
-    with _head_reads(_output_head(model), rows):
+    with _head_reads(head, rows):
         out = model(input_ids=pk.input_ids, attention_mask=None, position_ids=pk.position_ids, use_cache=False,
                     logits_to_keep=0)
     lp, ent = logprobs_from_logits(out.logits, torch.nn.functional.pad(tokens, (0, M * R - N)).view(M, R),
@@ -304,9 +308,10 @@ def policy_forward(
     """Per-token log-probs [B, R] (and entropy) of the last `response_len` tokens of `sequences`. `padding_free`:
     on the rows packed without pad tokens (pack_rows) where that removes any; the same values to rounding at
     every real response token, 0 at the response region's pads (the padded forward leaves unused values there)."""
-    pk = pack_rows(sequences, attention_mask, response_len, attention_break_even(model)) if padding_free else None
-    if pk is not None:
-        return _packed_policy_forward(model, sequences, pk, temperature, with_entropy)
+    head = _output_head(model) if padding_free else None
+    pk = pack_rows(sequences, attention_mask, response_len, attention_break_even(model)) if head is not None else None
+    if head is not None and pk is not None:
+        return _packed_policy_forward(model, head, sequences, pk, temperature, with_entropy)
     out = model(
         input_ids=sequences,
         attention_mask=attention_mask,
