@@ -244,10 +244,10 @@ def score(cfg: Config, ro: Rollout, m: Models, rt: Runtime, phase: Phase) -> Sco
             with D.unsharded(scorer), phase("score_old", autocast=False, rank_local=True), \
                     attention_implementation(cfg.train_attn, scorer):
                 old_logprobs, entropy = forward_in_row_chunks(policy_forward, scorer, ro.sequences, ro.attention_mask,
-                                                              R, temp, with_entropy=True, rows=rows)
+                                                              R, temp, with_entropy=True, rows=rows, padding_free=bool(cfg.padding_free))
         with D.unsharded(m.ref), phase("score_ref", device=rt.ref_device, rank_local=True):
             ref_logprobs, _ = forward_in_row_chunks(policy_forward, m.ref, *on(rt.ref_device, ro.sequences, ro.attention_mask),
-                                                    R, temp, rows=rows)
+                                                    R, temp, rows=rows, padding_free=bool(cfg.padding_free))
             ref_logprobs = ref_logprobs.to(rt.device)  # [B, R]
         if m.critic is not None and not cfg.reuse_values:
             with D.unsharded(m.critic), phase("score_critic", device=rt.critic_device, rank_local=True):

@@ -321,7 +321,7 @@ class ConfigRun:
                 "--reward_model_path", cfg["reward_model"] or "none", "--device", cfg.get("device", "cpu"),
                 # 0: the two-pass path the trainer takes with more than one minibatch
                 "--reuse_values", "-1" if cfg.get("reuse_values", 1) else "0", "--strategy", cfg.get("strategy", "ddp"),
-                *cfg.get("extra_args", [])]
+                "--padding_free", str(cfg.get("padding_free", 1)), *cfg.get("extra_args", [])]
         self.T, self.cfg = T, cfg
         raw = T.parse_args(argv)
         # ---- the run, built by the trainer's own set-up (models, optimizers, precision, compile)
@@ -529,6 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--reuse_values", default="1",
       help="comma list of 1/0: with one epoch of one minibatch (the bench's shape) the critic's scoring forward is the "
            "update's (1, the trainer's rule) or the update runs its own (0)")
+    a("--padding_free", default="1", help="comma list of 0/1: score and update on rows packed without pad tokens")
     a("--lora_r", default="0", help="comma list of LoRA ranks of the actor (0 = full fine-tuning; --extra sets --lora_alpha etc.)")
     a("--procs", type=int, default=1,
       help="processes per config: > 1 runs each config under torchrun (gloo on CPU, NCCL on GPUs), every rank the same "
@@ -581,7 +582,8 @@ def expand_configs(o: argparse.Namespace) -> list[dict]:
     if o.procs < 1 or (o.procs > 1 and o.interleave):
         raise SystemExit("error: --procs must be >= 1, and --interleave 1 needs --procs 1 (one torchrun per config)")
     matrix = itertools.product(sizes, ints(o.num_threads), ints(o.use_compile), ints(o.frozen_low_precision),
-                               dtypes, old_modes, ints(o.parallel_update), ints(o.lora_r), ints(o.reuse_values), strategies)
+                               dtypes, old_modes, ints(o.parallel_update), ints(o.lora_r), ints(o.reuse_values), strategies,
+                               ints(o.padding_free))
     return [{
         "name": Path(o.actor_path).name if o.actor_path else f"{h}x{l}", "hidden": h, "layers": l, "actor_path": o.actor_path,
         "dtype": d, "update_old_actor_freq": old,
@@ -589,8 +591,8 @@ def expand_configs(o: argparse.Namespace) -> list[dict]:
         "batch_size": o.batch_size, "prompt_len": o.prompt_len, "gen_len": o.gen_len,
         "prompts": o.prompts, "steps": steps, "warmup": o.warmup, "count_flops": o.count_flops,
         "seed": o.seed, "reward_model": None, "extra_args": o.extra.split() if o.extra else [], "lora_r": lora,
-        "reuse_values": reuse, "device": o.device, "strategy": strategy, "procs": o.procs,
-    } for (h, l), threads, comp, flp, d, old, par, lora, reuse, strategy in matrix]
+        "reuse_values": reuse, "device": o.device, "strategy": strategy, "procs": o.procs, "padding_free": pf,
+    } for (h, l), threads, comp, flp, d, old, par, lora, reuse, strategy, pf in matrix]
 
 
 def run_child(cfgs: list[dict], timeout: int) -> list[dict]:
@@ -689,7 +691,7 @@ def fmt_row(r: dict) -> str:
     c = r["config"]
     label = (f"{c['name']:>6} {c['dtype'][:4]:>4} old={c['update_old_actor_freq']} flp={c['frozen_low_precision']} "
              f"cmp={c['use_compile']} thr={c['num_threads'] or 'def'} par={c.get('parallel_update', -1)} lora={c.get('lora_r', 0)}"
-             f"{'' if c.get('reuse_values', 1) else ' 2pass'}"
+             f"{'' if c.get('reuse_values', 1) else ' 2pass'}{'' if c.get('padding_free', 1) else ' padded'}"
              f"{' ' + c.get('strategy', 'ddp') + 'x' + str(c['procs']) if c.get('procs', 1) > 1 else ''}")
     if not r.get("ok"):
         return f"{label} | FAILED: {r.get('error')}"

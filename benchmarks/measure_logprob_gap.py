@@ -120,7 +120,8 @@ def update_forward(built: Setup, part: Rollout) -> torch.Tensor:
     """The new log-probs exactly as `trainer.update.actor_backward` computes them (grad on, update attention)."""
     m, s, cfg = built.models, built.runtime, built.cfg
     with attention_implementation(cfg.train_attn, m.actor_train, m.critic_train), torch.enable_grad(), s.autocast():
-        lp, _ = policy_forward(m.actor_train, part.sequences, part.attention_mask, part.response_len, cfg.sample_temperature)
+        lp, _ = policy_forward(m.actor_train, part.sequences, part.attention_mask, part.response_len, cfg.sample_temperature,
+                               padding_free=bool(cfg.padding_free))
     return lp.detach()
 
 

@@ -55,7 +55,7 @@ def test_new_settings_default_to_the_previous_behaviour():
                      "tools_system_prompt", "tool_ok_weight", "ifeval_partial_weight",
                      "engine_url", "engine_sync_interval", "engine_shared_path", "engine_timeout", "rollout_is", "rollout_is_cap",
                      "async_rollouts",
-                     "reasoning_gym", "reasoning_gym_size", "cuda_graphs",
+                     "reasoning_gym", "reasoning_gym_size", "cuda_graphs", "padding_free",
                      "reward_model_url", "reward_url", "reward_url_weight", "reward_timeout"}
     cfg = C.resolve(C.parse_args([]), DistInfo())
     assert cfg.policy_loss == "vanilla" and cfg.reuse_values == 0 and cfg.loss_agg_mode == "token_mean"
@@ -69,6 +69,7 @@ def test_new_settings_default_to_the_previous_behaviour():
     assert cfg.reasoning_gym is None  # prompts from --data_path; --reasoning_gym_size only matters with --reasoning_gym
     assert cfg.reward_model_url is None and cfg.reward_url is None  # rewards in this process; the weight, timeout unread
     # cuda_graphs (on) changes nothing on a CPU (tests/test_generation.py::test_cpu_sampling_keeps_its_decode_loop)
+    assert cfg.padding_free == 1  # the same math on packed rows (tests/test_padding_free.py: equal to rounding)
 
 
 def test_yaml_preset_is_overridden_by_flags(tmp_path):

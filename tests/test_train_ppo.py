@@ -331,8 +331,12 @@ def test_entropy_bonus_is_in_the_actor_loss():
 
 
 def test_accumulation_steps_take_the_same_step_as_one_micro_batch():
-    w1, _, s1, actor0, critic0 = _one_step("--accumulation_steps", "1")
-    w2, _, s2, _, _ = _one_step("--accumulation_steps", "2")
+    # Padded rows: each row's forward is the same in either split, so only the sums round differently (this and
+    # the other tests that compare splits of one batch: micro-batches, ranks). Packed
+    # (--padding_free 1), each split packs its rows otherwise, and Adam turns that rounding of a ~0 gradient into
+    # +-LR; tests/test_padding_free.py holds packed and padded equal.
+    w1, _, s1, actor0, critic0 = _one_step("--accumulation_steps", "1", "--padding_free", "0")
+    w2, _, s2, _, _ = _one_step("--accumulation_steps", "2", "--padding_free", "0")
     assert _max_change(actor0, w1.actor) > 0.5 * LR and _max_change(critic0, w1.critic) > 0
     for (name, p), q in zip([*w1.actor.named_parameters(), *w1.critic.named_parameters()],
                             [*w2.actor.parameters(), *w2.critic.parameters()]):
@@ -784,7 +788,7 @@ def _ragged_step(*flags: str):
 def test_per_sequence_loss_modes_take_the_same_step_in_micro_batches(mode):
     """Row-normalised losses are scaled by each micro-batch's share of rows, so --accumulation_steps 2
     gives the step of one micro-batch (as token_mean's token shares do), and the mode changes the step."""
-    flags = ("--loss_agg_mode", mode, "--mini_batch_size", "4")
+    flags = ("--loss_agg_mode", mode, "--mini_batch_size", "4", "--padding_free", "0")  # why: the test above
     w1, _, s1, actor0 = _ragged_step(*flags, "--accumulation_steps", "1")
     w2, _, s2, _ = _ragged_step(*flags, "--accumulation_steps", "2")
     assert s2["grad_norm/actor"] == pytest.approx(s1["grad_norm/actor"], rel=1e-5)
@@ -801,7 +805,8 @@ def test_a_row_masked_whole_is_no_response_of_the_per_sequence_step(mode):
     the update's row count, so loss/policy is the mean over the 3 rows with a token, and --accumulation_steps 2
     (the masked row in one micro-batch, whose share is then 1 of 3 rows, not 2 of 4) takes the same step."""
     def step(accumulation: str):
-        world = _world("--loss_agg_mode", mode, "--mini_batch_size", "4", "--accumulation_steps", accumulation)
+        world = _world("--loss_agg_mode", mode, "--mini_batch_size", "4", "--accumulation_steps", accumulation,
+                       "--padding_free", "0")  # padded rows: as test_accumulation_steps_take_the_same_step_as_one_micro_batch
         ro = _ragged(run_experience(world)[0])
         ro.response_mask[1] = 0  # what --mask_truncated 1 does to a response cut without EOS
         logprobs, _ = policy_logprobs(world, ro)

@@ -374,6 +374,12 @@ class SystemArgs:
     forward_batch_size: int = 0
     """Rows per scoring forward (old/ref log-probs, values); 0 = all rows at once. Lower it when the
     [rows, response_len, vocab] logits do not fit in memory."""
+    padding_free: Flag = 1
+    """Score (old/ref log-probs, values) and update on rows packed without pad tokens (TRL's padding_free, verl's
+    remove-padding): whole rows first-fit into packed rows of the width a cost model picks (attention over wider
+    rows against fewer of them), positions restarting per row, attention kept within each row (transformers'
+    packed-sequence masks); the same losses, log-probs and gradients to rounding, less work where prompts or
+    responses are padded (docs/speed-and-memory.md). 0 = the padded rows."""
     num_threads: int = 0
     """torch CPU threads (0 = torch's default)."""
     reuse_values: Literal[-1, 0, 1] = -1

@@ -139,6 +139,163 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad, None, None, None
 
 
+@dataclass(frozen=True)
+class Packing:
+    """A padded batch's real tokens packed into fewer, shorter rows (--padding_free; TRL's padding_free, verl's
+    remove-padding): rows are placed whole, first-fit by decreasing length, into bins of one width (pack_rows);
+    each keeps its own positions from 0, and transformers keeps attention within each of them (masking_utils'
+    `find_packed_sequence_indices`: with no 2D attention mask, a position that does not follow its left
+    neighbour by 1 starts a new sequence; the tail of a bin that no row fills is a sequence of its own).
+
+    input_ids, position_ids [bins, C]: the model's input. `at` [B, R]: each real response-region token
+    (attention_mask 1) with a real token before it in its row (its prompt, or its earlier turns); `before`:
+    the flat index into the packed [bins * C] of the token before each of those, in `at`'s row-major order:
+    the position whose logits (whose value) belong to it, as position P+t-1 in the padded layout."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    at: torch.Tensor
+    before: torch.Tensor
+
+    @property
+    def kept(self) -> int:
+        """Token slots of the packed rows (real tokens + the bins' unused tails)."""
+        return self.input_ids.numel()
+
+
+def attention_break_even(model: nn.Module) -> float:
+    """The context length c0 at which a token's attention costs its layer's matmuls: attention is 4 x heads x
+    head_dim flops per (token, context token), the projections and MLP 2 x their weights per token, so
+    c0 = weights / (2 x heads x head_dim) (SmolLM2-135M ~3,000, MiniMind 512x8 ~3,200). What pack_rows
+    weighs a longer packed row's attention against fewer rows with.
+
+    Infinite under a flash-attention kernel: its varlen kernel attends within each sequence (no C^2 square), and
+    transformers reads packed sequences' bounds from position_ids only in a batch of one row (modeling_flash_
+    attention_utils._is_packed_sequence), which an infinite c0 makes pack_rows choose."""
+    found = _hf_models(model)
+    c = getattr(found[0] if found else model, "config", None)
+    if "flash" in str(getattr(c, "_attn_implementation", "")):
+        return float("inf")
+    h = getattr(c, "hidden_size", None)
+    if not h:
+        return 1024.0
+    nh = getattr(c, "num_attention_heads", None) or max(1, h // 64)
+    hd = getattr(c, "head_dim", None) or h // nh
+    nkv = getattr(c, "num_key_value_heads", None) or nh
+    mlp = (getattr(c, "moe_intermediate_size", 0) * getattr(c, "num_experts_per_tok", 0)
+           or getattr(c, "intermediate_size", 0) or 4 * h)
+    weights = h * hd * (2 * nh + 2 * nkv) + 3 * h * mlp
+    return weights / (2 * nh * hd)
+
+
+def _first_fit(lengths: list[int], capacity: int) -> tuple[list[int], list[int]]:
+    """Rows placed whole, first-fit by decreasing length (ties in row order), into bins of `capacity`: each row's
+    first flat index in the packed [bins * capacity], and the tokens in each bin."""
+    used: list[int] = []
+    start = [0] * len(lengths)
+    for b in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
+        k = next((i for i, u in enumerate(used) if u + lengths[b] <= capacity), len(used))
+        if k == len(used):
+            used.append(0)
+        start[b] = k * capacity + used[k]
+        used[k] += lengths[b]
+    return start, used
+
+
+PACK_TRIES = 16  # packed row widths tried per batch
+
+
+def _widths(lengths: list[int]) -> list[int]:
+    """The packed row widths pack_rows tries: the longest row's length (never more work than padded), and the
+    total's share of k rows for k from 1 up to the rows' count in PACK_TRIES geometric steps (wider rows pack
+    tighter, at the cost of attention over more context)."""
+    longest, total, B = max(max(lengths), 1), sum(lengths), len(lengths)
+    ks = {max(1, round(B ** (i / (PACK_TRIES - 1)))) for i in range(PACK_TRIES)}
+    return sorted({longest} | {max(longest, -(-total // k)) for k in ks})
+
+
+def pack_rows(sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
+              break_even: float = 1024.0) -> Packing | None:
+    """The padding-free layout of a padded batch [B, P+R] (left-padded prompts, right-padded or multi-turn
+    responses: any row whose attention_mask marks its real tokens), or None where it would not be cheaper.
+
+    Bins of width C (_widths: at the longest row's length two rows share a bin only if they fit in it, so wider
+    bins pack tighter) cost bins x C x (1 + C / c0) in the model, c0 = `break_even` (attention_break_even:
+    attention, all C x C of it under a packed mask, against the matmuls per token); the cheapest width wins if it
+    is cheaper than the padded B x T x (1 + T / c0). One host read of the row lengths; the placement is
+    deterministic."""
+    real = attention_mask.bool()
+    B, T = real.shape
+    lengths = real.sum(1).tolist()
+    cost = lambda rows, width: rows * width * (1.0 + width / break_even)  # noqa: E731
+    best: tuple[float, tuple[int, list[int], list[int]] | None] = (cost(B, T), None)
+    one_row = break_even == float("inf")  # flash-attention: one row, also where more would tie (attention_break_even)
+    for C in [sum(lengths)] if one_row else _widths(lengths):
+        start, used = _first_fit(lengths, C)
+        if cost(len(used), C) < best[0]:
+            best = (cost(len(used), C), (C, start, used))
+    if best[1] is None:
+        return None
+    C, start, used = best[1]
+    dev = sequences.device
+    j = real.long().cumsum(1) - 1  # each real token's position in its row (the padded path's position ids)
+    flat = torch.tensor(start, device=dev)[:, None] + j  # [B, T], meaningful where real
+    n = len(used) * C
+    input_ids = torch.zeros(n, dtype=sequences.dtype, device=dev).index_put_((flat[real],), sequences[real])
+    tail = (torch.arange(C, device=dev)[None, :] - torch.tensor(used, device=dev)[:, None]).clamp(min=0)
+    position_ids = tail.flatten().index_put_((flat[real],), j[real])  # a bin's tail counts from 0: its own sequence
+    P = T - response_len
+    at = real[:, P:] & (j[:, P:] > 0)
+    return Packing(input_ids.view(-1, C), position_ids.view(-1, C), at, flat[:, P:][at] - 1)
+
+
+def unpack(values: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """Per-token values [N] of a packing's `at` positions -> [B, R], 0 elsewhere (differentiable)."""
+    return torch.zeros(at.shape, dtype=values.dtype, device=values.device).masked_scatter(at, values)
+
+
+def _output_head(model: nn.Module) -> nn.Module | None:
+    """The LM head (output embeddings) of a policy: DDP / peft / fsdp2 / a LoRA reference or old-actor wrapper;
+    None where the model names none (its own code): then the padded forward runs."""
+    from model.lora import base_of
+
+    model = getattr(model, "module", model)
+    inner = getattr(model, "_actor", None)  # model/lora.py's AdaptersOff / AdapterSnapshot
+    base = base_of(inner[0] if inner else model)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    return head if isinstance(head, nn.Module) else None
+
+
+@contextlib.contextmanager
+def _head_reads(head: nn.Module, rows: torch.Tensor) -> Iterator[None]:
+    """Within the block, `head` projects only the hidden states at flat indices `rows` [M, R] (of its input's
+    [bins * C] positions): the packed twin of logits_to_keep, the vocabulary projection of the needed tokens only."""
+    def pre(module: nn.Module, args: tuple) -> tuple:
+        h = args[0]
+        return (h.reshape(-1, h.shape[-1])[rows], *args[1:])
+
+    handle = head.register_forward_pre_hook(pre)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _packed_policy_forward(model: nn.Module, head: nn.Module, sequences: torch.Tensor, pk: Packing, temperature: float,
+                           with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    R = pk.at.shape[1]
+    tokens = sequences[:, -R:][pk.at]  # [N]
+    N = tokens.numel()
+    M = max(1, -(-N // R))  # the needed positions in rows of R, as the padded path's [B, R] logits (its memory)
+    rows = torch.nn.functional.pad(pk.before, (0, M * R - N)).view(M, R)  # the fill reads position 0, unused
+    with _head_reads(head, rows):
+        out = model(input_ids=pk.input_ids, attention_mask=None, position_ids=pk.position_ids, use_cache=False,
+                    logits_to_keep=0)
+    lp, ent = logprobs_from_logits(out.logits, torch.nn.functional.pad(tokens, (0, M * R - N)).view(M, R),
+                                   temperature, with_entropy=with_entropy)
+    return unpack(lp.flatten()[:N], pk.at), (unpack(ent.flatten()[:N], pk.at) if ent is not None else None)
+
+
 def policy_forward(
     model: nn.Module,
     sequences: torch.Tensor,
@@ -146,8 +303,15 @@ def policy_forward(
     response_len: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    padding_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs [B, R] (and entropy) of the last `response_len` tokens of `sequences`."""
+    """Per-token log-probs [B, R] (and entropy) of the last `response_len` tokens of `sequences`. `padding_free`:
+    on the rows packed without pad tokens (pack_rows) where that removes any; the same values to rounding at
+    every real response token, 0 at the response region's pads (the padded forward leaves unused values there)."""
+    head = _output_head(model) if padding_free else None
+    pk = pack_rows(sequences, attention_mask, response_len, attention_break_even(model)) if head is not None else None
+    if head is not None and pk is not None:
+        return _packed_policy_forward(model, head, sequences, pk, temperature, with_entropy)
     out = model(
         input_ids=sequences,
         attention_mask=attention_mask,
@@ -159,12 +323,18 @@ def policy_forward(
     return logprobs_from_logits(logits, sequences[:, -response_len:], temperature, with_entropy=with_entropy)
 
 
-def critic_forward(critic: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int) -> torch.Tensor:
+def critic_forward(critic: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
+                   padding_free: bool = False) -> torch.Tensor:
     """Values [B, R]: V(s_t) read at the position of the token *before* response token t.
 
     The state before emitting response token t is the prefix ending at position P+t-1, which is
-    where the policy's logits for token t come from; values use the same alignment.
+    where the policy's logits for token t come from; values use the same alignment. `padding_free`: as
+    policy_forward's (0 at the response region's pads).
     """
+    pk = pack_rows(sequences, attention_mask, response_len, attention_break_even(critic)) if padding_free else None
+    if pk is not None:  # the head is one [hidden, 1] matmul: every packed position, then the needed ones
+        packed = critic(pk.input_ids, attention_mask=None, position_ids=pk.position_ids, values_to_keep=0)
+        return unpack(packed.flatten()[pk.before], pk.at)
     values = critic(
         sequences, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
         values_to_keep=response_len + 1,
@@ -385,7 +555,8 @@ def critic_values(cfg: Config, ro: Rollout, m: Models, rt: Runtime) -> tuple[tor
     seqs, mask = on(rt.critic_device, ro.sequences, ro.attention_mask)
     if cfg.reuse_values:
         with torch.enable_grad(), attention_implementation(cfg.train_attn, m.critic_train):
-            graph = critic_forward(m.critic_train, seqs, mask, ro.response_len)
+            graph = critic_forward(m.critic_train, seqs, mask, ro.response_len, padding_free=bool(cfg.padding_free))
         return graph.detach().float().to(rt.device), graph
-    values = forward_in_row_chunks(critic_forward, m.critic, seqs, mask, ro.response_len, rows=cfg.forward_batch_size)
+    values = forward_in_row_chunks(critic_forward, m.critic, seqs, mask, ro.response_len, rows=cfg.forward_batch_size,
+                                   padding_free=bool(cfg.padding_free))
     return values.float().to(rt.device), None

@@ -119,7 +119,8 @@ def actor_backward(cfg: Config, actor, part: Rollout, scale: torch.Tensor | floa
     with rt.autocast():
         with phase("update_actor_fwd", autocast=False):
             logprobs, entropy = policy_forward(actor, part.sequences, part.attention_mask, part.response_len,
-                                               cfg.sample_temperature, with_entropy=cfg.entropy_coef > 0)
+                                               cfg.sample_temperature, with_entropy=cfg.entropy_coef > 0,
+                                               padding_free=bool(cfg.padding_free))
         agg = functools.partial(aggregate_loss, response_mask=part.response_mask, mode=cfg.loss_agg_mode, max_len=cfg.max_gen_len)
         is_w = {} if part.is_weights is None else {"is_weights": part.is_weights}  # an engine's samples (--rollout_is)
         pg_loss, pg_stats = policy_loss_spec(cfg.policy_loss).fn(logprobs, part.old_logprobs, part.advantages,
@@ -146,7 +147,7 @@ def critic_backward(cfg: Config, critic, part: Rollout, scale: torch.Tensor, rt:
             values = part.values_with_grad
         else:
             with phase("update_critic_fwd", autocast=False):
-                values = critic_forward(critic, sequences, attention_mask, part.response_len)
+                values = critic_forward(critic, sequences, attention_mask, part.response_len, padding_free=bool(cfg.padding_free))
         v_loss, v_stats = value_loss(values, old_values, returns, mask, cfg.cliprange_value or None)
         loss = cfg.vf_coef * v_loss * scale
     scaler.scale(loss).backward()
