@@ -80,21 +80,24 @@ def _healthy(url: str) -> bool:
 
 def start_server(model_dir: Path, tmp: Path, name: str) -> SimpleNamespace:
     """scripts/serve_engine.sh --foreground in its own process group (the server and its engine core), ready."""
-    port = free_port()
-    log = tmp / f"{name}.log"
     env = dict(os.environ, ENGINE_VENV=str(VENV), MAX_MODEL_LEN="512", KV_CACHE_GB="1",
                ENGINE_UNTIED_DIR=str(tmp / f"{name}-untied"))
+    return launch("serve_engine.sh", ["vllm", str(model_dir)], env, tmp / f"{name}.log", "vLLM server")
+
+
+def launch(script: str, args: list[str], env: dict, log: Path, what: str) -> SimpleNamespace:
+    """scripts/<script> --foreground ARGS PORT in its own process group, waited for until /health answers."""
+    port = free_port()
     with log.open("w") as out:
-        proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "serve_engine.sh"), "--foreground", "vllm",
-                                 str(model_dir), str(port)], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(["bash", str(ROOT / "scripts" / script), "--foreground", *args, str(port)], env=env,
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     server = SimpleNamespace(url=f"http://127.0.0.1:{port}", proc=proc, log=log, started=time.monotonic())
     deadline = time.monotonic() + 300
     while not _healthy(server.url):
         if proc.poll() is not None or time.monotonic() > deadline:
             stop_server(server)
             tail = " | ".join(log.read_text(errors="replace").splitlines()[-5:])
-            pytest.fail(f"the vLLM server did not start (rc {proc.returncode}): {tail}")
+            pytest.fail(f"the {what} did not start (rc {proc.returncode}): {tail}")
         time.sleep(1)
     server.started = time.monotonic() - server.started
     return server
@@ -361,22 +364,9 @@ RM_GAP_LIMIT = 1e-3  # fp32 both; the scores are raw logits of order 1
 def rm_server(tmp_path_factory):
     """The demo's reward model (Qwen3ForSequenceClassification) served by scripts/serve_reward_model.sh --foreground."""
     tmp = tmp_path_factory.mktemp("rm")
-    port = free_port()
-    log = tmp / "rm.log"
-    env = dict(os.environ, ENGINE_VENV=str(VENV), KV_CACHE_GB="1")
-    with log.open("w") as out:
-        proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "serve_reward_model.sh"), "--foreground", str(RM_DIR),
-                                 str(port)], env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    server = SimpleNamespace(url=f"http://127.0.0.1:{port}", proc=proc, log=log, started=time.monotonic())
-    deadline = time.monotonic() + 300
-    while not _healthy(server.url):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_server(server)
-            tail = " | ".join(log.read_text(errors="replace").splitlines()[-5:])
-            pytest.fail(f"the vLLM reward-model server did not start (rc {proc.returncode}): {tail}")
-        time.sleep(1)
-    print(f"\nvLLM reward-model server ready in {time.monotonic() - server.started:.1f} s at {server.url}")
+    server = launch("serve_reward_model.sh", [str(RM_DIR)], dict(os.environ, ENGINE_VENV=str(VENV), KV_CACHE_GB="1"),
+                    tmp / "rm.log", "vLLM reward-model server")
+    print(f"\nvLLM reward-model server ready in {server.started:.1f} s at {server.url}")
     yield server
     stop_server(server)
 
