@@ -68,6 +68,33 @@ class PreallocatedLayer(DynamicLayer):
         return self.keys, self.values
 
 
+def distinct_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
+    """For each row, the index of its prompt among the batch's distinct (ids, mask) rows, or None when every
+    row is distinct. GRPO's groups repeat each prompt num_generations times: the sampler prefills each distinct
+    prompt once and copies its K/V to the group's rows (what an engine's prefix cache does)."""
+    if input_ids.shape[0] < 2:
+        return None
+    rows = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
+    uniq, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    return inverse if uniq.shape[0] < rows.shape[0] else None
+
+
+def first_of_each(inverse: torch.Tensor) -> torch.Tensor:
+    """The first row holding each distinct prompt, in distinct-prompt order: [U] row indices."""
+    U = int(inverse.max()) + 1
+    rows = torch.arange(inverse.shape[0], device=inverse.device)
+    return torch.full((U,), inverse.shape[0], device=inverse.device, dtype=torch.long).scatter_reduce(
+        0, inverse, rows, reduce="amin")
+
+
+def expand_cache(cache: Cache, inverse: torch.Tensor) -> None:
+    """PreallocatedLayers filled for the distinct prompts -> one row per batch row (row i takes prompt inverse[i])."""
+    for layer in cache.layers:
+        n = layer._filled
+        layer._k, layer._v = layer._k.index_select(0, inverse), layer._v.index_select(0, inverse)
+        layer.keys, layer.values = layer._k[:, :, :n], layer._v[:, :, :n]
+
+
 def preallocated_cache(model: nn.Module, capacity: int) -> Cache | None:
     """A cache of PreallocatedLayers for a model whose layers all use full attention; None (let the
     model build its own DynamicCache) for sliding-window, hybrid or otherwise unusual configs."""
@@ -328,6 +355,7 @@ def sample(
     static_step: bool | None = None,
     sync_interval: int | None = None,
     generator: torch.Generator | None = None,
+    share_prefill: bool = True,
 ) -> Samples:
     """Sample responses for a left-padded batch [B, P]; per-row stop at EOS, pads after it.
 
@@ -354,7 +382,11 @@ def sample(
     steps still draw from the device RNG, so later draws differ from a k = 1 run's (deterministic all
     the same). Non-finite logits raise at the next check instead of at once.
 
-    generator: the random stream of the draws (on the inputs' device); None = torch's default one."""
+    generator: the random stream of the draws (on the inputs' device); None = torch's default one.
+
+    share_prefill: rows with the same prompt (GRPO's groups) share one prefill: each distinct prompt runs once and
+    its K/V and last logits are copied to its rows. The logits equal a prefill of every row up to the rounding of a
+    smaller batch's matmuls (tests/test_generation.py); False prefills every row (tests compare the two)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     interval = sync_interval if sync_interval is not None else host_sync_interval(input_ids.device.type)
@@ -384,9 +416,16 @@ def sample(
         # keep a second low-precision copy of them alive for the whole generation, unused.
         prefill_cast = (torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False)
                         if fast is not None and torch.is_autocast_enabled(device_type) else contextlib.nullcontext())
+        # Each distinct prompt is prefilled once, its K/V then copied to every row that repeats it.
+        inverse = distinct_prompts(input_ids, mask) if cache is not None and share_prefill else None
+        at = first_of_each(inverse) if inverse is not None else slice(None)
         with prefill_cast:
-            out = model(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True, **keep, **extra)
+            out = model(input_ids=input_ids[at], attention_mask=mask[at], position_ids=position[at], use_cache=True,
+                        **keep, **extra)
         last = out.logits[:, -1, :]
+        if inverse is not None:
+            expand_cache(cache, inverse)
+            last = last.index_select(0, inverse)
         if fast is not None:  # the whole-generation key mask, sliced per step: [B, P + max_new_tokens]
             kv_mask = torch.cat([mask.bool(), mask.new_ones(B, max_new_tokens, dtype=torch.bool)], dim=1)
         position = position[:, -1:]

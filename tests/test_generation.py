@@ -773,3 +773,49 @@ def test_a_failed_capture_undoes_its_warm_up_and_runs_the_step_eagerly(lm8, monk
         monkeypatch.setattr(G, "_static_samples", lambda *a, **k: real(*a, **{**k, "capture": True}))
         _assert_same_samples(got, want)
     assert capsys.readouterr().err.count("could not be captured in a CUDA graph") == 1  # said once
+
+
+# ---------------------------------------------------------------- shared prefill of repeated prompts
+
+def _grouped(prompts: list[list[int]], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO's layout: each prompt's n rows side by side (repeat_interleave)."""
+    ids, mask = _left_pad(prompts)
+    return ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
+
+
+def _prefill_rows(model) -> list[int]:
+    """Rows of every forward with more than one position (the prefills) of `model` (a hook)."""
+    seen: list[int] = []
+    model.register_forward_pre_hook(lambda mod, args, kw: seen.append(kw["input_ids"].shape[0])
+                                     if kw.get("input_ids") is not None and kw["input_ids"].shape[1] > 1 else None,
+                                     with_kwargs=True)
+    return seen
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_repeated_prompts_are_prefilled_once_with_the_same_samples(fast):
+    m = scramble(build_minimind(64, 2, vocab_size=256), seed=5).eval()
+    ids, mask = _grouped(PROMPTS, 4)
+    seen = _prefill_rows(m)
+    kw = dict(max_new_tokens=10, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, return_logprobs=True,
+              fast_decode=fast)
+    shared = sample(m, ids, mask, generator=torch.Generator().manual_seed(0), **kw)
+    assert seen == [3]  # 12 rows, 3 distinct prompts: one prefill of 3 rows
+    each = sample(m, ids, mask, generator=torch.Generator().manual_seed(0), share_prefill=False, **kw)
+    assert seen == [3, 12]
+    assert torch.equal(shared.sequences, each.sequences) and torch.equal(shared.response_mask, each.response_mask)
+    torch.testing.assert_close(shared.logprobs, each.logprobs, atol=1e-5, rtol=0)
+    assert len({tuple(r) for r in shared.sequences[:4].tolist()}) > 1  # a group's rows still sample apart
+
+
+def test_shared_prefill_keeps_row_order_of_unsorted_groups():
+    """Rows of one prompt need not be adjacent; each row decodes after its own prompt."""
+    m = scramble(build_minimind(64, 2, vocab_size=256), seed=6).eval()
+    ids, mask = _left_pad([PROMPTS[1], PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[0]])
+    seen = _prefill_rows(m)
+    kw = dict(max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD, greedy=True)
+    shared = sample(m, ids, mask, **kw)
+    assert seen == [3]
+    alone = [sample(m, ids[i : i + 1], mask[i : i + 1], **kw).sequences for i in range(5)]
+    for i in range(5):
+        assert torch.equal(shared.sequences[i : i + 1, : alone[i].shape[1]], alone[i])
