@@ -59,7 +59,8 @@ base gets no weight gradients) and the critic (2x when its forward ran in scorin
 the update then runs only its backward). The warm-up step is also counted with
 torch.utils.flop_counter.FlopCounterMode (without --use_compile) as a check (`flops.counted`; at 64x2
 its update equals the analytic figure within 0.01%; it counts no attention where it has no formula
-for the kernel, and the fast decoder's steps not at all).
+for the kernel, nor the fast decoder's oneDNN bf16 linears (mkldnn._linear_pointwise: its decode
+steps), and under --parallel_update nothing of the update, whose forwards run in other threads).
 Achieved FLOP/s = update FLOPs / update time, as a share of this machine's torch.mm peak measured
 in the same run (1024 and 2048 squares, before and after the configs, the better of the two) at the
 same thread count and for the matching dtype (fp32 configs against the fp32 peak, bf16 against bf16).
