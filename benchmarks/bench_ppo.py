@@ -9,6 +9,10 @@
     python benchmarks/bench_ppo.py --actor_path out/smollm2_135m_instruct --dtypes float32,bfloat16 --lora_r 0,16 \
         --batch_size 4 --prompt_len 80 --gen_len 64 --update_old_actor_freq 0 --reward_model none --interleave 1 \
         --extra "--advantage_estimator grpo --num_generations 4 --mini_batch_size 16"   # a pretrained HF model's levers
+    python benchmarks/bench_ppo.py --actor_path out/smollm2_135m_instruct --dtypes bfloat16 --batch_size 4 --prompt_len 150 \
+        --gen_len 64 --update_old_actor_freq 0 --reward_model none \
+        --extra "--advantage_estimator grpo --num_generations 8 --mini_batch_size 32 --accumulation_steps 2"
+                                                         # the SmolLM2 IFEval preset's step shape, against its floors
     python benchmarks/bench_ppo.py --actor_path out/smollm2_135m_instruct --dtypes float32 --procs 2 --strategy ddp,fsdp2 \
         --num_threads 1 --batch_size 2 --prompt_len 32 --gen_len 32 --reward_model none --update_old_actor_freq 0
                                                          # each config under torchrun: what each rank holds
@@ -50,9 +54,13 @@ check: on a quiet machine it is close to the thread count, far below it the proc
 Update-phase FLOPs are analytic (documented in `forward_flops`): a forward costs 2 FLOP per
 multiply-accumulate of every linear layer at every position, plus 4*T^2*head_dim*heads per layer per
 row for attention (QK^T and AV, full square as the counters count it), plus the LM head only at the
-R+1 kept positions; training = 3x forward (backward ~ 2x) for actor and critic. The warm-up step is
-also counted with torch.utils.flop_counter.FlopCounterMode (without --use_compile) as a check; it
-counts matmuls only (it has no formula for CPU's flash-attention kernel), so it sits ~4% below.
+R+1 kept positions; training = 3x forward (backward ~ 2x) for the actor (2x under LoRA: the frozen
+base gets no weight gradients) and the critic (2x when its forward ran in scoring with --reuse_values,
+the update then runs only its backward). The warm-up step is also counted with
+torch.utils.flop_counter.FlopCounterMode (without --use_compile) as a check (`flops.counted`; at 64x2
+its update equals the analytic figure within 0.01%; it counts no attention where it has no formula
+for the kernel, nor the fast decoder's oneDNN bf16 linears (mkldnn._linear_pointwise: its decode
+steps), and under --parallel_update nothing of the update, whose forwards run in other threads).
 Achieved FLOP/s = update FLOPs / update time, as a share of this machine's torch.mm peak measured
 in the same run (1024 and 2048 squares, before and after the configs, the better of the two) at the
 same thread count and for the matching dtype (fp32 configs against the fp32 peak, bf16 against bf16).
@@ -68,6 +76,24 @@ streaming explains). The summary prints it next to the update's share of the mat
 phase split in percent, and, given MiniMind's s/step measured in the same run for the same work
 (`--minimind_s_per_step`), our speed-up against it for every config of that size (`--minimind_size`).
 
+Floors per phase (`phase_floors`, JSON `floors`, the summary's "floors per phase" block): what each phase would take
+if it ran only its matmuls at the dtype-matched peak, or only its compulsory memory traffic at the copy
+bandwidth where that is the larger, both measured in the same run at the config's thread count:
+  generate  prefill of the distinct prompts only (--batch_size rows: a GRPO group's prompt prefilled
+            once), then gen_len - 1 decode steps of all rows, each max(FLOPs: every row through every
+            layer matmul and the LM head, plus attention over the cached positions; bytes: the weights
+            once plus every row's cached keys and values, in the compute dtype)
+  score     the scoring forwards that ran (old policy only with an old-actor copy or --rollout_logprobs 0,
+            reference, critic), every row prompt_len + gen_len long; reward model and the rest count 0
+  update    the update FLOPs above
+  step      the sum (the old-actor copy and an engine's weight push count 0)
+Each phase prints measured / floor ("x floor"), and the phase furthest from its floor (by that ratio,
+and by seconds above it where another phase loses more). Left out, so the floors sit below what any
+implementation reaches: elementwise work (norms, rotary, activations, softmax, casts, AdamW),
+sampling, activation traffic and the KV copy of a prompt to its group's rows. Two things go the other
+way: attention counts the full T x T square (a causal kernel may skip the masked half, ~3% of the
+preset's forward FLOPs), and rows count as full (with `--prompts demo`, padding-free runs fewer tokens).
+
 Memory: peak RSS (ru_maxrss of the child) is split into the process baseline after imports, the
 parameter bytes of each model, gradients (actor + critic, fp32), AdamW state (2 fp32 tensors per
 trained parameter) and the remainder (activations, allocator slack, temporaries). The budget line is
@@ -81,6 +107,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as _dt
 import itertools
 import json
@@ -119,7 +146,7 @@ TIME_KEYS = ("step", "generate", "score", "score_old", "score_ref", "score_criti
 RESULT_KEYS = ("config", "ok", "error", "params", "time_s", "time_s_all", "cpu_s", "first_step_s", "build_s",
                "tokens_per_s_generate", "tokens_per_s_step", "flops", "update_tflops_per_s", "update_peak_share",
                "generate_weight_mb_per_token", "generate_bandwidth_limit_s", "generate_bandwidth_share",
-               "phase_share", "minimind_ratio", "memory_mb")
+               "step_shape", "floors", "phase_share", "minimind_ratio", "memory_mb")
 TOP_KEYS = ("machine", "date", "matmul_peak_gflops", "memory_bandwidth_gbs", "settings", "results",
             "minimind_reference_s", "minimind_here_s")
 
@@ -197,16 +224,121 @@ def memory_bandwidth(mb: int = 512, reps: int = 5) -> float:
     return 2 * src.numel() * 4 / statistics.median(times) / 1e9
 
 
+def _heads(cfg: Any) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head width): the config's head_dim where it names one (Qwen3's may differ
+    from hidden / heads), else hidden / heads."""
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    return heads, kv, getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+
+
+def layer_macs(cfg: Any) -> int:
+    """Multiply-accumulates of one layer's linears for one position: q, k, v, o and the gated MLP (active experts
+    only for MoE, the router ignored)."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    heads, kv, hd = _heads(cfg)
+    if getattr(cfg, "use_moe", False):
+        I = I * getattr(cfg, "num_experts_per_tok", 1)
+    return H * heads * hd + 2 * H * kv * hd + heads * hd * H + 3 * H * I
+
+
 def forward_flops(cfg: Any, rows: int, seq: int, head_positions: int) -> float:
     """Analytic FLOPs of one forward: 2 x MACs of every linear at every position, attention
     QK^T + AV over the full T x T square, and the LM head on `head_positions` positions per row."""
-    H, L, I, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, cfg.vocab_size
-    heads, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
-    if getattr(cfg, "use_moe", False):
-        I = I * getattr(cfg, "num_experts_per_tok", 1)  # active experts only (router ignored)
-    linear_macs = H * heads * hd + 2 * H * kv * hd + heads * hd * H + 3 * H * I
+    H, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+    heads, _, hd = _heads(cfg)
     attn = 4 * heads * hd * seq * seq
-    return rows * seq * L * 2 * linear_macs + rows * L * attn + 2 * H * V * rows * head_positions
+    return rows * seq * L * 2 * layer_macs(cfg) + rows * L * attn + 2 * H * V * rows * head_positions
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """What one step computes, for its floors (`phase_floors`): the model's shape, the rows, and which forwards ran.
+    The child fills it from the run it built (JSON: `step_shape`); the parent adds the peak and bandwidth."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rows: int  # sampled rows per step: --batch_size x --num_generations
+    prompts: int  # distinct prompts (--batch_size): a group's prompt prefilled once
+    prompt_len: int
+    gen_len: int  # every row runs to it (EOS suppressed)
+    itemsize: int  # bytes per weight and cached key/value in the compute dtype (2 under bf16, 4 in fp32)
+    decode_weight_params: int  # what a decode step streams: layer matmuls + LM head
+    score_old: bool = False  # a scoring forward of the old policy ran (a frozen old-actor copy, or --rollout_logprobs 0)
+    score_ref: bool = True  # the reference's forward ran
+    score_critic: bool = False  # the critic's forward ran in scoring (with --reuse_values its graph serves the update)
+    update_actor_passes: int = 3  # forward multiples: forward + backward (~2x), 2 with LoRA (no weight grads of the base)
+    update_critic_passes: int = 0  # 3, 2 when its forward ran in scoring (--reuse_values), 0 without a critic
+    update_iters: int = 1  # --ppo_update_iters: epochs over the rows
+    use_moe: bool = False
+    num_experts_per_tok: int = 1
+
+
+def phase_floors(s: StepShape, peak_gflops: float, bandwidth_gbs: float) -> dict[str, Any]:
+    """Each phase's floor on this machine: its matmul FLOPs at the dtype-matched matmul peak, or its compulsory
+    memory traffic at the copy bandwidth where that is the larger. Seconds, plus the FLOPs they came from.
+
+    generate = prefill + decode. The prefill runs the distinct prompts only (`s.prompts`: with GRPO groups a
+    prompt repeats num_generations times and a sampler can prefill it once), the LM head at the last position;
+    it is max(FLOPs / peak, weights / bandwidth). Then gen_len - 1 decode steps (the first token comes from the
+    prefill's logits), step t (1..gen_len-1) at max(compute, streaming): compute = every row through every layer
+    matmul and the head (2 x rows x decode_weight_params) plus attention over the P + t cached positions;
+    streaming = the weights once plus every row's cached keys and values, at the copy bandwidth.
+    score = the scoring forwards that ran (old policy, reference: head at gen_len + 1 positions; critic: no head),
+    every row P + gen_len long; the reward model (negligible here) and the elementwise rest count 0.
+    update = its forward multiples (`update_*_passes`) x the forwards x update_iters.
+    step = generate + score + update (the old-actor copy and an engine push count 0)."""
+    peak, bw = peak_gflops * 1e9, bandwidth_gbs * 1e9
+    B, P, R, L = s.rows, s.prompt_len, s.gen_len, s.num_hidden_layers
+    heads, kv, hd = _heads(s)
+    weight_bytes = s.decode_weight_params * s.itemsize
+    prefill_flops = forward_flops(s, s.prompts, P, 1)
+    prefill_s = max(prefill_flops / peak, weight_bytes / bw)
+    decode_flops = decode_bytes = 0.0
+    decode_s = 0.0
+    compute_bound = 0
+    for t in range(1, R):
+        flops = 2 * B * s.decode_weight_params + B * L * 4 * heads * hd * (P + t)
+        nbytes = weight_bytes + B * L * 2 * kv * hd * (P + t) * s.itemsize
+        decode_flops += flops
+        decode_bytes += nbytes
+        decode_s += max(flops / peak, nbytes / bw)
+        compute_bound += flops / peak >= nbytes / bw
+    seq = P + R
+    policy_fwd, critic_fwd = forward_flops(s, B, seq, R + 1), forward_flops(s, B, seq, 0)
+    flops_of = {"generate_prefill": prefill_flops, "generate_decode": decode_flops,
+                "score_old": policy_fwd if s.score_old else 0.0, "score_ref": policy_fwd if s.score_ref else 0.0,
+                "score_critic": critic_fwd if s.score_critic else 0.0,
+                "update": (s.update_actor_passes * policy_fwd + s.update_critic_passes * critic_fwd) * s.update_iters}
+    floor = {"generate_prefill": prefill_s, "generate_decode": decode_s, "generate": prefill_s + decode_s,
+             **{k: flops_of[k] / peak for k in ("score_old", "score_ref", "score_critic", "update")}}
+    floor["score"] = floor["score_old"] + floor["score_ref"] + floor["score_critic"]
+    floor["step"] = floor["generate"] + floor["score"] + floor["update"]
+    return {"peak_gflops": peak_gflops, "bandwidth_gbs": bandwidth_gbs, "floor_s": floor, "flops": flops_of,
+            "decode_bytes": decode_bytes, "decode_steps": R - 1, "decode_compute_bound_steps": compute_bound}
+
+
+FLOOR_PHASES = ("generate", "score", "update")  # the step's three phases, each against its floor
+FLOOR_KEYS = ("generate", "generate_prefill", "generate_decode", "score", "score_old", "score_ref", "score_critic",
+              "update", "step")
+
+
+def floors_against(floors: dict[str, Any], time_s: dict[str, float]) -> dict[str, Any]:
+    """`phase_floors`' figures with the measured phase times: measured s, and measured / floor ("x floor") for every
+    phase with a floor above 0; `furthest`: of generate, score and update, the one with the largest x floor and the
+    one with the most seconds above its floor."""
+    floor = floors["floor_s"]
+    measured = {k: time_s[k] for k in FLOOR_KEYS if k in time_s}
+    x = {k: measured[k] / floor[k] for k in measured if floor.get(k, 0) > 0}
+    main = [k for k in FLOOR_PHASES if k in x]
+    furthest = {"by_ratio": max(main, key=lambda k: x[k]) if main else None,
+                "by_seconds": max(main, key=lambda k: measured[k] - floor[k]) if main else None}
+    return {**floors, "measured_s": measured, "x_floor": x, "furthest": furthest}
 
 
 # ------------------------------------------------------------------------------------ child
@@ -343,6 +475,7 @@ class ConfigRun:
         self.first_step_s = float("nan")
         self.flops_counted: dict[str, float] = {}
         self.flops_unavailable: str | None = None  # why FlopCounterMode counted nothing
+        self.phases_run: set[str] = set()  # every phase a step timed: which scoring forwards ran
         self.error: str | None = None
 
     def step(self, step: int) -> None:
@@ -376,6 +509,7 @@ class ConfigRun:
             if ro.sequences.shape[1] != cfg["prompt_len"] + cfg["gen_len"]:
                 raise RuntimeError(f"response length {ro.response_len} != --gen_len {cfg['gen_len']} (EOS not suppressed?)")
             recs = split_step(timer.wall), split_step(timer.cpu)
+            self.phases_run |= set(timer.wall)
             if step == 0:
                 self.first_step_s = recs[0]["step"]
             if step >= cfg["warmup"]:
@@ -429,26 +563,41 @@ class ConfigRun:
 
         med = {k: statistics.median(r[k] for r in per_step) for k in TIME_KEYS} if per_step else {}
         B, P, R = args.batch_size * args.num_generations, cfg["prompt_len"], cfg["gen_len"]  # rows
-        seq = P + R
-        mcfg = actor.config
-        actor_fwd = forward_flops(mcfg, B, seq, R + 1)
-        critic_fwd = forward_flops(mcfg, B, seq, 0) if critic is not None else 0.0  # critic-free estimators build none
-        gen = forward_flops(mcfg, B, P, 1) + sum(forward_flops(mcfg, B, 1, 1) + B * mcfg.num_hidden_layers * 4 * mcfg.hidden_size * (P + t)
-                                               for t in range(1, R))
+        mcfg = getattr(actor.config, "text_config", None) or actor.config
+        from trainer.run.hardware import layer_matmul_params
+        from trainer.runtime import DTYPES
+
+        heads, kv, hd = _heads(mcfg)
+        # Weights one decode step streams: every layer matmul and the LM head, in the compute dtype.
+        decode_params = layer_matmul_params(mcfg) + mcfg.vocab_size * mcfg.hidden_size
+        itemsize = DTYPES[built.cfg.dtype].itemsize
+        weight_mb = decode_params * itemsize / MB
+        # The forwards the step ran, read off the phases it timed: the old policy's scoring forward runs only with a
+        # frozen old-actor copy or --rollout_logprobs 0 (else the sampler's log-probs serve); the critic's, with
+        # --reuse_values, carries its graph into the update, which then runs only its backward.
+        ran = self.phases_run
+        shape = StepShape(
+            hidden_size=mcfg.hidden_size, num_hidden_layers=mcfg.num_hidden_layers, intermediate_size=mcfg.intermediate_size,
+            vocab_size=mcfg.vocab_size, num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd,
+            rows=B, prompts=args.batch_size, prompt_len=P, gen_len=R, itemsize=itemsize, decode_weight_params=decode_params,
+            score_old="score_old" in ran, score_ref="score_ref" in ran, score_critic="score_critic" in ran,
+            update_actor_passes=2 if args.lora_r > 0 else 3,
+            update_critic_passes=0 if critic is None else 2 if args.reuse_values else 3,
+            update_iters=args.ppo_update_iters,
+            use_moe=bool(getattr(mcfg, "use_moe", False)), num_experts_per_tok=int(getattr(mcfg, "num_experts_per_tok", 1) or 1))
+        # What the sampler runs today: a prefill of every row, then gen_len - 1 decode steps (attention over the cache).
+        gen = forward_flops(shape, B, P, 1) + sum(forward_flops(shape, B, 1, 1) + B * shape.num_hidden_layers * 4 * heads * hd * (P + t)
+                                                  for t in range(1, R))
+        analytic = phase_floors(shape, 1.0, 1.0)["flops"]  # the floors' FLOPs: what the step's scoring and update ran
         flops = {
-            "update_analytic": 3 * (actor_fwd + critic_fwd) * args.ppo_update_iters,
-            "score_analytic": 2 * actor_fwd + critic_fwd,  # old log-probs + reference + critic
+            "update_analytic": analytic["update"],  # actor 3x (2x under LoRA), critic 3x, 2x when its forward ran in scoring
+            "score_analytic": analytic["score_old"] + analytic["score_ref"] + analytic["score_critic"],  # the forwards that ran
             "generate_analytic": gen,
             "counted": flops_counted,  # FlopCounterMode on the warm-up step (matmuls + SDPA); {} when compiled
             "counted_unavailable": self.flops_unavailable,  # torch's counter refused a kernel: why
         }
         flops["step_analytic"] = flops["update_analytic"] + flops["score_analytic"] + gen
         upd_rate = flops["update_analytic"] / med["update"] / 1e12 if med else float("nan")
-        from trainer.run.hardware import layer_matmul_params
-        from trainer.runtime import DTYPES
-
-        # Weights one decode step streams: every layer matmul and the LM head, in the compute dtype.
-        weight_mb = (layer_matmul_params(mcfg) + mcfg.vocab_size * mcfg.hidden_size) * DTYPES[built.cfg.dtype].itemsize / MB
         return {
             "config": cfg, "ok": error is None and bool(per_step), "error": error, "params": params,
             "time_s": med, "time_s_all": {k: [r[k] for r in per_step] for k in TIME_KEYS},
@@ -458,6 +607,7 @@ class ConfigRun:
             "tokens_per_s_step": B * R / med["step"] if med else float("nan"),
             "flops": flops, "update_tflops_per_s": upd_rate, "update_peak_share": None,  # filled by the parent
             "generate_weight_mb_per_token": weight_mb, "generate_bandwidth_limit_s": None, "generate_bandwidth_share": None,
+            "step_shape": dataclasses.asdict(shape), "floors": None,  # floors: filled by the parent (CPU configs)
             # Shares of the summed step time (medians of the phases would not add up to the step's).
             "phase_share": ({k: sum(r[k] for r in per_step) / sum(r["step"] for r in per_step)
                              for k in ("generate", "score", "update", "sync_old", "engine_sync")} if per_step else {}),
@@ -718,6 +868,10 @@ def summary_line(r: dict, o: argparse.Namespace) -> str:
                  f"{r['generate_weight_mb_per_token'] * c['gen_len'] / 1024 / r['generate_bandwidth_limit_s']:.1f} GB/s "
                  f"= {r['generate_bandwidth_limit_s']:.2f} s); update {t['update']:.2f} s at "
                  f"{r['update_peak_share']:.0%} of the {c['dtype']} matmul peak")
+    if r.get("floors"):  # CPU configs: the phases against their floors (the floors block below: how they count)
+        x = r["floors"]["x_floor"]
+        line += ("; x floor: " + ", ".join(f"{k} {x[k]:.1f}" for k in FLOOR_PHASES if k in x)
+                 + f" (step {r['floors']['floor_s']['step']:.3g} s floor, {x['step']:.1f}x)")
     if r["memory_mb"].get("cuda_peak_allocated") is not None:
         line += f"; peak allocated {r['memory_mb']['cuda_peak_allocated']:.0f} MB on {c['device']}"
     if r.get("minimind_ratio"):
@@ -725,6 +879,30 @@ def summary_line(r: dict, o: argparse.Namespace) -> str:
     elif c["name"] == "512x8" and c.get("device", "cpu") == "cpu":  # a CPU figure
         line += f"; {MINIMIND_REFERENCE_S / t['step']:.2f}x MiniMind's {MINIMIND_REFERENCE_S} s/step on another machine"
     return line
+
+
+def floor_line(r: dict) -> str:
+    """One config's phases against their floors (`phase_floors`, `floors_against`)."""
+    c, f = r["config"], r["floors"]
+    m, fl, x = f["measured_s"], f["floor_s"], f["x_floor"]
+    g = lambda v: f"{v:.3g}"  # noqa: E731 - 3 figures: a tiny model's floors are milliseconds
+    part = lambda k: f"{g(m[k])} / {g(fl[k])} s = {x[k]:.1f}x" if k in x else f"{g(m[k])} s, floor 0"  # noqa: E731
+    shape = r["step_shape"]
+    steps, bound = f["decode_steps"], f["decode_compute_bound_steps"]
+    kind = ("compute-bound" if bound == steps else "bandwidth-bound" if bound == 0
+            else f"{bound} of them compute-bound")
+    subs = [f"{k[6:]} {part(k)}" for k in ("score_old", "score_ref", "score_critic") if k in x]
+    rest = m["score"] - sum(m[k] for k in ("score_old", "score_ref", "score_critic"))
+    fur = f["furthest"]
+    a, b = fur["by_ratio"], fur["by_seconds"]
+    furthest = ("none" if a is None else f"{a} ({x[a]:.1f}x its floor, {g(m[a] - fl[a])} s above it)"
+                + ("" if b == a else f"; most seconds above its floor: {b} ({g(m[b] - fl[b])} s)"))
+    return (f"{c['name']} {c['dtype']} old={c['update_old_actor_freq']} threads={c['num_threads'] or 'def'} "
+            f"({f['peak_gflops']:.0f} GFLOP/s, {f['bandwidth_gbs']:.1f} GB/s): "
+            f"generate {part('generate')} (prefill of {shape['prompts']} prompts x {shape['prompt_len']} {g(fl['generate_prefill'])} s + "
+            f"{steps} decode steps of {shape['rows']} rows {g(fl['generate_decode'])} s, {kind}); "
+            f"score {part('score')} (" + ", ".join(subs + [f"reward + rest {g(rest)} s"]) + "); "
+            f"update {part('update')}; step {part('step')}; furthest from its floor: {furthest}")
 
 
 HEADER = ("config                                   |   step    gen  score (old/ref/critic/reward)      update  sync  "
@@ -806,6 +984,8 @@ def main(argv: list[str] | None = None) -> None:
             limit = r["generate_weight_mb_per_token"] * MB * c["gen_len"] / (bandwidth[str(c["num_threads"])] * 1e9)
             r["generate_bandwidth_limit_s"] = limit
             r["generate_bandwidth_share"] = limit / r["time_s"]["generate"]
+            r["floors"] = floors_against(phase_floors(StepShape(**r["step_shape"]), r["matmul_peak_gflops"],
+                                                      bandwidth[str(c["num_threads"])]), r["time_s"])
         if r.get("ok"):
             c = r["config"]
             if o.minimind_s and c["name"] == o.minimind_size:
@@ -822,6 +1002,12 @@ def main(argv: list[str] | None = None) -> None:
     for r in results:
         if r.get("ok"):
             print(summary_line(r, o))
+    floored = [r for r in results if r.get("ok") and r.get("floors")]
+    if floored:
+        print("\nfloors per phase (measured s / floor s = x floor; FLOPs at the dtype-matched matmul peak, decode steps "
+              "at the larger of that and their weight + KV-cache streaming at the copy bandwidth, of this run):")
+        for r in floored:
+            print(floor_line(r))
     spread = [r for r in results if r.get("ok") and r.get("per_rank")]
     if spread:
         print("\nper rank (--procs): parameters + fp32 gradients + AdamW state of the trained models, and peak RSS:")
