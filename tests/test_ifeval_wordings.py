@@ -120,7 +120,7 @@ def test_a_template_that_repeats_a_training_one_is_caught():
 
 def test_the_held_out_wording_file_uses_only_held_out_wordings():
     """Rendered: each row's held-out wording of each constraint is in its prompt, and no training-family wording of
-    the same constraint is; the shipped training file, conversely, holds no held-out wording."""
+    the same constraint is; the shipped training files, conversely, hold no held-out wording."""
     held = rows(HELDOUT)
     assert len(held) == 300
     for r in held:
@@ -129,7 +129,7 @@ def test_the_held_out_wording_file_uses_only_held_out_wordings():
         for c, wid in zip(r["constraints"], r["template"]):
             assert wid in B.family(c["type"], "heldout") and B.worded(c["type"], wid, c)[0].lower() in prompt
             assert not [w for w in B.family(c["type"], "train") if B.worded(c["type"], w, c)[0].lower() in prompt], r["prompt"]
-    for r in rows(ROOT / "dataset" / "ifeval_train.jsonl"):
+    for r in rows(ROOT / "dataset" / "ifeval_train.jsonl") + rows(ROOT / "dataset" / "ifeval_train_w10.jsonl"):
         prompt = r["prompt"].lower()
         for c in r["constraints"]:
             assert not [w for w in B.family(c["type"], "heldout") if B.worded(c["type"], w, c)[0].lower() in prompt], r["prompt"]
@@ -186,6 +186,12 @@ def test_train_wordings_per_type_writes_the_curves_training_files(tmp_path):
         return [{k: v for k, v in c.items() if k != "request"} for c in r["constraints"]]
     assert [content(r) for r in files[1]] == [content(r) for r in files[10]]  # only the wording differs
     assert [r["prompt"] for r in files[1]] != [r["prompt"] for r in files[10]]
+
+
+def test_the_presets_training_file_is_what_the_builder_writes(tmp_path):
+    """configs/smollm2_ifeval.yaml trains on the 10-wordings file (docs/smollm2_ifeval.md: the curve chose it)."""
+    B.main(["--out_dir", str(tmp_path), "--train_wordings_per_type", "10"])
+    assert (tmp_path / "ifeval_train_w10.jsonl").read_bytes() == (ROOT / "dataset" / "ifeval_train_w10.jsonl").read_bytes()
 
 
 def test_train_wordings_per_type_out_of_range_is_one_line():
