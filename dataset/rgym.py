@@ -20,6 +20,11 @@ the example's.
 Why one-shot: SmolLM2-135M-Instruct never writes the tags when only told to (0 of 24 with the system prompt alone or
 an instruction in the question, docs/reasoning_gym.md), so every reward would be 0 and GRPO would have nothing to
 compare; after one solved example two thirds of its replies use them.
+
+Templates: training always asks in TRAIN_TEMPLATE (the one-shot chat above). HELD_OUT_TEMPLATES ask the same rows in
+wordings and layouts the training never uses (another system prompt or none, the solved example inside the user turn,
+the question reworded), rotated over the rows (scripts/eval_policy.py --rg_template heldout): an unseen-template
+column, scored by the same verifier on the same entries.
 """
 
 from __future__ import annotations
@@ -50,6 +55,80 @@ SYSTEM_PROMPT_NAME = "direct"
 
 class ReasoningGymError(ValueError):
     """A bad --reasoning_gym spec or a missing package: the message is one line, without "error: "."""
+
+
+@dataclass(frozen=True)
+class Template:
+    """How a row is asked. Fields are format strings: {question} is reasoning-gym's question, {expression} the entry's
+    metadata["expression"] (the arithmetic tasks: "4 + 3"); a task without one is asked through `plain` instead of
+    `question`."""
+
+    name: str
+    # The system turn ("{direct}": reasoning-gym's "direct" prompt); None: none (the chat template may then add its
+    # default: SmolLM2's does).
+    system: str | None
+    question: str = "{question}"  # the row's (and the example's) question where the entry has an expression
+    plain: str = "{question}"  # ... where it has none
+    # The solved example as its own user and assistant turns (""), or the single user turn: {example} the example's
+    # question, {answer} its answer, {question} the row's question (both worded as above).
+    shot: str = ""
+
+
+# The training template: reasoning-gym's "direct" system prompt, the example as its own turns, the question as
+# reasoning-gym words it. The held-out ones differ from it in the system prompt and the question's wording, and half of
+# them in the layout (the example inside the user turn).
+TRAIN = "train"
+TRAIN_TEMPLATE = Template(TRAIN, system="{direct}")
+HELD_OUT_SET = "heldout"  # --rg_template: every held-out template, in turn
+HELD_OUT_TEMPLATES = (
+    Template("what_is", system="Reply with the final answer only, written inside <answer></answer> tags.",
+             question="What is {expression}?", plain="{question}",
+             shot="Example: {example}\nAnswer: <answer>{answer}</answer>\n\nNow you: {question}"),
+    Template("compute", system="Put your final answer between <answer> and </answer>. No working, no other text.",
+             question="Compute: {expression}", plain="Task: {question}"),
+    Template("no_system", system=None, question="Evaluate {expression}.", plain="{question}",
+             shot="Answer inside <answer></answer> tags, like this:\nQ: {example}\nA: <answer>{answer}</answer>\n\n"
+                  "Q: {question}\nA:"),
+    Template("polite", system="You are a helpful math assistant. Always give just the final answer, wrapped as "
+                              "<answer>...</answer>.",
+             question="Could you please work out {expression} for me?", plain="Please help with this one. {question}"),
+)
+
+
+def template_names() -> list[str]:
+    """What --rg_template takes: train, heldout (every held-out template, in turn over the rows), or one of them."""
+    return [TRAIN, HELD_OUT_SET, *(t.name for t in HELD_OUT_TEMPLATES)]
+
+
+def templates(name: str) -> list[Template]:
+    """The templates a --rg_template name stands for (rotated over the rows: row i asks in template i mod k)."""
+    if name == TRAIN:
+        return [TRAIN_TEMPLATE]
+    if name == HELD_OUT_SET:
+        return list(HELD_OUT_TEMPLATES)
+    found = [t for t in HELD_OUT_TEMPLATES if t.name == name]
+    if not found:
+        raise ReasoningGymError(f"--rg_template {name}: no such template; one of {', '.join(template_names())}")
+    return found
+
+
+def _ask(template: Template, entry: dict[str, Any]) -> str:
+    expression = (entry.get("metadata") or {}).get("expression")
+    if isinstance(expression, str):
+        return template.question.format(question=entry["question"], expression=expression)
+    return template.plain.format(question=entry["question"])
+
+
+def messages(template: Template, shown: dict[str, Any], entry: dict[str, Any], direct: str) -> list[dict]:
+    """The chat of one row: `entry` asked in `template`, after the solved example `shown`; `direct` is reasoning-gym's
+    "direct" system prompt."""
+    head = [] if template.system is None else [{"role": "system", "content": template.system.format(direct=direct)}]
+    if template.shot:
+        user = template.shot.format(example=_ask(template, shown), answer=shown["answer"], question=_ask(template, entry))
+        return [*head, {"role": "user", "content": user}]
+    return [*head, {"role": "user", "content": _ask(template, shown)},
+            {"role": "assistant", "content": f"<answer>{shown['answer']}</answer>"},
+            {"role": "user", "content": _ask(template, entry)}]
 
 
 @dataclass(frozen=True)
@@ -155,9 +234,12 @@ def parse_spec(spec: str) -> list[TaskSpec]:
     return tasks
 
 
-def generate(spec: str, n: int, seed: int, exclude: frozenset[str] = frozenset()) -> list[PromptRecord]:
+def generate(spec: str, n: int, seed: int, exclude: frozenset[str] = frozenset(),
+             template: str = TRAIN) -> list[PromptRecord]:
     """`n` rows of the spec's tasks, taken in turn (row i of k tasks: task i mod k), from `seed`; a row whose question
-    is in `exclude` is dropped (so fewer rows may come back)."""
+    is in `exclude` is dropped (so fewer rows may come back). A task's j-th row is asked in the j-th of the `template`
+    name's templates, in turn; its rg payload names it ("template")."""
+    asked = templates(template)
     rg = import_reasoning_gym()
     tasks = parse_spec(spec)
     per_task = -(-n // len(tasks))
@@ -171,13 +253,12 @@ def generate(spec: str, n: int, seed: int, exclude: frozenset[str] = frozenset()
         entry = ds[i // len(tasks)]
         if entry["question"] in exclude:
             continue
+        how = asked[(i // len(tasks)) % len(asked)]  # each task's rows in turn, so each task meets every template
         records.append(PromptRecord(
-            messages=[{"role": "system", "content": system}, {"role": "user", "content": shown["question"]},
-                      {"role": "assistant", "content": f"<answer>{shown['answer']}</answer>"},
-                      {"role": "user", "content": entry["question"]}],
+            messages=messages(how, shown, entry, system),
             reference=None,  # the task's verifier scores the reply (accuracy reward), not answers_match
             where=f"reasoning_gym {task.name} seed {seed} row {i // len(tasks)}",
-            rg={"task": task.name, "config": task.settings, "entry": entry},
+            rg={"task": task.name, "config": task.settings, "entry": entry, "template": how.name},
         ))
     return records
 
@@ -187,9 +268,10 @@ def example(task: TaskSpec) -> dict[str, Any]:
     return import_reasoning_gym().create_dataset(task.name, seed=EXAMPLE_SEED, size=1, **task.settings)[0]
 
 
-def held_out(spec: str, n: int = HELD_OUT_ROWS) -> list[PromptRecord]:
-    """The held-out rows: the first `n` of the fixed held-out seed (at most HELD_OUT_ROWS are kept out of training)."""
-    return generate(spec, min(n, HELD_OUT_ROWS), HELD_OUT_SEED)
+def held_out(spec: str, n: int = HELD_OUT_ROWS, template: str = TRAIN) -> list[PromptRecord]:
+    """The held-out rows: the first `n` of the fixed held-out seed (at most HELD_OUT_ROWS are kept out of training),
+    asked in the `template` name's templates (the same entries whatever the template)."""
+    return generate(spec, min(n, HELD_OUT_ROWS), HELD_OUT_SEED, template=template)
 
 
 def training(spec: str, n: int, seed: int) -> list[PromptRecord]:
@@ -202,6 +284,11 @@ def training(spec: str, n: int, seed: int) -> list[PromptRecord]:
 def _scorer(task: str, config_json: str) -> Any:
     """The task's dataset built with the row's config (a verifier may read its config: puzzle24's bounds)."""
     return import_reasoning_gym().create_dataset(task, seed=0, size=1, **json.loads(config_json))
+
+
+def tagged(reply: str) -> bool:
+    """Whether the reply gives an answer the verifier reads (reasoning-gym's extract_answer finds <answer> tags)."""
+    return import_reasoning_gym().utils.extract_answer(reply) is not None
 
 
 def score(reply: str, row: dict) -> float:

@@ -9,6 +9,8 @@ IFEval pass rate for rows with "constraints".
         --data_path dataset/ifeval_eval.jsonl --max_new_tokens 96 --thinking_ratio 0 --reward_model_path none
     python scripts/eval_policy.py --hf_path out/smollm2_135m_instruct --reasoning_gym chain_sum --n 100 \
         --thinking_ratio 0 --reward_model_path none     # train_ppo --reasoning_gym's held-out rows, its verifier
+    python scripts/eval_policy.py --hf_path out/smollm2_135m_instruct --reasoning_gym chain_sum --n 100 \
+        --rg_template heldout --thinking_ratio 0 --reward_model_path none   # the same rows, templates never trained on
     python scripts/eval_policy.py --hf_path out/smollm2_tools_hf --config configs/smollm2_tools.yaml \
         --data_path dataset/smollm2_tools_eval_unseen.jsonl   # tool episodes as the preset runs them, its settings
 
@@ -91,10 +93,16 @@ def print_table(m: dict, label: str) -> None:
     if m.get("tool_call_rate") is not None:
         print(f"  tool calls        {_fmt(m['tool_call_rate'], True)} of episodes call a tool, "
               f"{_fmt(m['tool_ok_rate'], True)} call and every call runs")
+    if m.get("rg_tags_rate") is not None:
+        print(f"  answer tags       {_fmt(m['rg_tags_rate'], True)} of replies give <answer>...</answer> (what the "
+              f"verifier reads)")
     if m.get("by_task"):
-        print(f"  {'task':<16} {'n':>5} {'format':>8} {'accuracy':>9}")
+        w = max(16, *map(len, m["by_task"]))
+        tags = m.get("rg_tags_rate") is not None
+        print(f"  {'task':<{w}} {'n':>5} {'format':>8} {'accuracy':>9}" + (f" {'tags':>7}" if tags else ""))
         for task, t in m["by_task"].items():
-            print(f"  {task:<16} {t['n']:>5} {_fmt(t['format_rate'], True):>8} {_fmt(t['accuracy'], True):>9}")
+            print(f"  {task:<{w}} {t['n']:>5} {_fmt(t['format_rate'], True):>8} {_fmt(t['accuracy'], True):>9}"
+                  + (f" {_fmt(t['rg_tags_rate'], True):>7}" if tags else ""))
 
 
 # A train_ppo.py preset's settings that decide how its prompts are rendered and its episodes run: (its name, ours).
@@ -138,6 +146,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reasoning_gym", default=None, metavar="TASK[,TASK]",
                    help="instead of --data_path: the held-out rows train_ppo.py --reasoning_gym evaluates on (the same spec), "
                         "scored by each task's score_answer")
+    p.add_argument("--rg_template", default=rgym.TRAIN, choices=rgym.template_names(),
+                   help="--reasoning_gym: the prompt template the held-out rows are asked in: train (the one training "
+                        "uses), heldout (the templates training never uses, in turn over the rows; the table gives the "
+                        "accuracy per template), or one of those")
     p.add_argument("--n", type=int, default=0, help="evaluate the first n prompts (0 = all)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top_p", type=float, default=1.0)
@@ -201,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
             rm, rm_tok = load_reward_model(rm_path)
             scorer = RewardModelScorer(rm, rm_tok)
         if args.reasoning_gym:
-            records = rgym.held_out(args.reasoning_gym, args.n or rgym.HELD_OUT_ROWS)
+            records = rgym.held_out(args.reasoning_gym, args.n or rgym.HELD_OUT_ROWS, args.rg_template)
         else:
             records, _ = read_rlaif_jsonl(args.data_path)
         tools = ToolRunner(load_tools(args.tools)) if args.tools else None
@@ -212,13 +224,18 @@ def main(argv: list[str] | None = None) -> dict:
                              f"(the prompt) to leave room for turns")
         if args.tools_system_prompt is not None and TOOLS_PLACEHOLDER not in args.tools_system_prompt:
             raise SystemExit("--tools_system_prompt has no {tools}, where the tools' JSON schemas go")
+        if args.rg_template != rgym.TRAIN and not args.reasoning_gym:
+            raise SystemExit(f"--rg_template {args.rg_template} asks --reasoning_gym's rows: give --reasoning_gym SPEC")
     except (WeightsError, DataError, ToolError, rgym.ReasoningGymError) as e:
         raise SystemExit(str(e)) from None
     if args.n > 0:
         records = records[: args.n]
     if args.reasoning_gym:
-        tasks = [r.rg["task"] if r.rg else None for r in records]
-        data = f"reasoning-gym {args.reasoning_gym} (held-out rows)"
+        # Per task, and with held-out templates per task and template ("basic_arithmetic/what_is").
+        held = args.rg_template != rgym.TRAIN
+        tasks = [(f"{r.rg['task']}/{r.rg['template']}" if held else r.rg["task"]) if r.rg else None for r in records]
+        data = (f"reasoning-gym {args.reasoning_gym} (held-out rows"
+                + (f", template {args.rg_template})" if held else ")"))
     else:
         tasks, data = read_tasks(args.data_path, records), args.data_path
     policy.eval()
@@ -232,6 +249,12 @@ def main(argv: list[str] | None = None) -> dict:
         metrics = evaluate_policy(policy, tokenizer, records, settings, rm_scorer=scorer, ref_policy=ref_policy,
                                   tools=tools, tasks=tasks, return_rows=True)
     rows = metrics.pop("rows")
+    if args.reasoning_gym:  # the share of replies the verifier reads an answer from, overall and per task (template)
+        tagged = [rgym.tagged(row["reply"]) for row in rows]
+        metrics["rg_tags_rate"] = sum(tagged) / max(len(tagged), 1)
+        for task, t in (metrics.get("by_task") or {}).items():
+            mine = [x for x, label in zip(tagged, tasks or [], strict=True) if label == task]
+            t["rg_tags_rate"] = sum(mine) / max(len(mine), 1)
     elapsed = time.time() - t0
     source = args.weights or args.hf_path
     mode = "greedy" if args.temperature == 0 else f"T={args.temperature:g}, top_p={args.top_p:g}"

@@ -47,7 +47,64 @@ def test_a_row_is_a_one_shot_chat_with_reasoning_gyms_direct_prompt_and_carries_
     assert m[0]["content"] == rg.utils.SYSTEM_PROMPTS["direct"].strip()
     assert m[2]["content"].startswith("<answer>") and m[2]["content"].endswith("</answer>")
     assert m[3]["content"] == row[0].rg["entry"]["question"] and row[0].reference is None
-    assert set(row[0].rg) == {"task", "config", "entry"} and row[0].rg["config"] == {}
+    assert set(row[0].rg) == {"task", "config", "entry", "template"} and row[0].rg["config"] == {}
+    assert row[0].rg["template"] == "train"
+
+
+# ---------------------------------------------------------------- templates the training never uses
+GYM = "basic_arithmetic:max_terms=2:max_digits=1"  # the preset's task
+
+
+def _system(messages: list[dict]) -> str | None:
+    return messages[0]["content"] if messages[0]["role"] == "system" else None
+
+
+def test_no_held_out_template_is_the_training_template_in_its_system_prompt_layout_or_wording():
+    direct = rg.utils.SYSTEM_PROMPTS["direct"].strip()
+    train = R.training(GYM, 200, seed=42)
+    assert {r.rg["template"] for r in train} == {"train"} and {_system(r.messages) for r in train} == {direct}
+    train_layout = {tuple(m["role"] for m in r.messages) for r in train}
+    assert train_layout == {("system", "user", "assistant", "user")}  # the example as its own turns
+    trained_texts = {m["content"] for r in train for m in r.messages}
+    held = {name: R.held_out(GYM, 40, name) for name in R.template_names() if name not in ("train", "heldout")}
+    assert len(held) >= 3
+    seen = R.held_out(GYM, 40)
+    for name, rows in held.items():
+        assert {r.rg["template"] for r in rows} == {name}
+        for row, same in zip(rows, seen, strict=True):
+            assert row.rg["entry"] == same.rg["entry"]  # the same question, asked otherwise
+            question = row.rg["entry"]["question"]
+            assert _system(row.messages) != direct, name  # another system prompt, or none
+            assert question not in row.messages[-1]["content"], name  # the question reworded
+            # No system or user turn that training ever shows (the example's answer turn is the same "<answer>16</answer>").
+            assert not {m["content"] for m in row.messages if m["role"] != "assistant"} & trained_texts, name
+    layouts = {tuple(m["role"] for m in rows[0].messages) for rows in held.values()}
+    assert ("user",) in layouts and ("system", "user") in layouts  # the example inside the user turn, with and without
+    assert any(_system(rows[0].messages) is None for rows in held.values())  # a system prompt
+
+
+def test_heldout_rotates_its_templates_over_the_same_rows_and_a_task_meets_each():
+    both = "basic_arithmetic:max_terms=2:max_digits=1,chain_sum"
+    rows, seen = R.held_out(both, 24, "heldout"), R.held_out(both, 24)
+    assert [r.rg["entry"] for r in rows] == [r.rg["entry"] for r in seen]
+    names = [t.name for t in R.HELD_OUT_TEMPLATES]
+    for task in ("basic_arithmetic", "chain_sum"):
+        assert [r.rg["template"] for r in rows if r.rg["task"] == task][: 2 * len(names)] == names * 2
+    with pytest.raises(R.ReasoningGymError, match="--rg_template nope: no such template; one of train, heldout, "):
+        R.held_out(GYM, 4, "nope")
+
+
+def test_the_held_out_column_is_scored_by_the_same_verifier_as_the_training_template():
+    for row, same in zip(R.held_out(GYM, 8, "heldout"), R.held_out(GYM, 8), strict=True):
+        answer = row.rg["entry"]["answer"]
+        replies = [f"<answer>{answer}</answer>", f"<answer>{int(answer) + 1}</answer>", answer, f"<answer>= {answer}</answer>"]
+        n = len(replies)
+        scores = [compute_rewards(prompts=["p"] * n, messages=[[]] * n, replies=replies, references=[None] * n,
+                                  has_eos=[True] * n, weights={"accuracy": 1.0}, rm=None, reasoning=False, custom_fns={},
+                                  rg=[r.rg] * n)[1]["accuracy"].tolist() for r in (row, same)]
+        own = rg.get_score_answer_fn("basic_arithmetic")
+        assert scores[0] == scores[1] == pytest.approx([own(rg.utils.extract_answer(x), row.rg["entry"]) for x in replies])
+        assert scores[0][:3] == [1.0, 0.0, 0.0]
 
 
 # ---------------------------------------------------------------- the reward
@@ -119,6 +176,27 @@ def _preset(tmp: Path, actor: Path, **over) -> list[str]:
              "save_dir": tmp / "out", "checkpoint_dir": tmp / "ckpt", "run_dir": tmp / "run", "swanlab_mode": "disabled",
              "num_threads": 1, **over}
     return ["--config", str(ROOT / "configs" / "smollm2_reasoning_gym.yaml"), *(x for k, v in flags.items() for x in (f"--{k}", str(v)))]
+
+
+def test_eval_policy_asks_the_held_out_rows_in_the_held_out_templates_and_reports_each(tmp_path, tiny, capsys):
+    from scripts import eval_policy
+
+    base = ["--hf_path", str(tiny), "--reasoning_gym", GYM, "--n", "8", "--max_new_tokens", "4", "--max_prompt_len", "128",
+            "--thinking_ratio", "0", "--reward_model_path", "none", "--json", "", "--num_threads", "1"]
+    m = eval_policy.main([*base, "--rg_template", "heldout", "--replies_out", str(tmp_path / "r.jsonl")])
+    assert m["n"] == m["n_with_reference"] == 8
+    assert sorted(m["by_task"]) == sorted(f"basic_arithmetic/{t.name}" for t in R.HELD_OUT_TEMPLATES)
+    assert all(t["n"] == 2 for t in m["by_task"].values())
+    replies = [json.loads(line)["reply"] for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert m["rg_tags_rate"] == sum(rg.utils.extract_answer(r) is not None for r in replies) / 8
+    asked = [json.loads(line)["conversations"] for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert asked == [r.messages for r in R.held_out(GYM, 8, "heldout")]
+    assert "(held-out rows, template heldout)" in capsys.readouterr().out
+    assert list(eval_policy.main(base)["by_task"]) == ["basic_arithmetic"]  # the training template: as before
+    with pytest.raises(SystemExit, match="--rg_template what_is asks --reasoning_gym's rows"):
+        eval_policy.main(["--hf_path", str(tiny), "--rg_template", "what_is", "--reward_model_path", "none", "--json", ""])
+    with pytest.raises(SystemExit):  # argparse: invalid choice, the names listed
+        eval_policy.parse_args(["--hf_path", "x", "--rg_template", "nope"])
 
 
 @pytest.mark.slow
