@@ -81,10 +81,10 @@ def distinct_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> t
 
 def first_of_each(inverse: torch.Tensor) -> torch.Tensor:
     """The first row holding each distinct prompt, in distinct-prompt order: [U] row indices."""
-    U = int(inverse.max()) + 1
-    rows = torch.arange(inverse.shape[0], device=inverse.device)
-    return torch.full((U,), inverse.shape[0], device=inverse.device, dtype=torch.long).scatter_reduce(
-        0, inverse, rows, reduce="amin")
+    first: dict[int, int] = {}
+    for row, u in enumerate(inverse.tolist()):  # on the host: a few rows, and no scatter that deterministic CUDA refuses
+        first.setdefault(u, row)
+    return torch.tensor([first[u] for u in range(len(first))], device=inverse.device)
 
 
 def expand_cache(cache: Cache, inverse: torch.Tensor) -> None:
