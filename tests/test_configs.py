@@ -34,6 +34,9 @@ def _recipe_flags(tmp: Path, actor: Path, preset: str = "smollm2_ifeval.yaml", *
     return ["--config", str(ROOT / "configs" / preset), *(x for k, v in flags.items() for x in (f"--{k}", str(v)))]
 
 
+PRESET_EVAL = "dataset/ifeval_eval_heldout_wording.jsonl"  # the preset's eval_data_path: its eval is re-scored from it
+
+
 @pytest.mark.slow
 def test_the_smollm2_ifeval_recipe_runs_on_a_tiny_stand_in_and_gives_a_usable_model(tmp_path, tiny_smollm):
     from transformers import AutoModelForCausalLM
@@ -46,6 +49,7 @@ def test_the_smollm2_ifeval_recipe_runs_on_a_tiny_stand_in_and_gives_a_usable_mo
     assert all(f"reward/ifeval/{t}" in steps[0] for t in ("lowercase", "no_comma", "quotation", "number_bullets"))
     evals = [r for r in rows if "eval/ifeval_pass_rate" in r]
     assert [r["step"] for r in evals] == [0, 2] and all("eval/distinct_2" in r for r in evals)
+    assert f"eval_data_path: {PRESET_EVAL}" in (ROOT / "configs" / "smollm2_ifeval.yaml").read_text()
 
     hf = tmp_path / "out" / "smollm2_ifeval_hf"
     model = AutoModelForCausalLM.from_pretrained(hf)  # plain transformers, no peft, no remote code
@@ -53,7 +57,7 @@ def test_the_smollm2_ifeval_recipe_runs_on_a_tiny_stand_in_and_gives_a_usable_mo
 
     figures = tmp_path / "eval.json"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "eval_policy.py"), "--hf_path", str(hf),
-                        "--ref_hf_path", str(tiny_smollm), "--data_path", str(ROOT / "dataset" / "ifeval_eval.jsonl"),
+                        "--ref_hf_path", str(tiny_smollm), "--data_path", str(ROOT / PRESET_EVAL),
                         "--n", "4", "--max_new_tokens", "8", "--max_prompt_len", "256", "--thinking_ratio", "0",
                         "--reward_model_path", "none", "--json", str(figures), "--num_threads", "1"],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
