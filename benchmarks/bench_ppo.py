@@ -585,10 +585,9 @@ class ConfigRun:
             update_critic_passes=0 if critic is None else 2 if args.reuse_values else 3,
             update_iters=args.ppo_update_iters,
             use_moe=bool(getattr(mcfg, "use_moe", False)), num_experts_per_tok=int(getattr(mcfg, "num_experts_per_tok", 1) or 1))
-        # What the sampler runs today: a prefill of every row, then gen_len - 1 decode steps (attention over the cache).
-        gen = forward_flops(shape, B, P, 1) + sum(forward_flops(shape, B, 1, 1) + B * shape.num_hidden_layers * 4 * heads * hd * (P + t)
-                                                  for t in range(1, R))
-        analytic = phase_floors(shape, 1.0, 1.0)["flops"]  # the floors' FLOPs: what the step's scoring and update ran
+        analytic = phase_floors(shape, 1.0, 1.0)["flops"]  # the floors' FLOPs: what the step ran, phase by phase
+        # What the sampler runs: a prefill of each distinct prompt, then gen_len - 1 decode steps over the cache.
+        gen = analytic["generate_prefill"] + analytic["generate_decode"]
         flops = {
             "update_analytic": analytic["update"],  # actor 3x (2x under LoRA), critic 3x, 2x when its forward ran in scoring
             "score_analytic": analytic["score_old"] + analytic["score_ref"] + analytic["score_critic"],  # the forwards that ran

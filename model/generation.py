@@ -68,23 +68,18 @@ class PreallocatedLayer(DynamicLayer):
         return self.keys, self.values
 
 
-def distinct_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
-    """For each row, the index of its prompt among the batch's distinct (ids, mask) rows, or None when every
-    row is distinct. GRPO's groups repeat each prompt num_generations times: the sampler prefills each distinct
-    prompt once and copies its K/V to the group's rows (what an engine's prefix cache does)."""
+def distinct_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(first, inverse): the first row of each distinct (ids, mask) prompt [U], and each row's prompt index [B];
+    None when every row is distinct. GRPO's groups repeat each prompt num_generations times: the sampler prefills
+    each distinct prompt once and copies its K/V to the group's rows (what an engine's prefix cache does)."""
     if input_ids.shape[0] < 2:
         return None
     rows = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
-    uniq, inverse = torch.unique(rows, dim=0, return_inverse=True)
-    return inverse if uniq.shape[0] < rows.shape[0] else None
-
-
-def first_of_each(inverse: torch.Tensor) -> torch.Tensor:
-    """The first row holding each distinct prompt, in distinct-prompt order: [U] row indices."""
-    first: dict[int, int] = {}
-    for row, u in enumerate(inverse.tolist()):  # on the host: a few rows, and no scatter that deterministic CUDA refuses
-        first.setdefault(u, row)
-    return torch.tensor([first[u] for u in range(len(first))], device=inverse.device)
+    _, inverse, counts = torch.unique(rows, dim=0, return_inverse=True, return_counts=True)
+    if counts.shape[0] == rows.shape[0]:
+        return None
+    order = torch.sort(inverse, stable=True).indices  # rows grouped by prompt, each group in row order
+    return order[counts.cumsum(0) - counts], inverse
 
 
 def expand_cache(cache: Cache, inverse: torch.Tensor) -> None:
@@ -417,8 +412,8 @@ def sample(
         prefill_cast = (torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False)
                         if fast is not None and torch.is_autocast_enabled(device_type) else contextlib.nullcontext())
         # Each distinct prompt is prefilled once, its K/V then copied to every row that repeats it.
-        inverse = distinct_prompts(input_ids, mask) if cache is not None and share_prefill else None
-        at = first_of_each(inverse) if inverse is not None else slice(None)
+        shared = distinct_prompts(input_ids, mask) if cache is not None and share_prefill else None
+        at, inverse = shared if shared is not None else (slice(None), None)
         with prefill_cast:
             out = model(input_ids=input_ids[at], attention_mask=mask[at], position_ids=position[at], use_cache=True,
                         **keep, **extra)
