@@ -21,10 +21,11 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .fast_decode import fast_decoder
+from .fast_decode import SharedPrefix, fast_decoder
 from .lora import base_of
 from .modeling import kv_cache_of
 
@@ -178,23 +179,76 @@ def host_sync_interval(device_type: str) -> int:
     return 1 if device_type == "cpu" else 8
 
 
-def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None = None,
-                       finite: torch.Tensor | None = None) -> torch.Tensor:
-    """One token per row from softmax(logits) [B, V] by inverse CDF: index of the first cumulative
-    probability above u ~ U(0, total). Entries at -inf (probability 0) are never drawn.
+_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
 
-    Non-finite logits raise at once; with `finite` (a 0-dim bool device tensor) the check is ANDed into
-    it instead, without a host sync, for the caller to raise on later (indices stay in range meanwhile)."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    cdf = cumulative_probs(probs)  # fp64: the running sum over the vocabulary loses nothing
+
+def draw_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None,
+                    finite: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row from unnormalised probabilities [B, V] (>= 0) by inverse CDF: u ~ U(0, total), the index
+    of the first cumulative probability above u. Entries of probability 0 are never drawn.
+
+    Two levels, the same categorical distribution: the running sums of blocks of 256 entries (fp64) find u's block,
+    then the running sums inside that block alone find its token. Why: a full running sum over a 49,152-token
+    vocabulary (fp64, 32 rows) is ~2-7 ms per decoded token on a 2-core CPU; this reads the probabilities once for
+    the block sums and sums 256 of them per row. The drawn token equals the full running sum's except where u lies
+    within fp64 rounding of a boundary.
+
+    Non-finite probabilities raise at once; with `finite` (a 0-dim bool device tensor) the check is ANDed into it
+    instead, without a host sync, for the caller to raise on later (indices stay in range meanwhile)."""
+    B, V = probs.shape
+    nb = -(-V // _BLOCK)
+    padded = F.pad(probs, (0, nb * _BLOCK - V)) if nb * _BLOCK != V else probs  # zeros: never drawn
+    blocks = padded.view(B, nb, _BLOCK)
+    sums = blocks.sum(dim=-1, dtype=torch.float64)  # [B, nb]
+    cdf = cumulative_probs(sums)
     total = cdf[:, -1:]
     if finite is None:
         if not bool(torch.isfinite(total).all()):
             raise RuntimeError(_NONFINITE)
     else:
         finite.logical_and_(torch.isfinite(total).all())
-    u = torch.rand(total.shape, dtype=torch.float64, device=logits.device, generator=generator) * total
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=logits.shape[-1] - 1).squeeze(-1)
+    u = torch.rand(total.shape, dtype=torch.float64, device=probs.device, generator=generator) * total  # [B, 1]
+    block = torch.searchsorted(cdf, u, right=True).clamp_(max=nb - 1)  # [B, 1]
+    below = torch.where(block > 0, cdf.gather(1, (block - 1).clamp(min=0)), torch.zeros_like(u))  # the CDF before it
+    inside = blocks.gather(1, block[:, :, None].expand(B, 1, _BLOCK)).squeeze(1)  # [B, 256]
+    at = torch.searchsorted(cumulative_probs(inside), u - below, right=True)  # [B, 1]
+    # Rounding may put u - below past the block's own running sum: then its last entry with probability > 0.
+    last = (torch.arange(1, _BLOCK + 1, device=probs.device) * (inside > 0)).argmax(dim=-1, keepdim=True)
+    return (block * _BLOCK + torch.minimum(at, last)).clamp_(max=V - 1).squeeze(-1)
+
+
+def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None = None,
+                       finite: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row from softmax(logits) [B, V] (`draw_from_probs`). Entries at -inf (probability 0) are
+    never drawn. Non-finite logits raise, or with `finite` are ANDed into it (see draw_from_probs)."""
+    return draw_from_probs(torch.softmax(logits.float(), dim=-1), generator, finite)
+
+
+def choose_tokens(raw: torch.Tensor, *, eos_t: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                  greedy: bool, suppress_eos: bool, return_logprobs: bool, score_temp: float,
+                  generator: torch.Generator | None, finite: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The next token of each row from fp32 logits raw [B, V], and (return_logprobs) its log-prob and the entropy
+    under softmax(raw / score_temp): sample()'s loop body and StaticDecode's, in one place.
+
+    Plain temperature sampling (no top-k / top-p: the presets' case) takes one log-softmax for both: the draw reads
+    its exp (with EOS zeroed under suppress_eos: the same distribution as EOS at -inf), and the log-prob and entropy
+    are token_logprobs' own operations on it, so they equal token_logprobs bit for bit."""
+    if not greedy and top_k <= 0 and top_p >= 1.0 and score_temp == temperature:
+        logp = torch.log_softmax(raw / temperature if temperature != 1.0 else raw, dim=-1)
+        probs = logp.exp()
+        ent = -(probs * logp).sum(-1) if return_logprobs else None
+        nxt = draw_from_probs(probs.index_fill_(-1, eos_t, 0.0) if suppress_eos else probs, generator, finite)
+        return nxt, torch.gather(logp, -1, nxt[:, None]).squeeze(-1) if return_logprobs else None, ent
+    logits = raw.index_fill(-1, eos_t, float("-inf")) if suppress_eos else raw
+    if greedy:
+        nxt = logits.argmax(dim=-1)
+    else:
+        nxt = sample_from_logits(filter_logits(logits, temperature, top_k, top_p), generator, finite=finite)
+    if not return_logprobs:
+        return nxt, None, None
+    lp, ent = token_logprobs(raw, nxt, score_temp, with_entropy=True)
+    return nxt, lp, ent
 
 
 _WARNED: set[str] = set()
@@ -249,17 +303,13 @@ class StaticDecode:
     def take(self, last: torch.Tensor) -> None:
         """Sample column `col` from logits `last` [B, V] (sample()'s loop body), then advance the column."""
         o = self.opts
-        raw = last.float()
-        logits = raw.index_fill(-1, o["eos_t"], float("-inf")) if o["suppress_eos"] else raw
-        if o["greedy"]:
-            nxt = logits.argmax(dim=-1)
-        else:
-            nxt = sample_from_logits(filter_logits(logits, o["temperature"], o["top_k"], o["top_p"]), self.generator,
-                                     finite=self.finite)
+        nxt, lp, ent = choose_tokens(last.float(), eos_t=o["eos_t"], temperature=o["temperature"], top_k=o["top_k"],
+                                     top_p=o["top_p"], greedy=o["greedy"], suppress_eos=o["suppress_eos"],
+                                     return_logprobs=o["return_logprobs"], score_temp=o["score_temp"],
+                                     generator=self.generator, finite=self.finite)
         nxt = torch.where(self.finished, torch.full_like(nxt, o["pad"]), nxt)
         self.tokens.index_copy_(1, self.col, nxt[:, None])
-        if o["return_logprobs"]:
-            lp, ent = token_logprobs(raw, nxt, o["score_temp"], with_entropy=True)
+        if lp is not None and ent is not None:
             self.logprobs.index_copy_(1, self.col, lp[:, None])
             self.entropy.index_copy_(1, self.col, ent[:, None])
         if not o["suppress_eos"]:
@@ -351,6 +401,7 @@ def sample(
     sync_interval: int | None = None,
     generator: torch.Generator | None = None,
     share_prefill: bool = True,
+    shared_attention: bool = True,
 ) -> Samples:
     """Sample responses for a left-padded batch [B, P]; per-row stop at EOS, pads after it.
 
@@ -381,7 +432,11 @@ def sample(
 
     share_prefill: rows with the same prompt (GRPO's groups) share one prefill: each distinct prompt runs once and
     its K/V and last logits are copied to its rows. The logits equal a prefill of every row up to the rounding of a
-    smaller batch's matmuls (tests/test_generation.py); False prefills every row (tests compare the two)."""
+    smaller batch's matmuls (tests/test_generation.py); False prefills every row (tests compare the two).
+
+    shared_attention: with share_prefill, the fast decoder's loop (not the static step) keeps each distinct prompt's
+    K/V once and attends over it for all of its rows (model.fast_decode.SharedPrefix) where every prompt repeats
+    equally often; False copies the prompt's K/V to each row (tests compare the two)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     interval = sync_interval if sync_interval is not None else host_sync_interval(input_ids.device.type)
@@ -418,13 +473,17 @@ def sample(
             out = model(input_ids=input_ids[at], attention_mask=mask[at], position_ids=position[at], use_cache=True,
                         **keep, **extra)
         last = out.logits[:, -1, :]
+        static = (static_step if static_step is not None else device_type == "cuda") and fast is not None
+        prefix = None
         if inverse is not None:
-            expand_cache(cache, inverse)
+            if shared_attention and fast is not None and not static and SharedPrefix.applies(inverse):
+                prefix = SharedPrefix(cache, mask[at], inverse, max_new_tokens, fast.compute_dtype)
+            else:
+                expand_cache(cache, inverse)
             last = last.index_select(0, inverse)
         if fast is not None:  # the whole-generation key mask, sliced per step: [B, P + max_new_tokens]
             kv_mask = torch.cat([mask.bool(), mask.new_ones(B, max_new_tokens, dtype=torch.bool)], dim=1)
         position = position[:, -1:]
-        static = (static_step if static_step is not None else device_type == "cuda") and fast is not None
         if static:
             dec = StaticDecode(fast, cache, mask, position, max_new_tokens, eos_t=eos_t, pad_token_id=pad_token_id,
                                temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy, suppress_eos=suppress_eos,
@@ -432,19 +491,15 @@ def sample(
             return _static_samples(dec, last, input_ids, max_new_tokens, eos_ids, pad_token_id, interval, suppress_eos,
                                    return_logprobs, capture=device_type == "cuda" and cuda_graphs)
         finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-        # interval 1 checks finiteness per token inside sample_from_logits (a sync), as it always has.
+        # interval 1 checks finiteness per token inside the draw (a sync), as it always has.
         finite = torch.ones((), dtype=torch.bool, device=input_ids.device) if interval > 1 else None
         for step in range(max_new_tokens):
-            raw = last.float()  # [B, V]; kept unsuppressed for return_logprobs
-            logits = raw.index_fill(-1, eos_t, float("-inf")) if suppress_eos else raw
-            if greedy:
-                nxt = logits.argmax(dim=-1)
-            else:
-                nxt = sample_from_logits(filter_logits(logits, temperature, top_k, top_p), generator, finite=finite)
+            nxt, lp, ent = choose_tokens(last.float(), eos_t=eos_t, temperature=temperature, top_k=top_k, top_p=top_p,
+                                         greedy=greedy, suppress_eos=suppress_eos, return_logprobs=return_logprobs,
+                                         score_temp=score_temp, generator=generator, finite=finite)
             nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)  # finished rows get pads
             tokens.append(nxt)
-            if return_logprobs:
-                lp, ent = token_logprobs(raw, nxt, score_temp, with_entropy=True)
+            if lp is not None and ent is not None:
                 step_logprobs.append(lp)
                 step_entropy.append(ent)
             if not suppress_eos:
@@ -458,7 +513,7 @@ def sample(
                 break
             position = position + 1
             if fast is not None:
-                last = fast.step(nxt, position, kv_mask[:, : P + step + 1], cache)
+                last = fast.step(nxt, position, kv_mask[:, : P + step + 1], cache, prefix=prefix)
             else:
                 mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
                 out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=position,

@@ -819,3 +819,140 @@ def test_shared_prefill_keeps_row_order_of_unsorted_groups():
     alone = [sample(m, ids[i : i + 1], mask[i : i + 1], **kw).sequences for i in range(5)]
     for i in range(5):
         assert torch.equal(shared.sequences[i : i + 1, : alone[i].shape[1]], alone[i])
+
+
+# ---------------------------------------------------------------- shared-prompt attention (SharedPrefix)
+
+def _count_shared_attention(monkeypatch) -> list[int]:
+    """How many SharedPrefix.attend calls each sample() made (a wrapper)."""
+    from model.fast_decode import SharedPrefix
+
+    calls: list[int] = []
+    real = SharedPrefix.attend
+
+    def attend(self, *a, **k):
+        calls.append(1)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(SharedPrefix, "attend", attend)
+    return calls
+
+
+@pytest.mark.parametrize("order", ["grouped", "shuffled"])
+def test_shared_attention_gives_the_copied_prompt_kv_samples(order, monkeypatch):
+    """fp32: attention over each prompt's K/V once equals attention over each row's copy (same tokens, log-probs to
+    fp32 rounding), for left-padded prompts of different lengths and rows of one prompt in any order."""
+    m = scramble(build_minimind(64, 2, vocab_size=256), seed=7).eval()
+    ids, mask = _grouped(PROMPTS, 4)
+    if order == "shuffled":
+        perm = torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(1))
+        ids, mask = ids[perm], mask[perm]
+    calls = _count_shared_attention(monkeypatch)
+    kw = dict(max_new_tokens=12, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, return_logprobs=True)
+    shared = sample(m, ids, mask, generator=torch.Generator().manual_seed(0), **kw)
+    assert len(calls) > 0  # the shared path ran
+    n = len(calls)
+    copied = sample(m, ids, mask, generator=torch.Generator().manual_seed(0), shared_attention=False, **kw)
+    assert len(calls) == n  # ...and the copy did not
+    assert torch.equal(shared.sequences, copied.sequences) and torch.equal(shared.response_mask, copied.response_mask)
+    torch.testing.assert_close(shared.logprobs, copied.logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared.entropy, copied.entropy, atol=1e-5, rtol=0)
+
+
+def test_shared_attention_each_row_equals_its_prompt_alone(monkeypatch):
+    """Greedy, rows of two prompts interleaved: every row decodes what its prompt alone decodes."""
+    m = scramble(build_minimind(64, 2, vocab_size=256), seed=8).eval()
+    ids, mask = _left_pad([PROMPTS[1], PROMPTS[0], PROMPTS[0], PROMPTS[1]])
+    calls = _count_shared_attention(monkeypatch)
+    kw = dict(max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD, greedy=True)
+    shared = sample(m, ids, mask, **kw)
+    assert calls
+    for i in range(4):
+        alone = sample(m, ids[i : i + 1], mask[i : i + 1], **kw).sequences
+        assert torch.equal(shared.sequences[i : i + 1, : alone.shape[1]], alone)
+
+
+def test_shared_attention_bf16_agrees_with_sdpa_to_bf16_rounding(monkeypatch):
+    """Under bf16 autocast the prompt part is computed in fp32 from the cache, SDPA in bf16: the first decoded
+    token's log-probs agree to bf16 rounding (the greedy first two tokens are then the same)."""
+    m = scramble(build_minimind(64, 2, vocab_size=256), seed=9).eval()
+    ids, mask = _grouped(PROMPTS, 4)
+    calls = _count_shared_attention(monkeypatch)
+    kw = dict(max_new_tokens=2, eos_token_id=EOS, pad_token_id=PAD, greedy=True, return_logprobs=True, suppress_eos=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        shared = sample(m, ids, mask, **kw)
+        copied = sample(m, ids, mask, shared_attention=False, **kw)
+    assert calls
+    assert torch.equal(shared.sequences[:, -2], copied.sequences[:, -2])
+    second = shared.sequences[:, -1] == copied.sequences[:, -1]
+    assert second.float().mean() > 0.9
+    torch.testing.assert_close(shared.logprobs[second, 1], copied.logprobs[second, 1], atol=0.05, rtol=0)
+
+
+def test_shared_attention_needs_equal_groups():
+    from model.fast_decode import SharedPrefix
+
+    assert SharedPrefix.applies(torch.tensor([0, 0, 1, 1, 2, 2]))
+    assert SharedPrefix.applies(torch.tensor([1, 0, 2, 0, 1, 2]))
+    assert not SharedPrefix.applies(torch.tensor([0, 0, 1, 2, 2, 2]))  # unequal: each row gets a copy instead
+
+
+# ---------------------------------------------------------------- the two-level draw
+
+@pytest.mark.parametrize("V", [40, 256, 1000, 4099])
+def test_draw_from_probs_draws_the_distribution(V):
+    """Frequencies of 20,000 draws match the probabilities, zero-probability entries (block edges included) are
+    never drawn, for vocabularies below, at and past one block of 256 (and not a multiple of it)."""
+    from model.generation import draw_from_probs
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.zeros(V)
+    hot = torch.randperm(V, generator=g)[:8]
+    hot[0] = V - 1  # the vocabulary's last entry...
+    if V > 256:
+        hot[1] = 255  # ...and a block's last
+    p[hot] = torch.rand(8, generator=g) + 0.1
+    probs = (p / 3).expand(20000, V)  # unnormalised on purpose
+    draws = draw_from_probs(probs, torch.Generator().manual_seed(1))
+    assert bool((p[draws] > 0).all())
+    freq = torch.bincount(draws, minlength=V).double() / draws.numel()
+    want = (p / p.sum()).double()
+    assert (freq - want).abs().max() < 0.01
+
+
+def test_draw_from_probs_never_draws_past_a_blocks_last_positive_entry(monkeypatch):
+    """u at the very top of the CDF (rounding may put it past the block's own running sum): the draw is the last
+    entry with probability > 0, never a zero entry after it."""
+    from model import generation as G
+
+    p = torch.zeros(2, 700)
+    p[0, 300], p[0, 301], p[1, 5] = 0.3, 0.7, 1.0  # entries after each last positive are 0
+    monkeypatch.setattr(G.torch, "rand", lambda *a, **k: torch.full(a[0], 1.0 - 2.0 ** -53, dtype=torch.float64))
+    assert G.draw_from_probs(p).tolist() == [301, 5]
+
+
+def test_draw_from_probs_raises_or_flags_nonfinite():
+    from model.generation import draw_from_probs
+
+    with pytest.raises(RuntimeError, match="non-finite"):
+        draw_from_probs(torch.tensor([[0.5, float("nan")]]))
+    flag = torch.ones((), dtype=torch.bool)
+    tok = draw_from_probs(torch.tensor([[0.5, float("nan")]]), finite=flag)
+    assert not bool(flag) and 0 <= int(tok) < 2
+
+
+@pytest.mark.parametrize("suppress_eos", [False, True])
+def test_choose_tokens_plain_temperature_scores_as_token_logprobs(suppress_eos):
+    """The fused path (one log-softmax for the draw, the log-prob and the entropy) gives token_logprobs' values bit
+    for bit, and with suppress_eos never draws EOS."""
+    from model.generation import choose_tokens
+
+    raw = 3 * torch.randn(64, 300, generator=torch.Generator().manual_seed(2))
+    eos = torch.tensor([EOS, 7])
+    nxt, lp, ent = choose_tokens(raw, eos_t=eos, temperature=0.7, top_k=0, top_p=1.0, greedy=False,
+                                 suppress_eos=suppress_eos, return_logprobs=True, score_temp=0.7,
+                                 generator=torch.Generator().manual_seed(3), finite=None)
+    want_lp, want_ent = token_logprobs(raw, nxt, 0.7, with_entropy=True)
+    assert torch.equal(lp, want_lp) and torch.equal(ent, want_ent)
+    if suppress_eos:
+        assert not bool(torch.isin(nxt, eos).any())
