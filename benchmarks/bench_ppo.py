@@ -82,7 +82,8 @@ bandwidth where that is the larger, both measured in the same run at the config'
   generate  prefill of the distinct prompts only (--batch_size rows: a GRPO group's prompt prefilled
             once), then gen_len - 1 decode steps of all rows, each max(FLOPs: every row through every
             layer matmul and the LM head, plus attention over the cached positions; bytes: the weights
-            once plus every row's cached keys and values, in the compute dtype)
+            once, each distinct prompt's cached keys and values once and every row's decoded ones, in the
+            compute dtype)
   score     the scoring forwards that ran (old policy only with an old-actor copy or --rollout_logprobs 0,
             reference, critic), every row prompt_len + gen_len long; reward model and the rest count 0
   update    the update FLOPs above
@@ -90,7 +91,7 @@ bandwidth where that is the larger, both measured in the same run at the config'
 Each phase prints measured / floor ("x floor"), and the phase furthest from its floor (by that ratio,
 and by seconds above it where another phase loses more). Left out, so the floors sit below what any
 implementation reaches: elementwise work (norms, rotary, activations, softmax, casts, AdamW),
-sampling, activation traffic and the KV copy of a prompt to its group's rows. Two things go the other
+sampling and activation traffic. Two things go the other
 way: attention counts the full T x T square (a causal kernel may skip the masked half, ~3% of the
 preset's forward FLOPs), and rows count as full (with `--prompts demo`, padding-free runs fewer tokens).
 
@@ -288,7 +289,8 @@ def phase_floors(s: StepShape, peak_gflops: float, bandwidth_gbs: float) -> dict
     it is max(FLOPs / peak, weights / bandwidth). Then gen_len - 1 decode steps (the first token comes from the
     prefill's logits), step t (1..gen_len-1) at max(compute, streaming): compute = every row through every layer
     matmul and the head (2 x rows x decode_weight_params) plus attention over the P + t cached positions;
-    streaming = the weights once plus every row's cached keys and values, at the copy bandwidth.
+    streaming = the weights once plus the cached keys and values at the copy bandwidth: each distinct prompt's once
+    (a group's rows share them: model.fast_decode.SharedPrefix reads them once) and every row's own decoded ones.
     score = the scoring forwards that ran (old policy, reference: head at gen_len + 1 positions; critic: no head),
     every row P + gen_len long; the reward model (negligible here) and the elementwise rest count 0.
     update = its forward multiples (`update_*_passes`) x the forwards x update_iters.
@@ -304,7 +306,7 @@ def phase_floors(s: StepShape, peak_gflops: float, bandwidth_gbs: float) -> dict
     compute_bound = 0
     for t in range(1, R):
         flops = 2 * B * s.decode_weight_params + B * L * 4 * heads * hd * (P + t)
-        nbytes = weight_bytes + B * L * 2 * kv * hd * (P + t) * s.itemsize
+        nbytes = weight_bytes + L * 2 * kv * hd * (s.prompts * P + B * t) * s.itemsize
         decode_flops += flops
         decode_bytes += nbytes
         decode_s += max(flops / peak, nbytes / bw)

@@ -539,38 +539,39 @@ TINY_SHAPE = dict(hidden_size=8, num_hidden_layers=2, intermediate_size=16, voca
 
 def test_bench_phase_floors_against_hand_computed_figures():
     """Each phase's floor: FLOPs at the peak, decode steps at the larger of compute and weight + KV streaming. Peak
-    1000 FLOP/s and 276 B/s make the first decode step compute-bound and the second bandwidth-bound."""
+    1000 FLOP/s and 258 B/s make the first decode step compute-bound and the second bandwidth-bound."""
     b = _bench()
     from trainer.run.hardware import layer_matmul_params
 
     assert layer_matmul_params(argparse.Namespace(**TINY_SHAPE)) + 10 * 8 == 1232
     shape = b.StepShape(**TINY_SHAPE, score_old=True, score_ref=True, score_critic=True, update_actor_passes=3,
                         update_critic_passes=2)
-    f = b.phase_floors(shape, peak_gflops=1e-6, bandwidth_gbs=0.276e-6)
+    f = b.phase_floors(shape, peak_gflops=1e-6, bandwidth_gbs=0.258e-6)
     # prefill: the 2 distinct prompts, not the 4 rows: 2 rows x 3 positions x 2 layers x 2 x 576 = 13824,
     # attention 2 rows x 2 layers x 4*2*4*3^2 = 1152, head 2*8*10 x 2 rows x 1 position = 320 -> 15296 FLOP,
-    # above its 2464 bytes / 276 B/s = 8.93 s.
+    # above its 2464 bytes / 258 B/s = 9.55 s.
     assert f["flops"]["generate_prefill"] == 15296
     # decode step t (KV length 3 + t): 2 x 4 rows x 1232 = 9856 + attention 4 rows x 2 layers x 4*2*4 x (3 + t);
-    # bytes 2464 + 4 rows x 2 layers x 2 (K, V) x 1 head x 4 wide x (3 + t) x 2 bytes.
-    # t=1: 9856 + 1024 = 10880 FLOP = 10.88 s against 2464 + 512 = 2976 B = 10.78 s: compute.
-    # t=2: 9856 + 1280 = 11136 FLOP = 11.136 s against 2464 + 640 = 3104 B = 11.246 s: bandwidth.
+    # bytes 2464 + 2 layers x 2 (K, V) x 1 head x 4 wide x (2 prompts x 3 + 4 rows x t) x 2 bytes: each distinct
+    # prompt's K/V once (its group shares it), every row's decoded ones.
+    # t=1: 9856 + 1024 = 10880 FLOP = 10.88 s against 2464 + 320 = 2784 B = 10.79 s: compute.
+    # t=2: 9856 + 1280 = 11136 FLOP = 11.136 s against 2464 + 448 = 2912 B = 11.287 s: bandwidth.
     assert f["decode_steps"] == 2 and f["decode_compute_bound_steps"] == 1
-    assert f["flops"]["generate_decode"] == 10880 + 11136 and f["decode_bytes"] == 2976 + 3104
+    assert f["flops"]["generate_decode"] == 10880 + 11136 and f["decode_bytes"] == 2784 + 2912
     fl = f["floor_s"]
     assert fl["generate_prefill"] == pytest.approx(15.296)
-    assert fl["generate_decode"] == pytest.approx(10.88 + 3104 / 276)
-    assert fl["generate"] == pytest.approx(15.296 + 10.88 + 3104 / 276)
+    assert fl["generate_decode"] == pytest.approx(10.88 + 2912 / 258)
+    assert fl["generate"] == pytest.approx(15.296 + 10.88 + 2912 / 258)
     # scoring, 4 rows x 6 positions: linears 4*6*2*2*576 = 55296, attention 4*2*4*2*4*36 = 9216;
     # the policy's head at R + 1 = 4 positions: 2*8*10*4*4 = 2560 -> 67072; the critic's, no head: 64512.
     assert (fl["score_old"], fl["score_ref"], fl["score_critic"]) == pytest.approx((67.072, 67.072, 64.512))
     assert fl["score"] == pytest.approx(198.656)
     # update: actor 3 x 67072 + critic 2 x 64512 (its forward ran in scoring) = 330240.
     assert fl["update"] == pytest.approx(330.24)
-    assert fl["step"] == pytest.approx(15.296 + 10.88 + 3104 / 276 + 198.656 + 330.24)
+    assert fl["step"] == pytest.approx(15.296 + 10.88 + 2912 / 258 + 198.656 + 330.24)
     # No old-actor forward, no critic (GRPO), LoRA's 2x, two epochs; one prompt per row prefills all 4 rows.
     g = b.phase_floors(b.StepShape(**{**TINY_SHAPE, "prompts": 4}, score_old=False, score_critic=False,
-                                   update_actor_passes=2, update_critic_passes=0, update_iters=2), 1e-6, 0.276e-6)["floor_s"]
+                                   update_actor_passes=2, update_critic_passes=0, update_iters=2), 1e-6, 0.258e-6)["floor_s"]
     assert (g["score_old"], g["score_critic"], g["score"]) == (0.0, 0.0, pytest.approx(67.072))
     assert g["update"] == pytest.approx(2 * 2 * 67.072)
     assert g["generate_prefill"] == pytest.approx(2 * 15.296)  # linears, attention and head all scale with the rows
@@ -581,23 +582,23 @@ def test_bench_floor_summary_names_the_phase_furthest_from_its_floor():
     seconds, by seconds."""
     b = _bench()
     shape = b.StepShape(**TINY_SHAPE, score_ref=True, update_critic_passes=0)
-    floors = b.phase_floors(shape, 1e-6, 0.276e-6)
-    fl = floors["floor_s"]  # generate 37.42, score 67.07 (reference only), update 201.22
+    floors = b.phase_floors(shape, 1e-6, 0.258e-6)
+    fl = floors["floor_s"]  # generate 37.46, score 67.07 (reference only), update 201.22
     t = {"step": 0.0, "generate": 3 * fl["generate"], "score_old": 0.0, "score_ref": 1.5 * fl["score_ref"],
          "score_critic": 0.0, "score": 1.5 * fl["score_ref"] + 1.0, "update": 2 * fl["update"]}
     t["step"] = t["generate"] + t["score"] + t["update"]
     rep = b.floors_against(floors, t)
     assert rep["x_floor"]["generate"] == pytest.approx(3.0) and rep["x_floor"]["update"] == pytest.approx(2.0)
     assert "score_old" not in rep["x_floor"] and "score_critic" not in rep["x_floor"]  # no forward: no floor
-    assert rep["furthest"] == {"by_ratio": "generate", "by_seconds": "update"}  # 3x but 74.8 s; 2x but 201.2 s above
+    assert rep["furthest"] == {"by_ratio": "generate", "by_seconds": "update"}  # 3x but 74.9 s; 2x but 201.2 s above
     r = {"config": {"name": "tiny", "dtype": "bfloat16", "update_old_actor_freq": 0, "num_threads": 1},
          "floors": rep, "step_shape": dataclasses.asdict(shape)}
     line = b.floor_line(r)
-    assert "generate 112 / 37.4 s = 3.0x (prefill of 2 prompts x 3 15.3 s + 2 decode steps of 4 rows 22.1 s, " \
+    assert "generate 112 / 37.5 s = 3.0x (prefill of 2 prompts x 3 15.3 s + 2 decode steps of 4 rows 22.2 s, " \
            "1 of them compute-bound)" in line
     assert "score 102 / 67.1 s = 1.5x (ref 101 / 67.1 s = 1.5x, reward + rest 1 s)" in line
     assert "update 402 / 201 s = 2.0x" in line
-    assert "furthest from its floor: generate (3.0x its floor, 74.8 s above it); most seconds above its floor: update (201 s)" in line
+    assert "furthest from its floor: generate (3.0x its floor, 74.9 s above it); most seconds above its floor: update (201 s)" in line
 
 
 def test_bench_groups_configs_of_one_size_for_interleaving():
