@@ -224,12 +224,13 @@ def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None =
     return draw_from_probs(torch.softmax(logits.float(), dim=-1), generator, finite)
 
 
-def choose_tokens(raw: torch.Tensor, *, eos_t: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                  greedy: bool, suppress_eos: bool, return_logprobs: bool, score_temp: float,
-                  generator: torch.Generator | None, finite: torch.Tensor | None
+def choose_tokens(raw: torch.Tensor, *, finished: torch.Tensor, pad_token_id: int, eos_t: torch.Tensor,
+                  temperature: float, top_k: int, top_p: float, greedy: bool, suppress_eos: bool, return_logprobs: bool,
+                  score_temp: float, generator: torch.Generator | None, finite: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The next token of each row from fp32 logits raw [B, V], and (return_logprobs) its log-prob and the entropy
-    under softmax(raw / score_temp): sample()'s loop body and StaticDecode's, in one place.
+    """The next token of each row from fp32 logits raw [B, V] (pad_token_id where `finished`), and (return_logprobs)
+    its log-prob and the entropy under softmax(raw / score_temp): sample()'s loop body and StaticDecode's, in one
+    place.
 
     Plain temperature sampling (no top-k / top-p: the presets' case) takes one log-softmax for both: the draw reads
     its exp (with EOS zeroed under suppress_eos: the same distribution as EOS at -inf), and the log-prob and entropy
@@ -239,12 +240,14 @@ def choose_tokens(raw: torch.Tensor, *, eos_t: torch.Tensor, temperature: float,
         probs = logp.exp()
         ent = -(probs * logp).sum(-1) if return_logprobs else None
         nxt = draw_from_probs(probs.index_fill_(-1, eos_t, 0.0) if suppress_eos else probs, generator, finite)
+        nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)
         return nxt, torch.gather(logp, -1, nxt[:, None]).squeeze(-1) if return_logprobs else None, ent
     logits = raw.index_fill(-1, eos_t, float("-inf")) if suppress_eos else raw
     if greedy:
         nxt = logits.argmax(dim=-1)
     else:
         nxt = sample_from_logits(filter_logits(logits, temperature, top_k, top_p), generator, finite=finite)
+    nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)
     if not return_logprobs:
         return nxt, None, None
     lp, ent = token_logprobs(raw, nxt, score_temp, with_entropy=True)
@@ -303,11 +306,10 @@ class StaticDecode:
     def take(self, last: torch.Tensor) -> None:
         """Sample column `col` from logits `last` [B, V] (sample()'s loop body), then advance the column."""
         o = self.opts
-        nxt, lp, ent = choose_tokens(last.float(), eos_t=o["eos_t"], temperature=o["temperature"], top_k=o["top_k"],
-                                     top_p=o["top_p"], greedy=o["greedy"], suppress_eos=o["suppress_eos"],
-                                     return_logprobs=o["return_logprobs"], score_temp=o["score_temp"],
-                                     generator=self.generator, finite=self.finite)
-        nxt = torch.where(self.finished, torch.full_like(nxt, o["pad"]), nxt)
+        nxt, lp, ent = choose_tokens(last.float(), finished=self.finished, pad_token_id=o["pad"], eos_t=o["eos_t"],
+                                     temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"], greedy=o["greedy"],
+                                     suppress_eos=o["suppress_eos"], return_logprobs=o["return_logprobs"],
+                                     score_temp=o["score_temp"], generator=self.generator, finite=self.finite)
         self.tokens.index_copy_(1, self.col, nxt[:, None])
         if lp is not None and ent is not None:
             self.logprobs.index_copy_(1, self.col, lp[:, None])
@@ -494,10 +496,10 @@ def sample(
         # interval 1 checks finiteness per token inside the draw (a sync), as it always has.
         finite = torch.ones((), dtype=torch.bool, device=input_ids.device) if interval > 1 else None
         for step in range(max_new_tokens):
-            nxt, lp, ent = choose_tokens(last.float(), eos_t=eos_t, temperature=temperature, top_k=top_k, top_p=top_p,
-                                         greedy=greedy, suppress_eos=suppress_eos, return_logprobs=return_logprobs,
-                                         score_temp=score_temp, generator=generator, finite=finite)
-            nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)  # finished rows get pads
+            nxt, lp, ent = choose_tokens(last.float(), finished=finished, pad_token_id=pad_token_id, eos_t=eos_t,
+                                         temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
+                                         suppress_eos=suppress_eos, return_logprobs=return_logprobs,
+                                         score_temp=score_temp, generator=generator, finite=finite)  # finished rows: pads
             tokens.append(nxt)
             if lp is not None and ent is not None:
                 step_logprobs.append(lp)

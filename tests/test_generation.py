@@ -944,15 +944,18 @@ def test_draw_from_probs_raises_or_flags_nonfinite():
 @pytest.mark.parametrize("suppress_eos", [False, True])
 def test_choose_tokens_plain_temperature_scores_as_token_logprobs(suppress_eos):
     """The fused path (one log-softmax for the draw, the log-prob and the entropy) gives token_logprobs' values bit
-    for bit, and with suppress_eos never draws EOS."""
+    for bit, and with suppress_eos never draws EOS (finished rows aside, which get pads)."""
     from model.generation import choose_tokens
 
     raw = 3 * torch.randn(64, 300, generator=torch.Generator().manual_seed(2))
     eos = torch.tensor([EOS, 7])
-    nxt, lp, ent = choose_tokens(raw, eos_t=eos, temperature=0.7, top_k=0, top_p=1.0, greedy=False,
+    finished = torch.zeros(64, dtype=torch.bool)
+    finished[::5] = True
+    nxt, lp, ent = choose_tokens(raw, finished=finished, pad_token_id=PAD, eos_t=eos, temperature=0.7, top_k=0, top_p=1.0, greedy=False,
                                  suppress_eos=suppress_eos, return_logprobs=True, score_temp=0.7,
                                  generator=torch.Generator().manual_seed(3), finite=None)
     want_lp, want_ent = token_logprobs(raw, nxt, 0.7, with_entropy=True)
     assert torch.equal(lp, want_lp) and torch.equal(ent, want_ent)
+    assert bool((nxt[finished] == PAD).all())  # finished rows get pads (their log-prob is the pad's, as before)
     if suppress_eos:
-        assert not bool(torch.isin(nxt, eos).any())
+        assert not bool(torch.isin(nxt[~finished], eos).any())
