@@ -24,6 +24,10 @@ LoRA (peft) layers: each adapter is folded into its layer's weight once per `sam
 one; x (W + B A s) rounds differently from peft's x W + s (x A) B in the last bits (fp32 log-probs
 agree to ~1e-6: tests/test_lora.py).
 
+Rows that repeat a prompt (GRPO's groups): `SharedPrefix` attends over each distinct prompt's K/V once for all of
+its rows instead of over a copy per row (cascade attention; fp32 from the cached values, equal to the copy to fp32
+rounding): `sample()` at the SmolLM2 preset's shape 5.89 -> 4.05 s with the cheaper draw (docs/speed-and-memory.md).
+
 Anything else (MoE, biases, sliding windows, other model types, hub kernels) returns None from
 `fast_decoder` and `sample()` keeps transformers' forward.
 """
