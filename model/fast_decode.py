@@ -243,7 +243,7 @@ class SharedPrefix:
         attention masks; inverse [B]: each row's prompt index (distinct_prompts); dtype: the attention output's
         (the decoder's compute dtype, None = the queries')."""
         B, U = inverse.shape[0], prompt_mask.shape[0]
-        self.B, self.U, self.g, self.dtype = B, U, B // U, dtype
+        self.U, self.g, self.dtype = U, B // U, dtype
         order = torch.sort(inverse, stable=True).indices  # grouped position -> row
         grouped = torch.equal(order, torch.arange(B, device=order.device))
         self.order = None if grouped else order
