@@ -252,6 +252,17 @@ def forward_flops(cfg: Any, rows: int, seq: int, head_positions: int) -> float:
     return rows * seq * L * 2 * layer_macs(cfg) + rows * L * attn + 2 * H * V * rows * head_positions
 
 
+def shared_forward_flops(cfg: Any, prompts: int, rows: int, prompt_len: int, gen_len: int, head_positions: int) -> float:
+    """forward_flops of `rows` rows whose `prompts` distinct prompts run once each (Packing.mask: a group's
+    prompt, then its rows' responses): the linears at prompts x P + rows x R positions, attention over the
+    prompt's P x P square once per prompt and each response's R x (P + R) rectangle, the head as forward_flops."""
+    H, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+    heads, _, hd = _heads(cfg)
+    P, R = prompt_len, gen_len
+    attn = 4 * heads * hd * (prompts * P * P + rows * R * (P + R))
+    return (prompts * P + rows * R) * L * 2 * layer_macs(cfg) + L * attn + 2 * H * V * rows * head_positions
+
+
 @dataclasses.dataclass(frozen=True)
 class StepShape:
     """What one step computes, for its floors (`phase_floors`): the model's shape, the rows, and which forwards ran.
@@ -276,6 +287,7 @@ class StepShape:
     update_actor_passes: int = 3  # forward multiples: forward + backward (~2x), 2 with LoRA (no weight grads of the base)
     update_critic_passes: int = 0  # 3, 2 when its forward ran in scoring (--reuse_values), 0 without a critic
     update_iters: int = 1  # --ppo_update_iters: epochs over the rows
+    shared_prompts: bool = False  # scoring and update run a group's prompt once (padding-free, trainer.rollout.shares_prompts)
     use_moe: bool = False
     num_experts_per_tok: int = 1
 
@@ -292,7 +304,8 @@ def phase_floors(s: StepShape, peak_gflops: float, bandwidth_gbs: float) -> dict
     streaming = the weights once plus the cached keys and values at the copy bandwidth: each distinct prompt's once
     (a group's rows share them: model.fast_decode.SharedPrefix reads them once) and every row's own decoded ones.
     score = the scoring forwards that ran (old policy, reference: head at gen_len + 1 positions; critic: no head),
-    every row P + gen_len long; the reward model (negligible here) and the elementwise rest count 0.
+    every row P + gen_len long (`shared_prompts`: each distinct prompt once, shared_forward_flops); the reward
+    model (negligible here) and the elementwise rest count 0.
     update = its forward multiples (`update_*_passes`) x the forwards x update_iters.
     step = generate + score + update (the old-actor copy and an engine push count 0)."""
     peak, bw = peak_gflops * 1e9, bandwidth_gbs * 1e9
@@ -312,7 +325,11 @@ def phase_floors(s: StepShape, peak_gflops: float, bandwidth_gbs: float) -> dict
         decode_s += max(flops / peak, nbytes / bw)
         compute_bound += flops / peak >= nbytes / bw
     seq = P + R
-    policy_fwd, critic_fwd = forward_flops(s, B, seq, R + 1), forward_flops(s, B, seq, 0)
+    if s.shared_prompts and s.prompts < B:
+        policy_fwd, critic_fwd = (shared_forward_flops(s, s.prompts, B, P, R, R + 1),
+                                  shared_forward_flops(s, s.prompts, B, P, R, 0))
+    else:
+        policy_fwd, critic_fwd = forward_flops(s, B, seq, R + 1), forward_flops(s, B, seq, 0)
     flops_of = {"generate_prefill": prefill_flops, "generate_decode": decode_flops,
                 "score_old": policy_fwd if s.score_old else 0.0, "score_ref": policy_fwd if s.score_ref else 0.0,
                 "score_critic": critic_fwd if s.score_critic else 0.0,
@@ -537,6 +554,7 @@ class ConfigRun:
         actor, critic, ref, old_actor, rm_scorer, optims = m.actor, m.critic, m.ref, m.old_actor, m.rm_scorer, built.optim.optims
         # ---- figures
         from trainer.dist import local  # this rank's part of a sharded (--strategy fsdp2) tensor
+        from trainer.rollout import shares_prompts
 
         nparams = lambda m: sum(p.numel() for p in m.parameters()) if m is not None else 0
         pbytes = lambda m: sum(local(p).numel() * p.element_size() for p in m.parameters()) if m is not None else 0
@@ -586,6 +604,7 @@ class ConfigRun:
             update_actor_passes=2 if args.lora_r > 0 else 3,
             update_critic_passes=0 if critic is None else 2 if args.reuse_values else 3,
             update_iters=args.ppo_update_iters,
+            shared_prompts=bool(args.padding_free) and args.batch_size < B and shares_prompts(actor) is not None,
             use_moe=bool(getattr(mcfg, "use_moe", False)), num_experts_per_tok=int(getattr(mcfg, "num_experts_per_tok", 1) or 1))
         analytic = phase_floors(shape, 1.0, 1.0)["flops"]  # the floors' FLOPs: what the step ran, phase by phase
         # What the sampler runs: a prefill of each distinct prompt, then gen_len - 1 decode steps over the cache.

@@ -544,9 +544,10 @@ def _draw_constraints(topic: str, first: str, kinds: list[str], two_share: float
 
 
 def make_worded_rows(topics: list[str], n: int, wordings: dict[str, list[str]], seed: str,
-                     kinds: list[str] | None = None, two_share: float = 0.4) -> list[dict]:
+                     kinds: list[str] | None = None, two_share: float = 0.4, ifeval_share: float = 0.0) -> list[dict]:
     """n rows on `topics`, each of `kinds` equally often as a row's first constraint, each constraint worded by one
-    of wordings[type] (wording ids, `family`), drawn at random, and placed by one of LAYOUTS. Topics and constraints
+    of wordings[type] (wording ids, `family`), drawn at random (with ifeval_share > 0: IFEval's sentence, where the
+    type has one among its wordings, with that probability, else one of the others), and placed by one of LAYOUTS. Topics and constraints
     come from one stream and wordings and layouts from another, so files that differ only in `wordings` hold the
     same requests and constraints. Each row also carries "template": the wording id of each constraint."""
     kinds = kinds or KINDS
@@ -557,7 +558,7 @@ def make_worded_rows(topics: list[str], n: int, wordings: dict[str, list[str]], 
         first = kinds[i % len(kinds)]
         cs = _draw_constraints(topic, first, kinds, two_share, crng)
         request = crng.choice(QUESTIONS if first == "constrained_response" else REQUESTS).format(t=topic)
-        wids = [wrng.choice(wordings[c["type"]]) for c in cs]
+        wids = [_pick(wordings[c["type"]], ifeval_share, wrng) for c in cs]
         layout = wrng.choice(LAYOUTS)
         prompt = compose(request, [worded(c["type"], w, c) for c, w in zip(cs, wids) if c["type"] != "repeat_prompt"], layout)
         if cs[-1]["type"] == "repeat_prompt":
@@ -568,6 +569,13 @@ def make_worded_rows(topics: list[str], n: int, wordings: dict[str, list[str]], 
                                   "wording": [w.split("/")[0] for w in wids], "template": wids}))
     crng.shuffle(rows)
     return rows
+
+
+def _pick(wids: list[str], ifeval_share: float, rng: random.Random) -> str:
+    """One of `wids`: uniformly, or IFEval's sentence with probability ifeval_share where it is among them."""
+    if ifeval_share <= 0 or "ifeval" not in wids or len(wids) == 1:
+        return rng.choice(wids)
+    return "ifeval" if rng.random() < ifeval_share else rng.choice([w for w in wids if w != "ifeval"])
 
 
 def _row(prompt: str, extra: dict) -> dict:
@@ -644,7 +652,15 @@ def main(argv: list[str] | None = None) -> None:
                    help="write only ifeval_train_wN.jsonl: --n_train rows whose constraints are worded by the first N "
                         "wordings of each type's training family (1 = IFEval's sentence only), for a curve of the "
                         "held-out-wording gain against N; 0: the five files above")
+    p.add_argument("--ifeval_share", type=float, default=0.0, metavar="P",
+                   help="with --train_wordings_per_type: word a constraint by IFEval's own sentence with probability P "
+                        "(the rest by the type's other wordings) and write ifeval_train_wN_ifevalP.jsonl (P in percent); "
+                        "0: every wording equally often")
     a = p.parse_args(argv)
+    if not 0 <= a.ifeval_share < 1:
+        p.error(f"--ifeval_share must be in [0, 1), got {a.ifeval_share}")
+    if a.ifeval_share and not a.train_wordings_per_type:
+        p.error("--ifeval_share needs --train_wordings_per_type N (it shapes only the wordings file)")
     most = min(len(family(k, "train")) for k in KINDS)
     if not 0 <= a.train_wordings_per_type <= most:
         p.error(f"--train_wordings_per_type must be between 1 and {most} (the wordings each type has for training), "
@@ -654,8 +670,10 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if a.train_wordings_per_type:
         n = a.train_wordings_per_type
-        rows = make_worded_rows(TRAIN_TOPICS, a.n_train, {k: family(k, "train")[:n] for k in KINDS}, f"train_wordings/{a.seed}")
-        _write(out / f"ifeval_train_w{n}.jsonl", rows)
+        rows = make_worded_rows(TRAIN_TOPICS, a.n_train, {k: family(k, "train")[:n] for k in KINDS}, f"train_wordings/{a.seed}",
+                                ifeval_share=a.ifeval_share)
+        suffix = f"_ifeval{round(100 * a.ifeval_share)}" if a.ifeval_share else ""
+        _write(out / f"ifeval_train_w{n}{suffix}.jsonl", rows)
         return
     ifeval_kinds = [k for k in KINDS if k != "start_phrase"]
     files = [("ifeval_train.jsonl", lambda: make_rows(TRAIN_TOPICS, a.n_train, rng)),

@@ -11,6 +11,7 @@ starts to adapt too. `--critic_warmup_steps` lets the critic fit before the acto
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,9 +51,11 @@ class CriticModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         values_to_keep: int = 0,
+        **kwargs: Any,
     ) -> torch.Tensor:
+        # kwargs reach the trunk's attention (a packed batch's shared_layout: model/shared_attention.py)
         hidden = self.trunk(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs
         ).last_hidden_state  # [B, T, H]
         if values_to_keep > 0:
             hidden = hidden[:, -values_to_keep:, :]

@@ -886,7 +886,9 @@ def test_shared_attention_bf16_agrees_with_sdpa_to_bf16_rounding(monkeypatch):
     assert torch.equal(shared.sequences[:, -2], copied.sequences[:, -2])
     second = shared.sequences[:, -1] == copied.sequences[:, -1]
     assert second.float().mean() > 0.9
-    torch.testing.assert_close(shared.logprobs[second, 1], copied.logprobs[second, 1], atol=0.05, rtol=0)
+    # 0.1: a few bf16 roundings of a log-prob near -2 (0.056 seen on an AVX2-only CPU, whose autocast matmuls
+    # round differently from AMX's); a prompt attended wrongly moves it by far more.
+    torch.testing.assert_close(shared.logprobs[second, 1], copied.logprobs[second, 1], atol=0.1, rtol=0)
 
 
 def test_shared_attention_needs_equal_groups():

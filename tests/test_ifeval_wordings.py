@@ -194,6 +194,30 @@ def test_the_presets_training_file_is_what_the_builder_writes(tmp_path):
     assert (tmp_path / "ifeval_train_w10.jsonl").read_bytes() == (ROOT / "dataset" / "ifeval_train_w10.jsonl").read_bytes()
 
 
+def test_ifeval_share_words_that_share_by_ifevals_sentence_and_keeps_the_constraints(tmp_path):
+    B.main(["--out_dir", str(tmp_path), "--n_train", "1000", "--train_wordings_per_type", "10"])
+    B.main(["--out_dir", str(tmp_path), "--n_train", "1000", "--train_wordings_per_type", "10", "--ifeval_share", "0.4"])
+    even, shared = rows(tmp_path / "ifeval_train_w10.jsonl"), rows(tmp_path / "ifeval_train_w10_ifeval40.jsonl")
+
+    def share(rs: list[dict]) -> float:  # among the constraints whose type has IFEval's sentence
+        ws = [w for r in rs for c, w in zip(r["constraints"], r["template"]) if c["type"] != "start_phrase"]
+        return sum(w == "ifeval" for w in ws) / len(ws)
+    assert 0.07 < share(even) < 0.14 and 0.36 < share(shared) < 0.44
+    others = {w for r in shared for w in r["template"] if w != "ifeval"}
+    assert others >= {w for k in B.KINDS for w in B.family(k, "train")[1:] if k != "start_phrase"}  # the other nine still appear
+    assert [r["constraints"][0]["type"] for r in even] == [r["constraints"][0]["type"] for r in shared]
+    for r in shared:
+        for c, w in zip(r["constraints"], r["template"]):
+            assert B.worded(c["type"], w, c)[0].lower() in r["prompt"].lower()
+
+
+def test_ifeval_share_without_the_wordings_file_is_one_line():
+    out = subprocess.run([sys.executable, "builders/make_ifeval_data.py", "--ifeval_share", "0.4"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+        "make_ifeval_data.py: error: --ifeval_share needs --train_wordings_per_type N (it shapes only the wordings file)")
+
+
 def test_train_wordings_per_type_out_of_range_is_one_line():
     out = subprocess.run([sys.executable, "builders/make_ifeval_data.py", "--train_wordings_per_type", "11"], cwd=ROOT,
                          capture_output=True, text=True)

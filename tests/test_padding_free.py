@@ -16,7 +16,7 @@ from model.critic import CriticModel
 from model.modeling import MiniMindForCausalLM
 from tests.helpers import ROOT, build_update_world, run_experience, run_update
 from trainer.registry import estimator_names, policy_loss_names
-from trainer.rollout import attention_break_even, critic_forward, pack_rows, policy_forward
+from trainer.rollout import attention_break_even, critic_forward, pack_rows, policy_forward, shares_prompts
 
 FIXTURES = ROOT / "tests" / "fixtures"
 # fp32 on a CPU: the packed forward runs other matmul shapes, so sums may round differently.
@@ -176,6 +176,71 @@ def test_packed_log_probs_values_and_gradients_equal_the_padded(name, attn, layo
     _assert_grads_close(packed[3], padded[3])
 
 
+def _grouped(vocab: int, groups: list[tuple[int, list[int]]], P: int, R: int, seed: int = 2):  # noqa: N803
+    """GRPO's layout: each group's rows the same left-padded prompt of its length, their own responses."""
+    prompt_lens = [p for p, rs in groups for _ in rs]
+    seq, att = _batch(vocab, prompt_lens, [r for _, rs in groups for r in rs], P, R, seed)
+    b = 0
+    for _, rs in groups:
+        seq[b:b + len(rs), :P] = seq[b, :P]
+        b += len(rs)
+    return seq, att
+
+
+GROUPED = ([(9, [4, 1, 6]), (3, [6, 6, 2]), (7, [0, 5, 3])], 9, 6)  # a row with no response token among them
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", _fast_only(MODELS, {"minimind_qwen3", "hf_llama"}))
+def test_rows_sharing_a_prompt_pack_it_once_and_equal_the_padded(name, attn, tmp_path):
+    """GRPO's groups: each prompt's tokens run once for its rows (Packing.mask: each response attends to the prompt
+    and to itself), with the padded path's log-probs, entropies, values and gradients to float rounding."""
+    m = _model(name, tmp_path, attn)
+    critic = CriticModel.from_policy(m)
+    torch.nn.init.normal_(critic.value_head.weight, std=0.5)
+    seq, att = _grouped(m.config.vocab_size, *GROUPED)
+    R = GROUPED[2]
+    shared = pack_rows(seq, att, R, 1e9, share_prompts=attn)
+    assert shared is not None and shared.shared is not None
+    assert shared.kept == 9 + 3 + 7 + int(att[:, -R:].sum())  # every prompt once, every response token
+    assert shared.kept < pack_rows(seq, att, R, 1e9).kept
+    assert shares_prompts(m) == attn
+    assert pack_rows(seq, att, R, attention_break_even(m), share_prompts=attn).shared is not None  # what runs
+    padded = _losses_and_grads(m, critic, seq, att, R, padding_free=False)
+    packed = _losses_and_grads(m, critic, seq, att, R, padding_free=True)
+    for a, b in zip(padded[:3], packed[:3]):
+        torch.testing.assert_close(b, a, rtol=0, atol=ATOL)
+    _assert_grads_close(packed[3], padded[3])
+
+
+def test_a_shared_prompt_is_not_read_by_another_groups_rows_nor_a_response_by_its_siblings():
+    m = _native()
+    m.set_attn_implementation("sdpa")
+    seq, att = _grouped(m.config.vocab_size, *GROUPED)
+    R = GROUPED[2]
+    with torch.no_grad():
+        lp, _ = policy_forward(m, seq, att, R, padding_free=True)
+        other = seq.clone()
+        other[1, -R:] = torch.where(att[1, -R:].bool(), (seq[1, -R:] + 7) % (m.config.vocab_size - 3) + 3, seq[1, -R:])
+        other[3:6, :9] = torch.where(att[3:6, :9].bool(), (seq[3:6, :9] + 5) % (m.config.vocab_size - 3) + 3, seq[3:6, :9])
+        lp2, _ = policy_forward(m, other, att, R, padding_free=True)
+    resp = att[:, -R:].bool()
+    assert not torch.allclose(lp[1][resp[1]], lp2[1][resp[1]]) and not torch.allclose(lp[3][resp[3]], lp2[3][resp[3]])
+    for b in (0, 2, 6, 7, 8):  # row 1's siblings and the third group: untouched by row 1's or group 2's change
+        torch.testing.assert_close(lp[b], lp2[b], rtol=0, atol=1e-6)
+
+
+def test_prompts_are_shared_only_where_the_attention_takes_a_mask():
+    m = _native()
+    for impl, want in (("sdpa", "sdpa"), ("eager", "eager"), ("flash_attention_2", None), ("flex_attention", None)):
+        m.config._attn_implementation = impl  # only read here
+        m.model.config._attn_implementation = impl
+        assert shares_prompts(m) == want, impl
+    m.config._attn_implementation = m.model.config._attn_implementation = "sdpa"
+    m.model.config.layer_types = ["sliding_attention", "full_attention"]
+    assert shares_prompts(m) is None
+
+
 def test_packed_forward_under_bf16_autocast_is_within_bf16_rounding_of_the_padded():
     m = _native()
     m.set_attn_implementation("eager")  # the update's kernel under bf16 on a CPU
@@ -185,6 +250,14 @@ def test_packed_forward_under_bf16_autocast_is_within_bf16_rounding_of_the_padde
         a, _ = policy_forward(m, seq, att, 6)
         b, _ = policy_forward(m, seq, att, 6, padding_free=True)
     assert (a - b)[resp].abs().max().item() < 0.05  # bf16's 8-bit mantissa; fp32 agrees to 2e-5 above
+    seq, att = _grouped(m.config.vocab_size, *GROUPED)  # rows sharing prompts, under both kernels
+    resp = att[:, -GROUPED[2]:].bool()
+    for attn in ("eager", "sdpa"):
+        m.set_attn_implementation(attn)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            a, _ = policy_forward(m, seq, att, GROUPED[2])
+            b, _ = policy_forward(m, seq, att, GROUPED[2], padding_free=True)
+        assert (a - b)[resp].abs().max().item() < 0.05, attn
 
 
 # ------------------------------------------------------------------ the whole step, on vs off, same seed

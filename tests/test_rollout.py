@@ -575,6 +575,13 @@ def test_bench_phase_floors_against_hand_computed_figures():
     assert (g["score_old"], g["score_critic"], g["score"]) == (0.0, 0.0, pytest.approx(67.072))
     assert g["update"] == pytest.approx(2 * 2 * 67.072)
     assert g["generate_prefill"] == pytest.approx(2 * 15.296)  # linears, attention and head all scale with the rows
+    # Shared prompts (padding-free groups): each of the 2 prompts' 3 positions once + 4 rows x 3 response positions =
+    # 18 positions: linears 18*2*2*576 = 41472; attention 2 layers x 4*2*4 x (2 x 3^2 + 4 x 3 x 6) = 5760; the same
+    # head 2560 -> 49792 for the policy, 47232 for the critic. Decode is unchanged.
+    h = b.phase_floors(dataclasses.replace(shape, shared_prompts=True), 1e-6, 0.258e-6)["floor_s"]
+    assert (h["score_ref"], h["score_critic"]) == pytest.approx((49.792, 47.232))
+    assert h["update"] == pytest.approx(3 * 49.792 + 2 * 47.232)
+    assert h["generate"] == pytest.approx(fl["generate"])
 
 
 def test_bench_floor_summary_names_the_phase_furthest_from_its_floor():

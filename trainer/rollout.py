@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from model.generation import Samples, sample, token_logprobs
+from model.generation import Samples, distinct_prompts, sample, token_logprobs
+from model.shared_attention import NAME as SHARED_ATTENTION
+from model.shared_attention import SharedLayout
 from trainer.engine import Engine, exits_on_engine_error
 from trainer.ppo import masked_mean
 from trainer.runtime import Models, Runtime, on
@@ -150,12 +152,19 @@ class Packing:
     input_ids, position_ids [bins, C]: the model's input. `at` [B, R]: each real response-region token
     (attention_mask 1) with a real token before it in its row (its prompt, or its earlier turns); `before`:
     the flat index into the packed [bins * C] of the token before each of those, in `at`'s row-major order:
-    the position whose logits (whose value) belong to it, as position P+t-1 in the padded layout."""
+    the position whose logits (whose value) belong to it, as position P+t-1 in the padded layout.
+
+    `shared` (GRPO's groups: rows that share a prompt): one packed row holding each group's prompt once, then its
+    rows' response regions, each at its padded-path position; the forward runs model/shared_attention.py's
+    attention over it (a response reads its prompt and itself), so the log-probs, values and gradients are the
+    padded path's to rounding with each prompt token run once. None: every row whole, transformers finding the
+    rows from position_ids."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     at: torch.Tensor
     before: torch.Tensor
+    shared: SharedLayout | None = None
 
     @property
     def kept(self) -> int:
@@ -215,17 +224,20 @@ def _widths(lengths: list[int]) -> list[int]:
 
 
 def pack_rows(sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
-              break_even: float = 1024.0) -> Packing | None:
+              break_even: float = 1024.0, share_prompts: str | None = None) -> Packing | None:
     """The padding-free layout of a padded batch [B, P+R] (left-padded prompts, right-padded or multi-turn
     responses: any row whose attention_mask marks its real tokens), or None where it would not be cheaper.
 
     Bins of width C (_widths: at the longest row's length two rows share a bin only if they fit in it, so wider
     bins pack tighter) cost bins x C x (1 + C / c0) in the model, c0 = `break_even` (attention_break_even:
     attention, all C x C of it under a packed mask, against the matmuls per token); the cheapest width wins if it
-    is cheaper than the padded B x T x (1 + T / c0). One host read of the row lengths; the placement is
-    deterministic."""
+    is cheaper than the padded B x T x (1 + T / c0). `share_prompts` (the attention kernel, "eager" or "sdpa",
+    where the model may share them: `shares_prompts`): rows that repeat a prompt may instead pack as one row with
+    each prompt once (Packing.shared), which costs its tokens plus the attention each row reads / c0. One host
+    read of the row lengths; the placement is deterministic."""
     real = attention_mask.bool()
     B, T = real.shape
+    P = T - response_len
     lengths = real.sum(1).tolist()
     cost = lambda rows, width: rows * width * (1.0 + width / break_even)  # noqa: E731
     best: tuple[float, tuple[int, list[int], list[int]] | None] = (cost(B, T), None)
@@ -234,6 +246,13 @@ def pack_rows(sequences: torch.Tensor, attention_mask: torch.Tensor, response_le
         start, used = _first_fit(lengths, C)
         if cost(len(used), C) < best[0]:
             best = (cost(len(used), C), (C, start, used))
+    groups = _prompt_groups(sequences, real, P) if share_prompts and P > 0 else None
+    if groups is not None:
+        p_len, r_len = real[:, :P].sum(1).tolist(), real[:, P:].sum(1).tolist()
+        tokens = sum(p_len[g[0]] + sum(r_len[b] for b in g) for g in groups)
+        pairs = sum(p_len[g[0]] ** 2 / 2 + sum(r_len[b] * (p_len[b] + r_len[b] / 2) for b in g) for g in groups)
+        if tokens * (1.0 + (pairs / tokens) / break_even) < best[0]:
+            return _pack_groups(sequences, real, P, groups, share_prompts)
     if best[1] is None:
         return None
     C, start, used = best[1]
@@ -244,9 +263,98 @@ def pack_rows(sequences: torch.Tensor, attention_mask: torch.Tensor, response_le
     input_ids = torch.zeros(n, dtype=sequences.dtype, device=dev).index_put_((flat[real],), sequences[real])
     tail = (torch.arange(C, device=dev)[None, :] - torch.tensor(used, device=dev)[:, None]).clamp(min=0)
     position_ids = tail.flatten().index_put_((flat[real],), j[real])  # a bin's tail counts from 0: its own sequence
-    P = T - response_len
     at = real[:, P:] & (j[:, P:] > 0)
     return Packing(input_ids.view(-1, C), position_ids.view(-1, C), at, flat[:, P:][at] - 1)
+
+
+def _prompt_groups(sequences: torch.Tensor, real: torch.Tensor, P: int) -> list[list[int]] | None:
+    """The rows of each distinct prompt region (tokens and mask), each group in row order; None where no two
+    rows share one."""
+    found = distinct_prompts(sequences[:, :P], real[:, :P].long())
+    if found is None:
+        return None
+    first, inverse = found
+    groups: list[list[int]] = [[] for _ in range(first.shape[0])]
+    for b, u in enumerate(inverse.tolist()):
+        groups[u].append(b)
+    return groups
+
+
+def _padded_index(lists: list[list[int]], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged lists of flat indices -> [n, longest] (padded with 0) and which entries are real."""
+    width = max(1, max(len(x) for x in lists))
+    at = torch.zeros(len(lists), width, dtype=torch.long)
+    for i, x in enumerate(lists):
+        at[i, :len(x)] = torch.tensor(x, dtype=torch.long)
+    ok = torch.arange(width)[None, :] < torch.tensor([len(x) for x in lists])[:, None]
+    return at.to(dev), ok.to(dev)
+
+
+def _pack_groups(sequences: torch.Tensor, real: torch.Tensor, P: int, groups: list[list[int]], kernel: str) -> Packing:
+    """One packed row: each group's prompt (its real tokens, from its first row), then each of its rows' real
+    response-region tokens, every token at its padded-path position; Packing.shared says where each sits."""
+    dev = sequences.device
+    B = real.shape[0]
+    j = real.long().cumsum(1) - 1  # padded-path positions: the prompt's 0..p-1, then p.. for the response region
+    cols = [torch.nonzero(real[b]).flatten().tolist() for b in range(B)]  # one host read of the layout
+    ids: list[torch.Tensor] = []
+    prompt_at: list[list[int]] = []
+    response_at: list[list[int]] = [[] for _ in range(B)]
+    group = [0] * B
+    before: list[list[int]] = [[] for _ in range(B)]
+    n = 0
+    for g, rows in enumerate(groups):
+        pc = [c for c in cols[rows[0]] if c < P]
+        prompt_at.append(list(range(n, n + len(pc))))
+        ids.append(sequences[rows[0], pc] if pc else sequences.new_zeros(0))
+        last = n + len(pc) - 1  # the prompt's last token: its logits predict each response's first
+        n += len(pc)
+        for b in rows:
+            rc = [c for c in cols[b] if c >= P]
+            group[b] = g
+            response_at[b] = list(range(n, n + len(rc)))
+            ids.append(sequences[b, rc] if rc else sequences.new_zeros(0))
+            # the token before each of `at`'s (a response's first: the prompt's last; none without a prompt)
+            before[b] = ([last] if pc else []) + response_at[b][:-1] if rc else []
+            n += len(rc)
+    input_ids = torch.cat(ids).view(1, n)
+    position_ids = torch.empty(n, dtype=torch.long, device=dev)
+    for g, rows in enumerate(groups):
+        position_ids[prompt_at[g]] = j[rows[0], :P][real[rows[0], :P]]
+        for b in rows:
+            position_ids[response_at[b]] = j[b, P:][real[b, P:]]
+    pa, pok = _padded_index(prompt_at, dev)
+    ra, rok = _padded_index(response_at, dev)
+    layout = SharedLayout.build(pa, pok, ra, rok, torch.tensor(group, device=dev), kernel)
+    at = real[:, P:] & (j[:, P:] > 0)
+    flat_before = torch.tensor([i for x in before for i in x], dtype=torch.long, device=dev)
+    return Packing(input_ids, position_ids.view(1, n), at, flat_before, layout)
+
+
+def shares_prompts(model: nn.Module) -> str | None:
+    """The attention kernel ("eager" or "sdpa") with which a packed forward of `model` may run a group's prompt once
+    (Packing.shared, model/shared_attention.py), or None: its attention is another kernel (flash's varlen packing
+    needs none of this) or some layer attends through a sliding window."""
+    found = _hf_models(model)
+    base = found[0] if found else model
+    c = getattr(base, "config", None)
+    impl = str(getattr(c, "_attn_implementation", ""))
+    if c is None or impl not in ("sdpa", "eager"):
+        return None
+    inner = getattr(getattr(base, "model", None), "config", None)  # MiniMind's wrapper: the trunk's own config
+    cfgs = [x for x in (c, getattr(c, "get_text_config", lambda: c)(), inner) if x is not None]
+    if any(getattr(x, "sliding_window", None) and getattr(x, "use_sliding_window", True) for x in cfgs):
+        return None
+    return impl if all(t == "full_attention" for x in cfgs for t in (getattr(x, "layer_types", None) or [])) else None
+
+
+def _packed_call(model: nn.Module, pk: Packing, **kwargs: Any) -> Any:
+    """model(packed rows): under the shared-prompt attention with its layout where pk has one."""
+    if pk.shared is None:
+        return model(input_ids=pk.input_ids, attention_mask=None, position_ids=pk.position_ids, **kwargs)
+    with attention_implementation(SHARED_ATTENTION, model):
+        return model(input_ids=pk.input_ids, attention_mask=None, position_ids=pk.position_ids, shared_layout=pk.shared,
+                     **kwargs)
 
 
 def unpack(values: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
@@ -289,8 +397,7 @@ def _packed_policy_forward(model: nn.Module, head: nn.Module, sequences: torch.T
     M = max(1, -(-N // R))  # the needed positions in rows of R, as the padded path's [B, R] logits (its memory)
     rows = torch.nn.functional.pad(pk.before, (0, M * R - N)).view(M, R)  # the fill reads position 0, unused
     with _head_reads(head, rows):
-        out = model(input_ids=pk.input_ids, attention_mask=None, position_ids=pk.position_ids, use_cache=False,
-                    logits_to_keep=0)
+        out = _packed_call(model, pk, use_cache=False, logits_to_keep=0)
     lp, ent = logprobs_from_logits(out.logits, torch.nn.functional.pad(tokens, (0, M * R - N)).view(M, R),
                                    temperature, with_entropy=with_entropy)
     return unpack(lp.flatten()[:N], pk.at), (unpack(ent.flatten()[:N], pk.at) if ent is not None else None)
@@ -309,7 +416,8 @@ def policy_forward(
     on the rows packed without pad tokens (pack_rows) where that removes any; the same values to rounding at
     every real response token, 0 at the response region's pads (the padded forward leaves unused values there)."""
     head = _output_head(model) if padding_free else None
-    pk = pack_rows(sequences, attention_mask, response_len, attention_break_even(model)) if head is not None else None
+    pk = pack_rows(sequences, attention_mask, response_len, attention_break_even(model),
+                   shares_prompts(model)) if head is not None else None
     if head is not None and pk is not None:
         return _packed_policy_forward(model, head, sequences, pk, temperature, with_entropy)
     out = model(
@@ -331,9 +439,10 @@ def critic_forward(critic: nn.Module, sequences: torch.Tensor, attention_mask: t
     where the policy's logits for token t come from; values use the same alignment. `padding_free`: as
     policy_forward's (0 at the response region's pads).
     """
-    pk = pack_rows(sequences, attention_mask, response_len, attention_break_even(critic)) if padding_free else None
+    pk = pack_rows(sequences, attention_mask, response_len, attention_break_even(critic),
+                   shares_prompts(critic)) if padding_free else None
     if pk is not None:  # the head is one [hidden, 1] matmul: every packed position, then the needed ones
-        packed = critic(pk.input_ids, attention_mask=None, position_ids=pk.position_ids, values_to_keep=0)
+        packed = _packed_call(critic, pk, values_to_keep=0)
         return unpack(packed.flatten()[pk.before], pk.at)
     values = critic(
         sequences, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),

@@ -83,7 +83,9 @@ def minibatch_backward(cfg: Config, ro: Rollout, mb: torch.Tensor, m: Models, op
     n_rows = None if per_token else D.sum_global(response_rows(ro.response_mask[mb]), info).clamp(min=1)
     approx_kl_sum = torch.zeros((), device=rt.device)
     bad = torch.zeros((), dtype=torch.bool, device=rt.device)
-    for k, ub in enumerate(mb.split(cfg.mini_batch_size // cfg.accumulation_steps)):
+    # Micro-batches of the minibatch's rows in rollout order: a GRPO group's rows stay together, so a padding-free
+    # forward runs their shared prompt once (Packing.shared); the minibatch and its gradient are the same either way.
+    for k, ub in enumerate(mb.sort().values.split(cfg.mini_batch_size // cfg.accumulation_steps)):
         part = ro.index(ub)
         sync = k == cfg.accumulation_steps - 1  # DDP all-reduces gradients on the last micro-batch only
         ctx = contextlib.nullcontext() if sync or not info.enabled else D.no_sync(m.actor_train, m.critic_train)
