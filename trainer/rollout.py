@@ -296,7 +296,8 @@ def _pack_groups(sequences: torch.Tensor, real: torch.Tensor, P: int, groups: li
     dev = sequences.device
     B = real.shape[0]
     j = real.long().cumsum(1) - 1  # padded-path positions: the prompt's 0..p-1, then p.. for the response region
-    cols = [torch.nonzero(real[b]).flatten().tolist() for b in range(B)]  # one host read of the layout
+    host = real.cpu()  # one host read of the layout (a device sync per row would stall a GPU B times)
+    cols = [torch.nonzero(host[b]).flatten().tolist() for b in range(B)]
     ids: list[torch.Tensor] = []
     prompt_at: list[list[int]] = []
     response_at: list[list[int]] = [[] for _ in range(B)]
