@@ -243,11 +243,11 @@ class SharedPrefix:
         attention masks; inverse [B]: each row's prompt index (distinct_prompts); dtype: the attention output's
         (the decoder's compute dtype, None = the queries')."""
         B, U = inverse.shape[0], prompt_mask.shape[0]
-        self.U, self.g, self.dtype = U, B // U, dtype
+        self.B, self.U, self.g, self.dtype = B, U, B // U, dtype
         order = torch.sort(inverse, stable=True).indices  # grouped position -> row
         grouped = torch.equal(order, torch.arange(B, device=order.device))
-        self.order = None if grouped else order
-        self.restore = None if grouped else torch.argsort(order)  # row -> grouped position
+        # Each decoding row's position in the grouped layout [U x g] the prompt part runs in; None: row i is at i.
+        self.pos: torch.Tensor | None = None if grouped else torch.argsort(order)
         self.bias = torch.zeros(U, 1, 1, prompt_mask.shape[1], device=prompt_mask.device).masked_fill(
             ~prompt_mask.bool()[:, None, None, :], float("-inf"))
         self.keys_t, self.values, self.own_k, self.own_v = [], [], [], []
@@ -269,30 +269,42 @@ class SharedPrefix:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q [B, Hq, 1, D], this token's k [B, Hkv, 1, D], v [B, Hkv, 1, Dv] -> [B, Hq, 1, Dv]; k, v are kept."""
         out_dtype = self.dtype or q.dtype
-        U, g, n = self.U, self.g, self.n
+        U, g, n, pos = self.U, self.g, self.n, self.pos
         with torch.autocast(q.device.type, enabled=False):
-            if self.order is not None:
-                q, k, v = q[self.order], k[self.order], v[self.order]
-            B, Hq, _, D = q.shape
+            Bd, Hq, _, D = q.shape  # the decoding rows (fewer than B once finished rows are dropped)
             Hkv, P = k.shape[1], self.bias.shape[-1]
             rep = Hq // Hkv
             own_k, own_v = self.own_k[layer], self.own_v[layer]
             own_k[:, :, n] = k[:, :, 0]
             own_v[:, :, n] = v[:, :, 0]
-            qr = q.float().reshape(B, Hkv, rep, D) * scale  # query head h reads K/V head h // rep
-            qg = qr.view(U, g, Hkv, rep, D).transpose(1, 2).reshape(U, Hkv, g * rep, D)
+            qr = q.float().reshape(Bd, Hkv, rep, D) * scale  # query head h reads K/V head h // rep
+            # The prompt part in the grouped layout (a dropped row's slot holds zeros, its result unread).
+            qf = qr if pos is None else qr.new_zeros(self.B, Hkv, rep, D).index_copy_(0, pos, qr)
+            qg = qf.view(U, g, Hkv, rep, D).transpose(1, 2).reshape(U, Hkv, g * rep, D)
             s_prompt = torch.matmul(qg, self.keys_t[layer]).add_(self.bias)  # [U, Hkv, g rep, P]
-            s_prompt = s_prompt.view(U, Hkv, g, rep, P).transpose(1, 2).reshape(B, Hkv, rep, P)
-            s_own = torch.matmul(qr, own_k[:, :, : n + 1].transpose(-1, -2))  # [B, Hkv, rep, n+1]
+            s_prompt = s_prompt.view(U, Hkv, g, rep, P).transpose(1, 2).reshape(self.B, Hkv, rep, P)
+            if pos is not None:
+                s_prompt = s_prompt.index_select(0, pos)
+            s_own = torch.matmul(qr, own_k[:, :, : n + 1].transpose(-1, -2))  # [Bd, Hkv, rep, n+1]
             w = torch.softmax(torch.cat([s_prompt, s_own], dim=-1), dim=-1)
-            w_prompt = w[..., :P].reshape(U, g, Hkv, rep, P).transpose(1, 2).reshape(U, Hkv, g * rep, P)
+            w_prompt = w[..., :P]
+            if pos is not None:
+                w_prompt = w_prompt.new_zeros(self.B, Hkv, rep, P).index_copy_(0, pos, w_prompt)
+            w_prompt = w_prompt.reshape(U, g, Hkv, rep, P).transpose(1, 2).reshape(U, Hkv, g * rep, P)
             o = torch.matmul(w_prompt, self.values[layer])  # [U, Hkv, g rep, Dv]
             Dv = o.shape[-1]
-            o = o.view(U, Hkv, g, rep, Dv).transpose(1, 2).reshape(B, Hkv, rep, Dv)
-            o = (o + torch.matmul(w[..., P:], own_v[:, :, : n + 1])).reshape(B, Hq, 1, Dv)
-            if self.restore is not None:
-                o = o[self.restore]
+            o = o.view(U, Hkv, g, rep, Dv).transpose(1, 2).reshape(self.B, Hkv, rep, Dv)
+            if pos is not None:
+                o = o.index_select(0, pos)
+            o = (o + torch.matmul(w[..., P:], own_v[:, :, : n + 1])).reshape(Bd, Hq, 1, Dv)
         return o.to(out_dtype)
+
+    def keep(self, keep: torch.Tensor) -> None:
+        """Only the decoding rows at indices `keep` (of those decoding now) go on: their own K/V buffers are kept."""
+        pos = self.pos if self.pos is not None else torch.arange(self.own_k[0].shape[0], device=keep.device)
+        self.pos = pos.index_select(0, keep)
+        self.own_k = [t.index_select(0, keep) for t in self.own_k]
+        self.own_v = [t.index_select(0, keep) for t in self.own_v]
 
     def advance(self) -> None:
         self.n += 1

@@ -84,7 +84,8 @@ def distinct_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> t
 
 
 def expand_cache(cache: Cache, inverse: torch.Tensor) -> None:
-    """PreallocatedLayers filled for the distinct prompts -> one row per batch row (row i takes prompt inverse[i])."""
+    """PreallocatedLayers' rows selected: row i takes row inverse[i] (the distinct prompts' K/V copied to every row
+    that repeats it; the rows still decoding kept)."""
     for layer in cache.layers:
         n = layer._filled
         layer._k, layer._v = layer._k.index_select(0, inverse), layer._v.index_select(0, inverse)
@@ -183,7 +184,7 @@ _BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
 
 
 def draw_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None,
-                    finite: torch.Tensor | None = None) -> torch.Tensor:
+                    finite: torch.Tensor | None = None, draw_rows: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """One token per row from unnormalised probabilities [B, V] (>= 0) by inverse CDF: u ~ U(0, total), the index
     of the first cumulative probability above u. Entries of probability 0 are never drawn.
 
@@ -194,7 +195,10 @@ def draw_from_probs(probs: torch.Tensor, generator: torch.Generator | None = Non
     within fp64 rounding of a boundary.
 
     Non-finite probabilities raise at once; with `finite` (a 0-dim bool device tensor) the check is ANDed into it
-    instead, without a host sync, for the caller to raise on later (indices stay in range meanwhile)."""
+    instead, without a host sync, for the caller to raise on later (indices stay in range meanwhile).
+
+    draw_rows (rows, n): `probs` holds rows `rows` of a batch of n; the uniforms are drawn for all n rows and these
+    rows' kept, so each row draws what it would in the whole batch (sample() drops finished rows mid-generation)."""
     B, V = probs.shape
     nb = -(-V // _BLOCK)
     padded = F.pad(probs, (0, nb * _BLOCK - V)) if nb * _BLOCK != V else probs  # zeros: never drawn
@@ -207,7 +211,11 @@ def draw_from_probs(probs: torch.Tensor, generator: torch.Generator | None = Non
             raise RuntimeError(_NONFINITE)
     else:
         finite.logical_and_(torch.isfinite(total).all())
-    u = torch.rand(total.shape, dtype=torch.float64, device=probs.device, generator=generator) * total  # [B, 1]
+    if draw_rows is None:
+        u = torch.rand(total.shape, dtype=torch.float64, device=probs.device, generator=generator) * total  # [B, 1]
+    else:
+        rows, n = draw_rows
+        u = torch.rand((n, 1), dtype=torch.float64, device=probs.device, generator=generator).index_select(0, rows) * total
     block = torch.searchsorted(cdf, u, right=True).clamp_(max=nb - 1)  # [B, 1]
     below = torch.where(block > 0, cdf.gather(1, (block - 1).clamp(min=0)), torch.zeros_like(u))  # the CDF before it
     inside = blocks.gather(1, block[:, :, None].expand(B, 1, _BLOCK)).squeeze(1)  # [B, 256]
@@ -218,15 +226,16 @@ def draw_from_probs(probs: torch.Tensor, generator: torch.Generator | None = Non
 
 
 def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None = None,
-                       finite: torch.Tensor | None = None) -> torch.Tensor:
+                       finite: torch.Tensor | None = None, draw_rows: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """One token per row from softmax(logits) [B, V] (`draw_from_probs`). Entries at -inf (probability 0) are
     never drawn. Non-finite logits raise, or with `finite` are ANDed into it (see draw_from_probs)."""
-    return draw_from_probs(torch.softmax(logits.float(), dim=-1), generator, finite)
+    return draw_from_probs(torch.softmax(logits.float(), dim=-1), generator, finite, draw_rows)
 
 
 def choose_tokens(raw: torch.Tensor, *, finished: torch.Tensor, pad_token_id: int, eos_t: torch.Tensor,
                   temperature: float, top_k: int, top_p: float, greedy: bool, suppress_eos: bool, return_logprobs: bool,
-                  score_temp: float, generator: torch.Generator | None, finite: torch.Tensor | None
+                  score_temp: float, generator: torch.Generator | None, finite: torch.Tensor | None,
+                  draw_rows: tuple[torch.Tensor, int] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The next token of each row from fp32 logits raw [B, V] (pad_token_id where `finished`), and (return_logprobs)
     its log-prob and the entropy under softmax(raw / score_temp): sample()'s loop body and StaticDecode's, in one
@@ -234,19 +243,19 @@ def choose_tokens(raw: torch.Tensor, *, finished: torch.Tensor, pad_token_id: in
 
     Plain temperature sampling (no top-k / top-p: the presets' case) takes one log-softmax for both: the draw reads
     its exp (with EOS zeroed under suppress_eos: the same distribution as EOS at -inf), and the log-prob and entropy
-    are token_logprobs' own operations on it, so they equal token_logprobs bit for bit."""
+    are token_logprobs' own operations on it, so they equal token_logprobs bit for bit. draw_rows: see draw_from_probs."""
     if not greedy and top_k <= 0 and top_p >= 1.0 and score_temp == temperature:
         logp = torch.log_softmax(raw / temperature if temperature != 1.0 else raw, dim=-1)
         probs = logp.exp()
         ent = -(probs * logp).sum(-1) if return_logprobs else None
-        nxt = draw_from_probs(probs.index_fill_(-1, eos_t, 0.0) if suppress_eos else probs, generator, finite)
+        nxt = draw_from_probs(probs.index_fill_(-1, eos_t, 0.0) if suppress_eos else probs, generator, finite, draw_rows)
         nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)
         return nxt, torch.gather(logp, -1, nxt[:, None]).squeeze(-1) if return_logprobs else None, ent
     logits = raw.index_fill(-1, eos_t, float("-inf")) if suppress_eos else raw
     if greedy:
         nxt = logits.argmax(dim=-1)
     else:
-        nxt = sample_from_logits(filter_logits(logits, temperature, top_k, top_p), generator, finite=finite)
+        nxt = sample_from_logits(filter_logits(logits, temperature, top_k, top_p), generator, finite, draw_rows)
     nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)
     if not return_logprobs:
         return nxt, None, None
@@ -404,6 +413,7 @@ def sample(
     generator: torch.Generator | None = None,
     share_prefill: bool = True,
     shared_attention: bool = True,
+    drop_finished: bool = True,
 ) -> Samples:
     """Sample responses for a left-padded batch [B, P]; per-row stop at EOS, pads after it.
 
@@ -438,7 +448,13 @@ def sample(
 
     shared_attention: with share_prefill, the fast decoder's loop (not the static step) keeps each distinct prompt's
     K/V once and attends over it for all of its rows (model.fast_decode.SharedPrefix) where every prompt repeats
-    equally often; False copies the prompt's K/V to each row (tests compare the two)."""
+    equally often; False copies the prompt's K/V to each row (tests compare the two).
+
+    drop_finished: on the fast decoder's loop with a host check every token (a CPU's), rows that have stopped leave
+    the decode batch once they are a quarter of it (their cache rows dropped, one copy): a batch decodes until its
+    longest reply, and at the SmolLM2 IFEval preset's shape ~30% of the row-steps came after a row's EOS. Each row
+    still draws the uniform it would draw in the whole batch, so the tokens are the whole batch's up to the rounding
+    of a smaller batch's matmuls. (Past a row's EOS, outside its response mask, log-prob and entropy are 0 always.)"""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     interval = sync_interval if sync_interval is not None else host_sync_interval(input_ids.device.type)
@@ -495,11 +511,20 @@ def sample(
         finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
         # interval 1 checks finiteness per token inside the draw (a sync), as it always has.
         finite = torch.ones((), dtype=torch.bool, device=input_ids.device) if interval > 1 else None
+        rows: torch.Tensor | None = None  # the rows still in the decode batch (drop_finished); None: every row
+        dropping = drop_finished and fast is not None and interval == 1 and not suppress_eos
         for step in range(max_new_tokens):
-            nxt, lp, ent = choose_tokens(last.float(), finished=finished, pad_token_id=pad_token_id, eos_t=eos_t,
+            live = finished if rows is None else finished.index_select(0, rows)
+            nxt, lp, ent = choose_tokens(last.float(), finished=live, pad_token_id=pad_token_id, eos_t=eos_t,
                                          temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
                                          suppress_eos=suppress_eos, return_logprobs=return_logprobs,
-                                         score_temp=score_temp, generator=generator, finite=finite)  # finished rows: pads
+                                         score_temp=score_temp, generator=generator, finite=finite,
+                                         draw_rows=None if rows is None else (rows, B))  # finished rows: pads
+            step_tokens = nxt  # the decode batch's
+            if rows is not None:  # back to every row: the dropped ones decode pads (log-prob and entropy 0)
+                nxt = torch.full((B,), pad_token_id, dtype=nxt.dtype, device=nxt.device).index_copy_(0, rows, nxt)
+                if lp is not None and ent is not None:
+                    lp, ent = lp.new_zeros(B).index_copy_(0, rows, lp), ent.new_zeros(B).index_copy_(0, rows, ent)
             tokens.append(nxt)
             if lp is not None and ent is not None:
                 step_logprobs.append(lp)
@@ -514,8 +539,19 @@ def sample(
             if step == max_new_tokens - 1:
                 break
             position = position + 1
+            if dropping:
+                done = finished if rows is None else finished.index_select(0, rows)
+                n_done = int(done.sum())  # a host read, as the check above
+                if 4 * n_done >= done.shape[0]:
+                    keep = (~done).nonzero().squeeze(1)
+                    rows = keep if rows is None else rows.index_select(0, keep)
+                    step_tokens, position, kv_mask = step_tokens[keep], position[keep], kv_mask[keep]
+                    if prefix is not None:
+                        prefix.keep(keep)
+                    else:
+                        expand_cache(cache, keep)
             if fast is not None:
-                last = fast.step(nxt, position, kv_mask[:, : P + step + 1], cache, prefix=prefix)
+                last = fast.step(step_tokens, position, kv_mask[:, : P + step + 1], cache, prefix=prefix)
             else:
                 mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
                 out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=position,
@@ -568,5 +604,8 @@ def _finish(input_ids: torch.Tensor, responses: torch.Tensor, logprobs: torch.Te
     if suppress_eos:
         has_eos = torch.zeros_like(has_eos)
     responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad_token_id))
+    if logprobs is not None and entropy is not None:  # past a row's EOS: 0, however the steps ran (drop_finished)
+        logprobs = torch.where(response_mask.bool(), logprobs, torch.zeros_like(logprobs))
+        entropy = torch.where(response_mask.bool(), entropy, torch.zeros_like(entropy))
     return Samples(sequences=torch.cat([input_ids, responses], dim=1), response_mask=response_mask, has_eos=has_eos,
                    logprobs=logprobs, entropy=entropy)

@@ -317,7 +317,7 @@ def test_sync_interval_greedy_equals_every_token_checks(lm8_greedy_stops, interv
     24: every row stops (at 14); 12: one row is cut at the limit; 15: the limit falls right after it."""
     ids, mask = _left_pad(STOP_PROMPTS)
     kw = dict(max_new_tokens=max_new, eos_token_id=EOS, pad_token_id=PAD, greedy=True, return_logprobs=True)
-    want = sample(lm8_greedy_stops, ids, mask, sync_interval=1, **kw)
+    want = sample(lm8_greedy_stops, ids, mask, sync_interval=1, drop_finished=False, **kw)  # the whole batch each step
     got = sample(lm8_greedy_stops, ids, mask, sync_interval=interval, **kw)
     _assert_same_samples(got, want)
     _check_samples(got, ids.shape[1], max_new)
@@ -332,7 +332,7 @@ def test_sync_interval_sampling_equals_every_token_checks_under_a_seed(lm8):
     lengths = []
     for seed in range(8):
         torch.manual_seed(seed)
-        want = sample(lm8, ids, mask, sync_interval=1, **kw)
+        want = sample(lm8, ids, mask, sync_interval=1, drop_finished=False, **kw)
         torch.manual_seed(seed)
         got = sample(lm8, ids, mask, sync_interval=8, **kw)
         _assert_same_samples(got, want)
@@ -889,6 +889,65 @@ def test_shared_attention_bf16_agrees_with_sdpa_to_bf16_rounding(monkeypatch):
     # 0.1: a few bf16 roundings of a log-prob near -2 (0.056 seen on an AVX2-only CPU, whose autocast matmuls
     # round differently from AMX's); a prompt attended wrongly moves it by far more.
     torch.testing.assert_close(shared.logprobs[second, 1], copied.logprobs[second, 1], atol=0.1, rtol=0)
+
+
+# ---------------------------------------------------------------- finished rows leave the decode batch
+
+def _decode_rows(monkeypatch) -> list[int]:
+    """The rows of every fast decode step (a wrapper)."""
+    from model.fast_decode import FastDecoder
+
+    rows: list[int] = []
+    real = FastDecoder.step
+
+    def step(self, tokens, *a, **k):
+        rows.append(tokens.shape[0])
+        return real(self, tokens, *a, **k)
+
+    monkeypatch.setattr(FastDecoder, "step", step)
+    return rows
+
+
+@pytest.mark.parametrize("layout", ["distinct", "grouped", "shuffled"])
+def test_finished_rows_leave_the_decode_batch_with_the_same_samples(layout, monkeypatch):
+    """drop_finished: rows that stopped leave the decode batch (the steps run on fewer rows), and every row samples
+    what the whole batch samples: the same tokens under a seed (each row keeps its uniform), log-probs and entropy
+    to fp32 rounding; with distinct prompts (the copied cache) and GRPO's groups (SharedPrefix), in any row order."""
+    m = scramble(build_minimind(64, 2, vocab_size=8), seed=13, std=0.4).eval()
+    if layout == "distinct":
+        ids, mask = _left_pad(STOP_PROMPTS)
+    else:
+        ids, mask = _grouped(STOP_PROMPTS[:3], 4)
+        if layout == "shuffled":
+            perm = torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(2))
+            ids, mask = ids[perm], mask[perm]
+    rows = _decode_rows(monkeypatch)
+    kw = dict(max_new_tokens=24, eos_token_id=EOS, pad_token_id=PAD, temperature=0.8, return_logprobs=True)
+    dropped_any = False
+    for seed in range(4):
+        rows.clear()
+        got = sample(m, ids, mask, generator=torch.Generator().manual_seed(seed), **kw)
+        assert rows == sorted(rows, reverse=True)  # the decode batch only shrinks
+        dropped_any |= min(rows) < ids.shape[0]
+        want = sample(m, ids, mask, generator=torch.Generator().manual_seed(seed), drop_finished=False, **kw)
+        assert torch.equal(got.sequences, want.sequences) and torch.equal(got.response_mask, want.response_mask)
+        assert torch.equal(got.has_eos, want.has_eos)
+        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got.entropy, want.entropy, atol=1e-5, rtol=0)
+        done = ~got.response_mask.bool()
+        assert (got.logprobs[done] == 0).all() and (got.entropy[done] == 0).all()
+    assert dropped_any
+
+
+def test_finished_rows_leave_once_they_are_a_quarter_of_it(lm8_greedy_stops, monkeypatch):
+    """Greedy STOP_PROMPTS stop after 10, 6, 14, 6 and 4 tokens: one stopped row of 5 is under a quarter, three
+    (after token 6) are not: 2 rows go on; one of those 2 stops after token 10: the last row decodes alone."""
+    ids, mask = _left_pad(STOP_PROMPTS)
+    rows = _decode_rows(monkeypatch)
+    s = sample(lm8_greedy_stops, ids, mask, max_new_tokens=24, eos_token_id=EOS, pad_token_id=PAD, greedy=True)
+    assert s.response_mask.sum(1).tolist() == [10, 6, 14, 6, 4]
+    # the step after token k computes token k + 1, on the rows left after token k
+    assert rows == [5] * 5 + [2] * 4 + [1] * 4
 
 
 def test_shared_attention_needs_equal_groups():
