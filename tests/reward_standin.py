@@ -29,6 +29,14 @@ from typing import Any
 import torch
 
 
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that has read its answer and gone (the trainer stopping on an HTTP 500) is not an error of the
+        # server's; socketserver would print its traceback into the run's captured output.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 class _Server:
     routes: dict[str, str] = {}
 
@@ -69,14 +77,7 @@ class _Server:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        class Server(ThreadingHTTPServer):
-            def handle_error(self, request: Any, client_address: Any) -> None:
-                # A client that has read its answer and gone (the trainer stopping on an HTTP 500) is not an error
-                # of the server's; socketserver would print its traceback into the run's captured output.
-                if not isinstance(sys.exc_info()[1], ConnectionError):
-                    super().handle_error(request, client_address)
-
-        self.server = Server((host, port), Handler)
+        self.server = _QuietServer((host, port), Handler)
         self.server.daemon_threads = True
         self.url = f"http://{host}:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
