@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     if o.steps < 1 or o.warmup < 1:
         raise SystemExit("error: --steps and --warmup must be >= 1")
     batch = o.batch_size or (8 if o.script == "ppo" else 2)
+    json_out = Path(o.json).resolve() if o.json else None  # before the chdir into MiniMind's trainer/ below
     sys.path[:] = off_our_root(sys.path)  # MiniMind's namespace `trainer/` must not meet ours (module docstring)
     for name in [m for m in sys.modules if m in ("trainer", "model", "dataset") or m.startswith(("trainer.", "model.", "dataset."))]:
         del sys.modules[name]  # nothing of ours imported under MiniMind's package names
@@ -151,10 +152,10 @@ def main(argv: list[str] | None = None) -> None:
                 med = statistics.median(steps)
                 print(f"MiniMind {o.script} {o.size}: median {med:.2f} s/step over {len(steps)} steps "
                       f"{[round(s, 2) for s in steps]}", flush=True)
-                if o.json:
+                if json_out is not None:
                     mem = ({"peak_allocated_mb": torch.cuda.max_memory_allocated() / 2**20,
                             "peak_reserved_mb": torch.cuda.max_memory_reserved() / 2**20} if cuda else {})
-                    Path(o.json).write_text(json.dumps({
+                    json_out.write_text(json.dumps({
                         "script": o.script, "size": o.size, "device": o.device, "dtype": o.dtype, "batch_size": batch,
                         "num_generations": o.num_generations if o.script == "grpo" else 1, "steps_s": steps,
                         "median_s": med, "generate_s": gens, "torch": torch.__version__, **mem}))

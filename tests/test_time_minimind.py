@@ -132,3 +132,15 @@ def test_off_our_root_drops_only_the_root():
     path = ["", str(ROOT / "benchmarks"), str(ROOT), f"{ROOT}/.", "/opt/site", "rel"]
     assert off_our_root(path, ROOT, cwd=str(ROOT)) == [str(ROOT / "benchmarks"), "/opt/site", "rel"]
     assert off_our_root(path, ROOT, cwd="/tmp") == ["", str(ROOT / "benchmarks"), "/opt/site", "rel"]
+
+
+def test_a_relative_json_path_is_written_where_the_caller_stands(tmp_path):
+    """The script changes into MiniMind's trainer/ folder; `--json out.json` still means the caller's folder."""
+    mm = tmp_path / "minimind"
+    _fake_minimind(mm)
+    caller = tmp_path / "caller"
+    caller.mkdir()
+    r = _time_minimind(["--minimind_dir", str(mm), "--size", "16x2", "--steps", "1", "--json", "mm.json"], cwd=caller)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((caller / "mm.json").read_text())["script"] == "ppo"
+    assert not (mm / "trainer" / "mm.json").exists()
