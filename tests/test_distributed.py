@@ -399,7 +399,8 @@ def test_two_procs_half_batch_equal_one_proc_full_batch(two_procs, one_proc, wor
     ma, mb = read_metrics(two_procs["tmp"] / "run"), read_metrics(one_proc["tmp"] / "run")
     assert [m["step"] for m in ma] == [m["step"] for m in mb] == [1, 2, 3]
     for ra, rb in zip(ma, mb):
-        for key in ("reward/total", "reward/rm", "kl_ref", "kl_coef", "ppo/approx_kl", "value/explained_var", "response/length"):
+        for key in ("reward/total", "reward/rm", "kl_ref", "kl_coef", "ppo/approx_kl", "value/explained_var", "response/length",
+                    "loss/policy", "loss/value"):  # the losses too: summed over ranks, the whole minibatch's
             assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), (ra["step"], key)
     # The 2-process rank 0 saw exactly rows 0 and 2 of each global step the 1-process run saw.
     sa = [s for s in _samples(two_procs["tmp"])]
@@ -430,7 +431,8 @@ def test_fsdp2_equals_ddp_and_one_process(fsdp2_procs, two_procs, one_proc, worl
         assert f["kl_ctl"]["value"] == pytest.approx(other["kl_ctl"]["value"], rel=1e-5)
     mf, ma = read_metrics(fsdp2_procs["tmp"] / "run"), read_metrics(two_procs["tmp"] / "run")
     for rf, ra in zip(mf, ma):
-        for key in ("reward/total", "kl_ref", "ppo/approx_kl", "value/explained_var", "grad_norm/actor", "grad_norm/critic"):
+        for key in ("reward/total", "kl_ref", "ppo/approx_kl", "value/explained_var", "grad_norm/actor", "grad_norm/critic",
+                    "loss/policy", "loss/value"):
             assert rf[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-6), (rf["step"], key)
     exported = torch.load(Path(world["save_dir"]) / "fsdp2_64.pth", weights_only=True)  # MiniMind's format: fp16
     assert set(exported) == set(start)

@@ -344,6 +344,9 @@ def test_accumulation_steps_take_the_same_step_as_one_micro_batch():
         torch.testing.assert_close(q, p, rtol=0, atol=LR * 1e-2, msg=name)
     assert s2["grad_norm/actor"] == pytest.approx(s1["grad_norm/actor"], rel=1e-6)
     assert s2["grad_norm/critic"] == pytest.approx(s1["grad_norm/critic"], rel=1e-6)
+    # The logged losses are the minibatch's, whose gradient was taken, not a mean of the micro-batches' means.
+    assert s2["loss/policy"] == pytest.approx(s1["loss/policy"], rel=1e-5, abs=1e-7)
+    assert s2["loss/value"] == pytest.approx(s1["loss/value"], rel=1e-5, abs=1e-7)
 
 
 def test_critic_warmup_freezes_the_actor_until_step_n(recwarn):
@@ -821,6 +824,7 @@ def test_a_row_masked_whole_is_no_response_of_the_per_sequence_step(mode):
     assert s1["loss/policy"] == pytest.approx(hand.item(), rel=1e-5, abs=1e-7)
     w2, _, _, s2 = step("2")
     assert s2["grad_norm/actor"] == pytest.approx(s1["grad_norm/actor"], rel=1e-5)
+    assert s2["loss/policy"] == pytest.approx(hand.item(), rel=1e-5, abs=1e-7)  # the minibatch's loss, not a micro-batch's
     for (name, p), q in zip(w1.actor.named_parameters(), w2.actor.parameters()):
         torch.testing.assert_close(q, p, rtol=0, atol=LR * 1e-2, msg=name)
 

@@ -23,6 +23,12 @@ from trainer.rollout import Rollout, attention_implementation, critic_forward, p
 from trainer.runtime import Models, Optim, Phase, Runtime, on
 
 
+# Logged as the minibatch's loss, the one its gradient is of: each micro-batch's loss times its share of the
+# minibatch's tokens (rows), summed over micro-batches and ranks. So --accumulation_steps and the world size do
+# not change the figure; a mean of the micro-batches' own means would (the other ppo/ stats are such means).
+SUMMED = ("loss/policy", "loss/value")
+
+
 def ppo_update(cfg: Config, ro: Rollout, m: Models, opt: Optim, step: int, rt: Runtime, kl_coef: float,
                phase: Phase) -> dict[str, float]:
     """`--ppo_update_iters` epochs over shuffled minibatches of the scored rollout; one optimizer step per
@@ -83,6 +89,7 @@ def minibatch_backward(cfg: Config, ro: Rollout, mb: torch.Tensor, m: Models, op
     n_rows = None if per_token else D.sum_global(response_rows(ro.response_mask[mb]), info).clamp(min=1)
     approx_kl_sum = torch.zeros((), device=rt.device)
     bad = torch.zeros((), dtype=torch.bool, device=rt.device)
+    losses: dict[str, torch.Tensor] = {}  # this rank's shares of the minibatch's losses (SUMMED)
     # Micro-batches of the minibatch's rows in rollout order: a GRPO group's rows stay together, so a padding-free
     # forward runs their shared prompt once (Packing.shared); the minibatch and its gradient are the same either way.
     for k, ub in enumerate(mb.sort().values.split(cfg.mini_batch_size // cfg.accumulation_steps)):
@@ -105,12 +112,19 @@ def minibatch_backward(cfg: Config, ro: Rollout, mb: torch.Tensor, m: Models, op
         with ctx:
             for part_stats, part_bad, kl_sum in run_side_by_side(parts, bool(cfg.parallel_update)):
                 for key, v in part_stats.items():
-                    stats.setdefault(key, []).append(v)
+                    if key in SUMMED:
+                        losses[key] = losses[key] + v if key in losses else v
+                    else:
+                        stats.setdefault(key, []).append(v)
                 bad = bad | part_bad
                 if kl_sum is not None:
                     approx_kl_sum += kl_sum
-    # The minibatch's one host sync: its verdict and approx-KL, read together.
-    bad, approx_kl = torch.stack([bad.float(), D.sum_global(approx_kl_sum, info) / n_tokens]).tolist()
+    # The minibatch's one collective and one host sync: its approx-KL and losses summed over ranks, and the verdict.
+    keys = list(losses)  # the same on every rank: which models train is the run's, not the rank's
+    summed = D.sum_global(torch.stack([approx_kl_sum.float(), *(losses[k].float() for k in keys)]), info)
+    bad, approx_kl, *values = torch.cat([bad.float()[None], summed[:1] / n_tokens, summed[1:]]).tolist()
+    for key, v in zip(keys, values):
+        stats.setdefault(key, []).append(v)
     return bool(bad), approx_kl
 
 
@@ -134,7 +148,9 @@ def actor_backward(cfg: Config, actor, part: Rollout, scale: torch.Tensor | floa
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * agg(entropy) * scale
     scaler.scale(loss).backward()
-    stats = {"loss/policy": pg_loss.detach(), **{f"ppo/{k}": v for k, v in pg_stats.items() if k != "approx_kl"}}
+    # this micro-batch's share of the minibatch's policy loss (summed over micro-batches and ranks: SUMMED)
+    share = (pg_loss * scale).detach() / rt.info.world_size
+    stats = {"loss/policy": share, **{f"ppo/{k}": v for k, v in pg_stats.items() if k != "approx_kl"}}
     return stats, ~torch.isfinite(loss.detach()), pg_stats["approx_kl"] * part.response_mask.sum()
 
 
@@ -153,7 +169,8 @@ def critic_backward(cfg: Config, critic, part: Rollout, scale: torch.Tensor, rt:
         v_loss, v_stats = value_loss(values, old_values, returns, mask, cfg.cliprange_value or None)
         loss = cfg.vf_coef * v_loss * scale
     scaler.scale(loss).backward()
-    stats = {"loss/value": v_loss.detach().to(rt.device), "value/clipfrac": v_stats["value_clipfrac"].to(rt.device)}
+    share = (v_loss * scale).detach().to(rt.device) / rt.info.world_size  # as actor_backward's loss/policy
+    stats = {"loss/value": share, "value/clipfrac": v_stats["value_clipfrac"].to(rt.device)}
     return stats, ~torch.isfinite(loss.detach()).to(rt.device), None
 
 
