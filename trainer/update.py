@@ -22,7 +22,6 @@ from trainer.registry import policy_loss_spec
 from trainer.rollout import Rollout, attention_implementation, critic_forward, policy_forward
 from trainer.runtime import Models, Optim, Phase, Runtime, on
 
-
 # Logged as the minibatch's loss, the one its gradient is of: each micro-batch's loss times its share of the
 # minibatch's tokens (rows), summed over micro-batches and ranks. So --accumulation_steps and the world size do
 # not change the figure; a mean of the micro-batches' own means would (the other ppo/ stats are such means).
