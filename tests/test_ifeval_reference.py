@@ -301,7 +301,7 @@ def wording_mismatches() -> list[str]:
     return bad
 
 
-SHIPPED = ("ifeval_train.jsonl", "ifeval_train_w10.jsonl", "ifeval_train_w10_ifeval40.jsonl", "ifeval_eval.jsonl",
+SHIPPED = ("ifeval_train.jsonl", "ifeval_train_w10.jsonl", "ifeval_train_w10_ifeval80.jsonl", "ifeval_eval.jsonl",
            "ifeval_eval_ifeval_wording.jsonl", "ifeval_eval_heldout_wording.jsonl", "ifeval_eval_other_types.jsonl")
 
 

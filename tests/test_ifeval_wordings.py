@@ -129,7 +129,7 @@ def test_the_held_out_wording_file_uses_only_held_out_wordings():
         for c, wid in zip(r["constraints"], r["template"]):
             assert wid in B.family(c["type"], "heldout") and B.worded(c["type"], wid, c)[0].lower() in prompt
             assert not [w for w in B.family(c["type"], "train") if B.worded(c["type"], w, c)[0].lower() in prompt], r["prompt"]
-    training = ("ifeval_train.jsonl", "ifeval_train_w10.jsonl", "ifeval_train_w10_ifeval40.jsonl")
+    training = ("ifeval_train.jsonl", "ifeval_train_w10.jsonl", "ifeval_train_w10_ifeval80.jsonl")
     for r in [r for name in training for r in rows(ROOT / "dataset" / name)]:
         prompt = r["prompt"].lower()
         for c in r["constraints"]:
@@ -190,14 +190,14 @@ def test_train_wordings_per_type_writes_the_curves_training_files(tmp_path):
 
 
 def test_the_presets_training_files_are_what_the_builder_writes(tmp_path):
-    """configs/smollm2_ifeval.yaml trains on the 10-wordings file with IFEval's sentence at 40% (docs/smollm2_ifeval.md:
-    the curve chose ten wordings, the 64-replies runs the share); the even 10-wordings file stays for the curve."""
+    """configs/smollm2_ifeval.yaml trains on the 10-wordings file with IFEval's sentence at 80% (docs/smollm2_ifeval.md:
+    the curve chose ten wordings, the 3-seed runs at 40 / 60 / 80% the share); the even 10-wordings file stays for the curve."""
     B.main(["--out_dir", str(tmp_path), "--train_wordings_per_type", "10"])
-    B.main(["--out_dir", str(tmp_path), "--train_wordings_per_type", "10", "--ifeval_share", "0.4"])
-    for name in ("ifeval_train_w10.jsonl", "ifeval_train_w10_ifeval40.jsonl"):
+    B.main(["--out_dir", str(tmp_path), "--train_wordings_per_type", "10", "--ifeval_share", "0.8"])
+    for name in ("ifeval_train_w10.jsonl", "ifeval_train_w10_ifeval80.jsonl"):
         assert (tmp_path / name).read_bytes() == (ROOT / "dataset" / name).read_bytes(), name
     preset = (ROOT / "configs" / "smollm2_ifeval.yaml").read_text()
-    assert "data_path: dataset/ifeval_train_w10_ifeval40.jsonl" in preset
+    assert "data_path: dataset/ifeval_train_w10_ifeval80.jsonl" in preset
 
 
 def test_ifeval_share_words_that_share_by_ifevals_sentence_and_keeps_the_constraints(tmp_path):
