@@ -43,7 +43,7 @@ from trainer.multiturn import Episode, episode_components, generate_episodes
 from trainer.ppo import RewardNormalizer, kl_penalty, masked_whiten, rollout_is_weights
 from trainer.registry import estimator_spec
 from trainer.reward_server import exits_on_reward_error
-from trainer.rewards import compute_rewards, overlong_penalty
+from trainer.rewards import clip_to_range, compute_rewards, overlong_penalty
 from trainer.rollout import Rollout, Sampled, attention_implementation, critic_values, forward_in_row_chunks
 
 # isort: split
@@ -228,6 +228,7 @@ def score_responses(cfg: Config, batch: dict, ro: Rollout, m: Models, custom_fns
         comps["tool_error"] = -(comps["tool_failures"] > 0).float()
         rewards = rewards + cfg.tool_error_penalty * comps["tool_error"]
         rewards = rewards + cfg.tool_ok_weight * comps["tool_ok"]
+    rewards, comps["out_of_range"] = clip_to_range(rewards, cfg.reward_max_abs)  # before any normalisation
     return rewards.to(ro.sequences.device), responses, comps
 
 

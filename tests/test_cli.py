@@ -56,7 +56,8 @@ def test_new_settings_default_to_the_previous_behaviour():
                      "engine_url", "engine_sync_interval", "engine_shared_path", "engine_timeout", "rollout_is", "rollout_is_cap",
                      "async_rollouts",
                      "reasoning_gym", "reasoning_gym_size", "cuda_graphs", "padding_free",
-                     "reward_model_url", "reward_url", "reward_url_weight", "reward_timeout"}
+                     "reward_model_url", "reward_url", "reward_url_weight", "reward_timeout",
+                     "max_tool_calls", "reward_max_abs", "verifier_timeout"}
     cfg = C.resolve(C.parse_args([]), DistInfo())
     assert cfg.policy_loss == "vanilla" and cfg.reuse_values == 0 and cfg.loss_agg_mode == "token_mean"
     assert (cfg.mask_truncated, cfg.adv_std_unbiased, cfg.adv_eps, cfg.reward_norm, cfg.reward_clip) == (0, 1, 1e-6, "none", 0.0)
@@ -70,6 +71,9 @@ def test_new_settings_default_to_the_previous_behaviour():
     assert cfg.reward_model_url is None and cfg.reward_url is None  # rewards in this process; the weight, timeout unread
     # cuda_graphs (on) changes nothing on a CPU (tests/test_generation.py::test_cpu_sampling_keeps_its_decode_loop)
     assert cfg.padding_free == 1  # the same math on packed rows (tests/test_padding_free.py: equal to rounding)
+    # Bounds on what others send (docs/security.md): rewards within 1e4 pass unchanged, as before; the call cap and the
+    # verifier's time limit only matter with --tools / --reasoning_gym.
+    assert (cfg.reward_max_abs, cfg.max_tool_calls, cfg.verifier_timeout) == (1e4, 8, 10.0)
 
 
 def test_yaml_preset_is_overridden_by_flags(tmp_path):

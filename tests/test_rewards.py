@@ -421,3 +421,13 @@ def test_ifeval_partial_credit_is_its_own_weighted_component():
     _, off = compute_rewards(**{**b, "replies": replies}, weights={"ifeval": 1.0}, rm=None, reasoning=True,
                              custom_fns={}, constraints=cons)
     torch.testing.assert_close(off["ifeval_partial"], comps["ifeval_partial"], equal_nan=True)  # logged at weight 0
+
+
+def test_clip_to_range_clips_huge_finite_rewards_and_flags_them():
+    from trainer.rewards import clip_to_range
+
+    r = torch.tensor([1e30, -1e30, 3.0, float("nan"), float("inf"), -1e4])
+    out, flags = clip_to_range(r, 1e4)
+    assert out[:3].tolist() == [1e4, -1e4, 3.0] and out[5].item() == -1e4
+    assert math.isnan(out[3].item()) and out[4].item() == math.inf  # non-finite: the step is skipped, as before
+    assert flags.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]

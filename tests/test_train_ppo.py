@@ -1053,6 +1053,27 @@ def test_reward_norm_and_clip_shape_the_scores_the_estimator_sees():
     assert stats["reward_norm/mean"] == pytest.approx(r.mean().item()) and "reward_norm/std" in exp.metrics
 
 
+def test_a_huge_finite_reward_is_clipped_counted_and_cannot_fix_the_running_std():
+    """A reward function that answers 1e30 once: the total is clipped to --reward_max_abs before any normalisation and
+    counted (reward/out_of_range); the running moments stay those of the ordinary rewards, so later steps still learn."""
+    world = _world("--reward_fn", f"{FIXTURE}:huge_on_first_row", "--reward_norm", "running", "--reward_max_abs", "100")
+    import train_ppo as T
+    from trainer.ppo import RewardNormalizer
+
+    norm = RewardNormalizer("running")
+    for _ in range(2):  # the first batch sets the moments; the second must not be swamped
+        exp = T.make_experience(world.cfg, world.batch, world.models, world.runtime, 0.0, world.built.custom_fns,
+                                phase_for(world), reward_norm=norm)
+        if _ == 0:
+            assert exp.rollout.rewards.abs().max().item() == 100  # 1e30 clipped
+            assert exp.metrics["reward/out_of_range"] == pytest.approx(1 / exp.rollout.rewards.numel())
+    assert exp.metrics["reward/out_of_range"] == 0
+    # The clipped row entered the moments winsorised near the others (median + 10): the std is not the clip's (~35).
+    assert math.sqrt(norm.m2 / (norm.count - 1)) < 5
+    scores, _, _ = T.shape_scores(world.cfg, exp.rollout.rewards, None, norm, world.runtime)
+    assert scores.unique().numel() == scores.numel()  # later rewards still tell rows apart (1e30 made them equal in fp32)
+
+
 def test_a_minimind_grpo_command_line_runs_end_to_end(world, tmp_path):
     """MiniMind's train_grpo.py flags, as its users type them (bare --use_wandb included), train and save under
     MiniMind's GRPO name."""

@@ -142,6 +142,9 @@ class RolloutArgs:
     """--tools: at most this many tokens per episode, prompt and tool replies included; a turn that would pass it is cut."""
     tool_timeout: float = 5.0
     """--tools: seconds a tool call may run before it is stopped (the policy then reads a timeout error)."""
+    max_tool_calls: int = 8
+    """--tools: at most this many tool calls run per episode (all turns together); later calls are answered with an
+    error, not run."""
     suppress_eos: Flag = opt(0, hidden=True)
     """Never stop at EOS (benchmarks: fixed lengths)."""
 
@@ -221,6 +224,12 @@ class RewardArgs:
     by the mean and std of every reward so far (OpenRLHF; kept in the resume file). The logged rewards stay raw."""
     reward_clip: float = 0.0
     """Clip the (normalised) reward to [-this, this] before the advantages (0 = off)."""
+    reward_max_abs: float = 1e4
+    """A total reward outside [-this, this] is clipped to it before any normalisation and counted
+    (reward/out_of_range): one huge finite value from a server or a function cannot swamp the run."""
+    verifier_timeout: float = 10.0
+    """Seconds a verifier that parses the policy's text (--reasoning_gym's score_answer) may take per reply, in a
+    bounded worker process; a reply that runs over scores 0 and is counted (reward/verifier_timeouts)."""
     reward_model_url: str | None = None
     """Score the reward model on a server instead of in this process: vLLM's pooling runner started on
     --reward_model_path (scripts/serve_reward_model.sh; docs/reward_servers.md). The text is rendered and tokenized here

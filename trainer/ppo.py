@@ -418,7 +418,12 @@ class RewardNormalizer:
 
     batch: (r - mean) / std over every rank's finite rewards of this step; running: over every finite reward
     so far, the batch's moments merged into the running ones (Chan et al.'s parallel update), as OpenRLHF's
-    running reward normalisation. The running moments are state: the resume file keeps them."""
+    running reward normalisation. The running moments are state: the resume file keeps them. A reward enters the
+    moments winsorised at its rank's batch median +- OUTLIER_STD * max(robust std, 1) (robust std = 1.4826 x the
+    median absolute deviation): one row far out moves them by a bounded amount, where one 1e30 would fix the std for
+    good. The floor of 1 keeps rare successes of a 0/1 reward (median and MAD 0) in; the scores are not changed."""
+
+    OUTLIER_STD = 10.0
 
     def __init__(self, mode: str, clip: float = 0.0, eps: float = 1e-8) -> None:
         if mode not in ("none", "batch", "running"):
@@ -432,6 +437,10 @@ class RewardNormalizer:
             return 0.0, 1.0
         finite = torch.isfinite(scores)
         x = torch.where(finite, scores.double(), torch.zeros((), dtype=torch.float64, device=scores.device))
+        if self.mode == "running" and finite.any():  # rank-local bounds: the summed moments still agree on every rank
+            median = x[finite].median()
+            bound = self.OUTLIER_STD * max(1.4826 * (x[finite] - median).abs().median().item(), 1.0)
+            x = torch.where(finite, x.clamp(median.item() - bound, median.item() + bound), x)
         n, total, sq = _summed(torch.stack([finite.sum().double(), x.sum(), (x * x).sum()]), reduce)
         if n == 0:
             return (self.mean, math.sqrt(self.m2 / max(self.count - 1.0, 1.0) + self.eps)) if self.mode == "running" else (0.0, 1.0)

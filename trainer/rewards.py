@@ -260,6 +260,14 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer_len: int) -> Tensor:
     return -(over.clamp(min=0) / buffer_len).clamp(max=1.0)
 
 
+def clip_to_range(rewards: Tensor, max_abs: float) -> tuple[Tensor, Tensor]:
+    """(rewards with every finite value outside [-max_abs, max_abs] clipped to it, 1/0 per row: was it clipped).
+    NaN and inf stay as they are (the trainer skips such a step). One huge finite value (a server's 1e30) would
+    otherwise dominate the step and, under --reward_norm running, the moments of every later step."""
+    out = rewards.isfinite() & (rewards.abs() > max_abs)
+    return torch.where(out, rewards.clamp(-max_abs, max_abs), rewards), out.float()
+
+
 def compute_rewards(
     *,
     prompts: list[str],

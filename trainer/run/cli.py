@@ -525,6 +525,7 @@ def validate(cfg: Config) -> None:
         (cfg.max_total_len > cfg.max_seq_len or not cfg.tools,
          f"--max_total_len {cfg.max_total_len} must exceed --max_seq_len {cfg.max_seq_len} (the prompt) to leave room for turns"),
         (math.isfinite(cfg.tool_timeout) and cfg.tool_timeout > 0, f"--tool_timeout {cfg.tool_timeout} must be a number of seconds > 0"),
+        (cfg.max_tool_calls >= 1, f"--max_tool_calls {cfg.max_tool_calls} must be at least 1"),
         (not cfg.tools or Path(cfg.tools).is_file(), f"--tools {cfg.tools}: file not found; give a .py module of tool functions"),
         (cfg.tools_system_prompt is None or bool(cfg.tools), "--tools_system_prompt lists the --tools: give --tools MODULE.py"),
         (cfg.tools_system_prompt is None or TOOLS_PLACEHOLDER in cfg.tools_system_prompt,
@@ -563,7 +564,8 @@ def validate(cfg: Config) -> None:
                          ("clip_epsilon", "> 0"), ("kl_coef", ">= 0"), ("clip_epsilon_high", "> 0"), ("overlong_penalty", ">= 0"),
                          ("gspo_clip_low", "> 0"), ("gspo_clip_high", "> 0"), ("gmpo_clip", "> 0"), ("kl_cov_coef", ">= 0"),
                          ("sapo_tau_pos", "> 0"), ("sapo_tau_neg", "> 0"), ("adv_eps", ">= 0"), ("reward_clip", ">= 0"),
-                         ("tool_error_penalty", ">= 0"), ("tool_ok_weight", ">= 0")):
+                         ("tool_error_penalty", ">= 0"), ("tool_ok_weight", ">= 0"), ("reward_max_abs", "> 0"),
+                         ("verifier_timeout", "> 0")):
         v = getattr(cfg, flag)
         if v is None:  # --clip_epsilon_high or a MiniMind name not given
             continue
