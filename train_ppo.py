@@ -8,7 +8,7 @@
 
 For each batch of prompts:
   1. rollout     sample responses from the actor (temperature / top-k / top-p, stop at EOS)
-  2. reward      hybrid reward: format regex + tags + reward model + accuracy + EOS + custom
+  2. reward      format + tags + reward model + accuracy + EOS + custom, clipped to --reward_max_abs
                  (--filter_groups: drop groups with equal rewards, sample more prompts; DAPO)
   3. score       old log-probs (the policy that sampled), reference log-probs, critic values
   4. advantages  the registered estimator (--advantage_estimator: GAE over the critic's values, or a
@@ -226,8 +226,7 @@ def score_responses(cfg: Config, batch: dict, ro: Rollout, m: Models, custom_fns
     if episodes is not None:  # --tools: a call that could not run costs --tool_error_penalty, one that ran earns --tool_ok_weight
         comps.update(episode_components(episodes))
         comps["tool_error"] = -(comps["tool_failures"] > 0).float()
-        rewards = rewards + cfg.tool_error_penalty * comps["tool_error"]
-        rewards = rewards + cfg.tool_ok_weight * comps["tool_ok"]
+        rewards = rewards + cfg.tool_error_penalty * comps["tool_error"] + cfg.tool_ok_weight * comps["tool_ok"]
     rewards, comps["out_of_range"] = clip_to_range(rewards, cfg.reward_max_abs)  # before any normalisation
     return rewards.to(ro.sequences.device), responses, comps
 

@@ -36,9 +36,10 @@ import functools
 import json
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dataset.rlaif import PromptRecord
+if TYPE_CHECKING:  # imported where rows are built: the verifier's worker (trainer/verifier_worker.py) scores without torch
+    from dataset.rlaif import PromptRecord
 
 PACKAGE = "reasoning-gym==0.1.25"  # the version this module was written and measured against (docs/reasoning_gym.md)
 HELD_OUT_ROWS = 500
@@ -239,6 +240,8 @@ def generate(spec: str, n: int, seed: int, exclude: frozenset[str] = frozenset()
     """`n` rows of the spec's tasks, taken in turn (row i of k tasks: task i mod k), from `seed`; a row whose question
     is in `exclude` is dropped (so fewer rows may come back). A task's j-th row is asked in the j-th of the `template`
     name's templates, in turn; its rg payload names it ("template")."""
+    from dataset.rlaif import PromptRecord  # noqa: PLC0415 - torch; see the import at the top
+
     asked = templates(template)
     rg = import_reasoning_gym()
     tasks = parse_spec(spec)
@@ -293,7 +296,8 @@ def tagged(reply: str) -> bool:
 
 def score(reply: str, row: dict) -> float:
     """The task's own score_answer of the reply's answer: the last <answer>...</answer> content, as reasoning-gym's
-    extract_answer takes it (None without the tags: 0)."""
+    extract_answer takes it (None without the tags: 0). Unbounded, in this process: some verifiers eval the answer
+    (sympy's parse_expr), so the trainer calls this only inside its bounded worker (trainer/verifier.py)."""
     rg = import_reasoning_gym()
     answer = rg.utils.extract_answer(reply)
     ds = _scorer(row["task"], json.dumps(row["config"], sort_keys=True))

@@ -203,6 +203,29 @@ def test_a_call_in_the_last_turn_and_the_length_limit_end_the_episode(tok, runne
     assert eps[0].turns == () and eps[0].final_reply == "" and ro.response_mask.sum() == 0
 
 
+def test_calls_past_max_tool_calls_are_answered_with_an_error_not_run_and_counted(tok, monkeypatch):
+    """A policy that floods calls: three in its first turn and two more in its second, under --max_tool_calls 2."""
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37 * 8"}}\n</tool_call>'
+    turns = ["\n</think>\n" + call * 3, "\n</think>\n" + call * 2, ANSWER]
+    runner = ToolRunner(load_tools(TOOLS), timeout=2.0, max_calls=2)
+    ran = []
+    real_call = runner.call
+    monkeypatch.setattr(runner, "call", lambda c: ran.append(c) or real_call(c))
+    try:
+        batch = batch_of(tok, ["37乘以8等于多少？"], runner.toolbox.schema_list())
+        monkeypatch.setattr(multiturn, "draw", scripted(tok, {prompt_key(batch, 0): turns}))
+        ro, eps = multiturn.generate_episodes(None, tok, runner, batch, max_turns=3, max_total_len=2048, max_new_tokens=128,
+                                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    finally:
+        runner.close()
+    assert len(ran) == 2  # the rest were never sent to the tool
+    assert eps[0].calls == 5 and eps[0].refused == 3 and eps[0].failed == 3 and eps[0].finished
+    text = tok.decode(ro.sequences[0, ro.prompt_len:].tolist())
+    assert text.count("<tool_response>\n296\n</tool_response>") == 2
+    assert text.count("error: not run: over --max_tool_calls 2 calls this episode") == 3
+    assert multiturn.episode_components(eps)["tool_refused"].tolist() == [3]
+
+
 def test_episode_components_count_calls_and_failures():
     eps = [multiturn.Episode(("a", "b"), 1, 0, True), multiturn.Episode(("a",), 0, 0, True),
            multiturn.Episode(("a", "b", "c"), 2, 1, False)]

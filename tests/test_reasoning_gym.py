@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ rg = pytest.importorskip("reasoning_gym", reason="reasoning-gym is optional: pip
 from dataset import rgym as R  # noqa: E402
 from tests.helpers import ROOT, read_metrics, run_main  # noqa: E402
 from tests.tiny_hf import save_tiny_causal_lm  # noqa: E402
+from trainer import verifier  # noqa: E402
 from trainer.evaluate import score_replies  # noqa: E402
 from trainer.rewards import compute_rewards  # noqa: E402
 from trainer.run import cli as C  # noqa: E402
@@ -126,6 +128,40 @@ def test_the_accuracy_reward_of_a_row_is_the_tasks_own_score_answer_of_the_answe
     assert expected[:3] == [1.0, 0.0, 0.0] and 0 < expected[3] < 1 and expected[4] == 1.0
     # Held-out evaluation counts a row correct at score 1 only.
     assert score_replies(replies, [None] * n, rg=[row.rg] * n)["correct"] == [True, False, False, False, True]
+
+
+@pytest.fixture()
+def short_verifier(monkeypatch):
+    v = verifier.Verifier(timeout=1.0)  # --verifier_timeout 1, as the process's verifier
+    monkeypatch.setattr(verifier, "_shared", [v])
+    yield v
+    v.close()
+
+
+def test_an_answer_that_evals_forever_scores_0_within_the_verifier_timeout_and_is_counted(short_verifier):
+    """countdown's score_answer hands the answer to sympy's parse_expr: 9**9**9**9 would run for hours in the trainer."""
+    row = R.held_out("countdown", 1)[0]
+    right = f"<answer>{row.rg['entry']['answer']}</answer>"
+    replies = [right, "<answer>9**9**9**9</answer>", right, "<answer>1 + 2</answer>"]
+    n = len(replies)
+    assert verifier.score(right, row.rg) == 1.0  # the worker is up (reasoning-gym imported) before the clock starts
+    t0 = time.monotonic()
+    _, comps = compute_rewards(prompts=["p"] * n, messages=[[]] * n, replies=replies, references=[None] * n,
+                               has_eos=[True] * n, weights={"accuracy": 1.0}, rm=None, reasoning=False, custom_fns={},
+                               rg=[row.rg] * n)
+    took = time.monotonic() - t0
+    assert comps["accuracy"].tolist() == pytest.approx([1.0, 0.0, 1.0, R.score(replies[3], row.rg)])
+    assert verifier.timeouts() == short_verifier.timeouts == 1 and verifier.failures() == 0
+    assert took < 1.0 + 15  # the reply's 1 s, then a fresh worker imports reasoning-gym for the next reply
+
+
+def test_the_verifier_worker_scores_rows_whose_entries_json_would_change():
+    """rearc's entry holds tuples its verifier compares: through JSON the right answer would score 0.05, not 1."""
+    row = R.held_out("rearc", 1)[0].rg
+    right = f"<answer>{row['entry']['answer']}</answer>"
+    assert R.score(right, row) == 1.0 and R.score(right, json.loads(json.dumps(row))) < 1.0
+    for reply in (right, "<answer>1 2\n3 4</answer>", "no tags"):
+        assert verifier.score(reply, row) == R.score(reply, row)
 
 
 # ---------------------------------------------------------------- bad input, one line each

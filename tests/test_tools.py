@@ -72,6 +72,15 @@ def test_public_functions_become_schemas(module):
     assert add["parameters"]["required"] == ["a", "b"]
 
 
+def test_a_tool_module_given_by_a_relative_path_runs_in_the_workers_own_folder(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    runner = ToolRunner(load_tools("dataset/demo_tools.py"), timeout=5.0)  # as configs/demo_tools.yaml names it
+    try:
+        assert runner.call(ToolCall("calculator", {"expression": "2 * 3"}))["content"] == "6"
+    finally:
+        runner.close()
+
+
 def test_the_demo_calculator():
     from dataset.demo_tools import calculator
     assert calculator("37 * 8") == "296" and calculator("37 × 8") == "296" and calculator("7 / 2") == "3.5"
@@ -151,5 +160,123 @@ def test_runner_turns_every_failure_into_a_message(module):
         crashed = runner.call(ToolCall("die", {}))
         assert runner.failed(crashed) and "crashed the tool process" in crashed["content"]
         assert runner.call(ToolCall("nap", {"seconds": 0.01}))["content"] == "awake"
+    finally:
+        runner.close()
+
+
+# ---------------------------------------------------------------- a tool acting as an attacker
+ATTACKER_SRC = '''
+import json
+import os
+import sys
+import time
+
+
+def fork_and_hang(pid_file: str) -> str:
+    """Leave a sleeping grandchild behind, then hang.
+
+    Args:
+        pid_file: where the grandchild's pid goes
+    """
+    child = os.fork()
+    if child == 0:
+        time.sleep(600)
+        os._exit(0)
+    with open(pid_file, "w") as f:
+        f.write(str(child))
+    time.sleep(600)
+    return "never"
+
+
+def secrets() -> str:
+    """Every variable that looks like a credential."""
+    return json.dumps({k: v for k, v in os.environ.items()
+                       if k.endswith(("_TOKEN", "_KEY")) or k.startswith(("HF_", "WANDB_", "SWANLAB_"))})
+
+
+def flood(mb: int) -> str:
+    """Print `mb` megabytes.
+
+    Args:
+        mb: how many
+    """
+    chunk = "x" * (1 << 20)
+    for _ in range(mb):
+        sys.stdout.write(chunk)
+    sys.stdout.flush()
+    return "flooded"
+
+
+def huge() -> str:
+    """A 10 MB reply."""
+    return "y" * (10 << 20)
+'''
+
+
+@pytest.fixture()
+def attacker(tmp_path):
+    p = tmp_path / "attacker_tools.py"
+    p.write_text(ATTACKER_SRC)
+    runner = ToolRunner(load_tools(p), timeout=1.0)
+    yield runner
+    runner.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # a zombie nobody reaps has exited
+    except (OSError, IndexError):
+        return False
+
+
+def test_a_tools_grandchild_dies_with_it_at_the_timeout(attacker, tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    msg = attacker.call(ToolCall("fork_and_hang", {"pid_file": str(pid_file)}))
+    assert attacker.failed(msg) and "timed out after 1 s" in msg["content"]
+    grandchild = int(pid_file.read_text())
+    deadline = time.time() + 2
+    while _alive(grandchild) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild)
+
+
+def test_a_tool_sees_none_of_the_trainers_credentials(attacker, monkeypatch):
+    for k in ("HF_TOKEN", "MY_SERVICE_TOKEN", "WANDB_API_KEY", "SWANLAB_API_KEY", "OPENAI_API_KEY", "HF_ENDPOINT"):
+        monkeypatch.setenv(k, "secret")
+    attacker.close()  # a fresh worker, started with the variables above set in the trainer
+    assert attacker.call(ToolCall("secrets", {}))["content"] == "{}"
+
+
+def test_a_flood_on_stdout_and_a_huge_reply_are_bounded_and_cut(attacker, capfd):
+    capfd.readouterr()
+    flooded = attacker.call(ToolCall("flood", {"mb": 100}))  # past the 64 MiB file-size limit of the worker's log
+    assert attacker.failed(flooded) and "File too large" in flooded["content"]
+    assert len(capfd.readouterr().err) < 1000  # none of it reached the trainer's stderr
+    huge = attacker.call(ToolCall("huge", {}))
+    assert not attacker.failed(huge) and huge["content"] == "y" * 2000 + " ...(cut)"
+
+
+def test_a_deeply_nested_or_huge_call_is_an_error_message_not_an_exception():
+    deep = "[" * 100_000 + "]" * 100_000
+    for body in (deep, '{"name": "add", "arguments": ' + "[" * 900 + "]" * 900 + "}",
+                 '{"name": "add", "arguments": {"a": ' + "9" * 5000 + "}}", '{"name": "add", "arguments": "' + "[" * 1000 + '"}'):
+        calls = parse_tool_calls(f"<tool_call>{body}</tool_call>")
+        assert len(calls) == 1 and calls[0].error, body[:40]
+    args = "{\\\"a\\\": " * 2000 + "1" + "}" * 2000  # a JSON string holding 2,000 nested objects
+    nested_args = parse_tool_calls('<tool_call>{"name": "add", "arguments": "' + args + '"}</tool_call>')
+    assert nested_args == [ToolCall("add", {}, "the arguments are not a JSON object")]
+
+
+def test_a_worker_that_fails_to_start_is_an_error_message_not_an_exception(tmp_path, monkeypatch):
+    p = tmp_path / "needs_a_token.py"
+    p.write_text("import os\n\nif 'MY_TOOL_TOKEN' not in os.environ:\n    raise RuntimeError('no token')\n\n\n"
+                 "def add(a: int) -> int:\n    '''Add.\n\n    Args:\n        a: a\n    '''\n    return a\n")
+    monkeypatch.setenv("MY_TOOL_TOKEN", "x")  # the trainer has it (load_tools imports the module here); the worker not
+    runner = ToolRunner(load_tools(p), timeout=1.0)
+    try:
+        for _ in range(2):
+            msg = runner.call(ToolCall("add", {"a": 1}))
+            assert runner.failed(msg) and "could not start the tool process (RuntimeError: no token)" in msg["content"]
     finally:
         runner.close()

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dataset import ifeval, rgym
+from dataset import ifeval
 from dataset.rlaif import PromptRecord, RLAIFDataset, collate_left_pad
+from trainer import verifier
 from trainer.multiturn import Episode, generate_episodes
 from trainer.reward_model import RewardModelScorer
 from trainer.rewards import answers_match, extract_answer, format_reward, gt_reward
@@ -80,7 +81,7 @@ def score_replies(
     format_ok = [format_reward(r) > 0 for r in replies]
     n = len(replies)
     correct: list[bool | None] = [
-        rgym.score(r, e) == 1.0 if e else gt_reward(r, g) == 1.0 if g else None if ref is None
+        verifier.score(r, e) == 1.0 if e else gt_reward(r, g) == 1.0 if g else None if ref is None
         else answers_match(extract_answer(r), ref)
         for r, ref, g, e in zip(replies, references, gts or [None] * n, rg or [None] * n)
     ]

@@ -31,13 +31,15 @@ from trainer.tools import ToolError, ToolRunner, parse_tool_calls
 @dataclass(frozen=True)
 class Episode:
     """What a row's episode did: the policy's turns as text (each with the prefix its template header forced),
-    its tool calls, how many of them failed (malformed, unknown tool, bad arguments, raised, hung), and whether it
-    ended by itself (a turn without a call) rather than at --max_turns or --max_total_len."""
+    its tool calls, how many of them failed (malformed, unknown tool, bad arguments, raised, hung, or refused),
+    whether it ended by itself (a turn without a call) rather than at --max_turns or --max_total_len, and how many
+    calls were refused, not run, past --max_tool_calls (counted in `failed` too)."""
 
     turns: tuple[str, ...]
     calls: int
     failed: int
     finished: bool
+    refused: int = 0
 
     @property
     def final_reply(self) -> str:
@@ -70,7 +72,8 @@ def generate_episodes(policy: nn.Module | Engine, tok: Any, runner: ToolRunner, 
     """Sample `num_generations` episodes per prompt of `batch` (a collated RLAIF batch: input_ids, attention_mask,
     messages, assistant_prefix, open_thinking, tools); prompt i's episodes are rows i*N .. i*N+N-1. `sampling`:
     temperature, top_k, top_p, greedy, suppress_eos, fast_decode (as model.generation.sample takes them).
-    Rank-local: no collective, whatever the number of turns. The rollout is on `device` (default: the batch's)."""
+    Rank-local: no collective, whatever the number of turns. The rollout is on `device` (default: the batch's).
+    An episode runs at most `runner.max_calls` calls (--max_tool_calls); the policy reads an error for each past it."""
     device = device or batch["input_ids"].device
     engine = isinstance(policy, Engine)
     rep = lambda xs: [x for x in xs for _ in range(num_generations)]  # noqa: E731
@@ -82,7 +85,7 @@ def generate_episodes(policy: nn.Module | Engine, tok: Any, runner: ToolRunner, 
     mask: list[list[int]] = [[] for _ in range(B)]
     lps: list[list[float]] = [[] for _ in range(B)]  # an engine's log-probs of the policy's tokens (0 at tool replies)
     turns: list[list[str]] = [[] for _ in range(B)]
-    calls, failed, finished, has_eos = [0] * B, [0] * B, [False] * B, [False] * B
+    calls, failed, finished, has_eos, refused = [0] * B, [0] * B, [False] * B, [False] * B, [0] * B
     active = list(range(B))
     for turn in range(max_turns):
         room = {i: max_total_len - len(prompts[i]) - len(resp[i]) for i in active}
@@ -118,7 +121,13 @@ def generate_episodes(policy: nn.Module | Engine, tok: Any, runner: ToolRunner, 
             calls[i] += len(found)
             if turn == max_turns - 1:  # no turn left to read the replies
                 continue
-            replies = [runner.call(c) for c in found]
+            replies: list[dict] = []
+            for c in found:
+                if calls[i] - len(found) + len(replies) >= runner.max_calls:  # the calls before this one, all turns
+                    replies.append(runner.refuse(c, f"not run: over --max_tool_calls {runner.max_calls} calls this episode"))
+                    refused[i] += 1
+                else:
+                    replies.append(runner.call(c))
             failed[i] += sum(runner.failed(m) for m in replies)
             messages[i].append({"role": "assistant", "content": text})
             obs_text, prefixes[i] = observation(tok, messages[i], replies, tools[i], thinking[i])
@@ -147,14 +156,15 @@ def generate_episodes(policy: nn.Module | Engine, tok: Any, runner: ToolRunner, 
     ro = Rollout(sequences=seqs.to(device), attention_mask=attention.to(device), response_mask=response_mask.to(device),
                  has_eos=torch.tensor(has_eos, device=device), prompt_len=P,
                  rollout_logprobs=None if rollout_lps is None else rollout_lps.to(device))
-    episodes = [Episode(tuple(turns[i]), calls[i], failed[i], finished[i]) for i in range(B)]
+    episodes = [Episode(tuple(turns[i]), calls[i], failed[i], finished[i], refused[i]) for i in range(B)]
     return ro, episodes
 
 
 def episode_components(episodes: list[Episode]) -> dict[str, torch.Tensor]:
-    """Per-row tool statistics [B], logged with the reward components: tool_calls, tool_failures, turns, and
-    tool_ok (1 when the episode called a tool and every call ran)."""
+    """Per-row tool statistics [B], logged with the reward components: tool_calls, tool_failures, tool_refused
+    (calls past --max_tool_calls, not run), turns, and tool_ok (1 when the episode called a tool and every call ran)."""
     col = lambda xs: torch.tensor(xs, dtype=torch.float32)  # noqa: E731
     return {"tool_calls": col([e.calls for e in episodes]), "tool_failures": col([e.failed for e in episodes]),
+            "tool_refused": col([e.refused for e in episodes]),
             "tool_ok": col([float(e.calls > 0 and e.failed == 0) for e in episodes]),
             "turns": col([len(e.turns) for e in episodes])}

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dataset import ifeval, rgym
-from trainer import plugins
+from dataset import ifeval
+from trainer import plugins, verifier
 from trainer.reward_model import RewardModelScorer
 
 __all__ = [
@@ -260,6 +260,13 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer_len: int) -> Tensor:
     return -(over.clamp(min=0) / buffer_len).clamp(max=1.0)
 
 
+def _verify(reply: str, row: dict) -> tuple[float, float]:
+    """(score, 1.0 if it ran over --verifier_timeout else 0.0) of a reasoning-gym row, by the bounded verifier."""
+    before = verifier.timeouts()
+    value = verifier.score(reply, row)
+    return value, float(verifier.timeouts() > before)
+
+
 def clip_to_range(rewards: Tensor, max_abs: float) -> tuple[Tensor, Tensor]:
     """(rewards with every finite value outside [-max_abs, max_abs] clipped to it, 1/0 per row: was it clipped).
     NaN and inf stay as they are (the trainer skips such a step). One huge finite value (a server's 1e30) would
@@ -289,7 +296,8 @@ def compute_rewards(
 
     Components: "format", "tags", "accuracy" (nan where there is no reference; adds 0 there; a row with `gts`, a
     MiniMind agent row's ground truth, scores the share of it the answer contains instead; a row with `rg`, a
-    reasoning-gym row, its task's own score_answer of the <answer> content), "ifeval" (when
+    reasoning-gym row, its task's own score_answer of the <answer> content, in a bounded worker: trainer/verifier.py;
+    then "verifier_timeout", 1 where it ran over --verifier_timeout and scored 0), "ifeval" (when
     `constraints` has a list for any row, [] = none asked: the fraction of a row's constraints met, nan where
     it has none; adds 0 there) with "ifeval/<type>" for every type (1/0, nan where absent; weight 0: logged only),
     "ifeval_partial" (ifeval.partial_credit: how close the unmet constraints come, nan likewise),
@@ -317,15 +325,19 @@ def compute_rewards(
     def col(xs: list[float]) -> Tensor:
         return torch.tensor(xs, dtype=torch.float32)
 
+    verified = {i: _verify(r, e) for i, (r, e) in enumerate(zip(replies, rg or [None] * n)) if e}
+
     components: dict[str, Tensor] = {
         "format": col([format_reward(r) for r in replies]),
         "tags": col([tag_reward(r) for r in replies]),
         "accuracy": col([
-            rgym.score(r, e) if e else gt_reward(r, g) if g else math.nan if (a := accuracy_reward(r, ref)) is None else a
-            for r, ref, g, e in zip(replies, references, gts or [None] * n, rg or [None] * n)
+            verified[i][0] if e else gt_reward(r, g) if g else math.nan if (a := accuracy_reward(r, ref)) is None else a
+            for i, (r, ref, g, e) in enumerate(zip(replies, references, gts or [None] * n, rg or [None] * n))
         ]),
         "eos": col([eos_reward(e, 1.0) for e in has_eos]),
     }
+    if any(rg or []):  # 1 where the bounded verifier ran over --verifier_timeout (scored 0), nan on other rows
+        components["verifier_timeout"] = col([verified[i][1] if e else math.nan for i, e in enumerate(rg or [])])
     if constraints is not None and any(cs is not None for cs in constraints):  # instruction following (dataset/ifeval.py)
         met = [ifeval.results(cs or [], r) for cs, r in zip(constraints, replies)]
         components["ifeval"] = col([ifeval.share_met(m) if m else math.nan for m in met])

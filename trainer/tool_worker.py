@@ -1,54 +1,41 @@
-"""The child process of trainer/tools.py's ToolRunner: imports a tool module, then answers one JSON line per call.
+"""The worker process of trainer/tools.py's ToolRunner: imports a tool module, then answers one JSON line per call,
+bounded by trainer/sandbox.py (its own session, rlimits, a scrubbed environment, a private folder).
 
-    python -m trainer.tool_worker TOOLS.py    # stdin: {"name": ..., "arguments": {...}} per line
-                                              # stdout: {"ready": true} once, then {"ok": bool, "content": str} per call
+    python -m trainer.tool_worker SETTINGS TOOLS.py   # stdin: {"name": ..., "arguments": {...}} per line
+                                                      # stdout: {"ready": true} once, then {"ok": bool, "content": str}
 
-Imports nothing of the trainer but its plug-in loader (no torch): it starts in a fraction of a second. What a
-tool prints goes to stderr, so it cannot garble the replies.
+Imports nothing of the trainer but the standard-library modules it needs (no torch): it starts in a fraction of
+a second. What a tool prints goes to the worker's stderr file, so it cannot garble the replies.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
-import os
-import signal
-import sys
+from collections.abc import Callable
 
-from trainer import plugins  # standard library only, like this worker
+from trainer import plugins, sandbox
+from trainer.tools import MAX_RESULT_CHARS
 
 
-def main(path: str) -> None:
-    out = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")  # the reply channel
-    os.dup2(2, 1)  # a tool's print() lands on stderr
-    sys.stdout = sys.stderr
-    # Ctrl-C and a scheduler's SIGTERM reach the whole process group: they are the trainer's to handle (it finishes
-    # its step, whose tool calls must still run, then stops us). Should the trainer die instead, so do we (Linux).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def _cut(text: str) -> str:
+    # One character over the cut, so the trainer still sees that it was cut (tools.tool_message marks it).
+    return text[:MAX_RESULT_CHARS + 1]
 
-    def reply(**kw) -> None:
-        out.write(json.dumps(kw, ensure_ascii=False) + "\n")
 
-    try:
-        module = plugins.import_file(path)
-    except BaseException as e:  # noqa: BLE001
-        reply(ready=False, error=f"{type(e).__name__}: {e}")
-        return
-    reply(ready=True)
-    for line in sys.stdin:
-        req = json.loads(line)
+def start(args: list[str]) -> Callable[[dict], dict]:
+    """Import the tool module at args[0] (whatever it raises is the worker's start failure) and return the handler."""
+    module = plugins.import_file(args[0])
+
+    def handle(req: dict) -> dict:
         try:
             result = getattr(module, req["name"])(**req["arguments"])
             text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
-            reply(ok=True, content=text)
+            return {"ok": True, "content": _cut(text)}
         except BaseException as e:  # noqa: BLE001 - a tool's exception (even SystemExit) is the model's error message
-            reply(ok=False, content=f"{type(e).__name__}: {e}")
+            return {"ok": False, "content": _cut(f"{type(e).__name__}: {e}")}
+
+    return handle
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    sandbox.serve(start)

@@ -3,40 +3,41 @@ the tools said back into the chat as the template would.
 
     toolbox = load_tools("dataset/demo_tools.py")     # every public function -> a JSON schema (type hints + docstring)
     calls = parse_tool_calls(text)                    # <tool_call>{"name": ..., "arguments": {...}}</tool_call>, or a [list]
-    runner = ToolRunner(toolbox, timeout=5.0)         # runs them in a child process, with a time limit per call
+    runner = ToolRunner(toolbox, timeout=5.0)         # runs them in a bounded worker process, a time limit per call
     message = runner.call(calls[0])                   # {"role": "tool", "name": ..., "content": ...}; never raises
 
 A tool module is plain Python: functions with type hints and a Google-style docstring (transformers'
 `get_json_schema` turns each into the schema the chat template renders with `tools=`). A module that defines
 `TOOLS = [fn, ...]` offers exactly those; otherwise every public function defined in it.
 
-Calls run in a child process (one per trainer process, started on first use), so a tool that hangs is killed
-at its time limit and one that crashes or exits takes only the child with it; either way the policy reads an
-error message, as it does for a malformed call, an unknown tool or bad arguments. Those are the model's
-mistakes, a reward signal (trainer/rewards.py), never the run's.
+Calls run in a worker process (trainer/tool_worker.py, one per trainer process, started on first use) bounded by
+trainer/sandbox.py: its own session, rlimits, a scrubbed environment, a private folder, a time limit per call. A tool
+that hangs is killed with its children at the limit, one that crashes or exits takes only the worker with it; either
+way the policy reads an error message, as it does for a malformed call, an unknown tool or bad arguments. Those are
+the model's mistakes, a reward signal (trainer/rewards.py), never the run's.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
-import os
 import re
-import select
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from trainer import plugins
+from trainer.sandbox import Limits, Worker
 
 # A tool's reply is cut to this many characters: a runaway result must not fill the context.
 MAX_RESULT_CHARS = 2000
+# What a call's JSON may be before it is parsed: json.loads recurses per bracket (RecursionError near 1,000) and
+# refuses integers over 4,300 digits (ValueError); no tool needs either.
+MAX_CALL_CHARS = 20_000
+MAX_CALL_DEPTH = 32
 _CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 # The worker runs as a module with the repository root on its path: run as a script, its own folder (trainer/)
 # would come first on sys.path, where a module could shadow the standard library's for the child alone.
 _WORKER_MODULE = "trainer.tool_worker"
-_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 class ToolError(ValueError):
@@ -117,12 +118,42 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
+def _depth(text: str) -> int:
+    """How deep the brackets of a JSON text nest (outside its strings)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def _loads(text: str) -> tuple[object, str]:
+    """The JSON value of a call's text, or why there is none ("" when there is one)."""
+    if len(text) > MAX_CALL_CHARS:
+        return None, f"the tool call is over {MAX_CALL_CHARS} characters"
+    if _depth(text) > MAX_CALL_DEPTH:
+        return None, f"the tool call nests brackets over {MAX_CALL_DEPTH} deep"
+    try:
+        return json.loads(text), ""
+    except json.JSONDecodeError as e:
+        return None, f"the tool call is not valid JSON ({e.msg} at column {e.colno})"
+    except (ValueError, RecursionError) as e:  # an integer over 4,300 digits; a nesting the count above missed
+        return None, f"the tool call is not valid JSON ({' '.join(str(e).split())[:200]})"
+
+
 def _parse_body(body: str) -> list[ToolCall]:
     """The calls between one pair of tags: one JSON object, or a JSON list of them."""
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError as e:
-        return [ToolCall("", {}, f"the tool call is not valid JSON ({e.msg} at column {e.colno})")]
+    obj, why = _loads(body)
+    if why:
+        return [ToolCall("", {}, why)]
     return [_parse_one(o) for o in obj] if isinstance(obj, list) else [_parse_one(obj)]
 
 
@@ -133,9 +164,8 @@ def _parse_one(obj: object) -> ToolCall:
         return ToolCall("", {}, 'the tool call needs {"name": <tool name>, "arguments": {...}}')
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
+        args, why = _loads(args) if args.strip() else ({}, "")
+        if why:
             return ToolCall(obj["name"], {}, "the arguments are not a JSON object")
     if not isinstance(args, dict):
         return ToolCall(obj["name"], {}, "the arguments are not a JSON object")
@@ -150,75 +180,43 @@ def tool_message(name: str, content: str) -> dict:
 
 
 class ToolRunner:
-    """Runs calls in a child process that imported the tool module (started on first use, again after a tool
-    hung or crashed it). `call` never raises: every failure is an error message for the policy, and
-    `failed(message)` tells the caller it was one."""
+    """Runs calls in a worker process that imported the tool module (trainer/tool_worker.py, bounded by
+    trainer/sandbox.py; started on first use, again after a tool hung or crashed it). `call` never raises: every
+    failure is an error message for the policy, and `failed(message)` tells the caller it was one. `max_calls` is
+    the calls an episode may make (--max_tool_calls; trainer/multiturn.py answers the rest without running them)."""
 
     ERROR_PREFIX = "error: "
 
-    def __init__(self, toolbox: Toolbox, timeout: float = 5.0) -> None:
-        self.toolbox, self.timeout = toolbox, float(timeout)
-        self._proc: subprocess.Popen | None = None
-
-    # ---- the child
-    def _start(self) -> subprocess.Popen:
-        path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)
-        proc = subprocess.Popen([sys.executable, "-m", _WORKER_MODULE, self.toolbox.path], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True, encoding="utf-8", bufsize=1,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path})
-        ready = self._read(proc, max(30.0, self.timeout))  # the import may take a while
-        if not isinstance(ready, dict) or not ready.get("ready"):
-            self._kill(proc)
-            why = ready.get("error") if isinstance(ready, dict) else f"it {ready}"
-            raise ToolError(f"--tools {self.toolbox.path}: the tool process did not start ({why})")
-        return proc
-
-    @staticmethod
-    def _read(proc: subprocess.Popen, timeout: float) -> dict | str:
-        """One JSON line from the child within `timeout` seconds, else "hung" or "died"."""
-        ready, _, _ = select.select([proc.stdout], [], [], timeout)
-        if not ready:
-            return "hung"
-        line = proc.stdout.readline()
-        return json.loads(line) if line else "died"
-
-    @staticmethod
-    def _kill(proc: subprocess.Popen) -> None:
-        proc.kill()
-        proc.wait()
+    def __init__(self, toolbox: Toolbox, timeout: float = 5.0, max_calls: int = 8, limits: Limits | None = None) -> None:
+        self.toolbox, self.timeout, self.max_calls = toolbox, float(timeout), int(max_calls)
+        # Absolute: the worker runs in a folder of its own.
+        self.worker = Worker(_WORKER_MODULE, [str(Path(toolbox.path).resolve())], timeout=self.timeout, noun="tool process",
+                             start_timeout=max(30.0, self.timeout), limits=limits)  # the import may take a while
 
     def close(self) -> None:
-        if self._proc is not None:
-            self._kill(self._proc)
-            self._proc = None
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+        self.worker.close()
 
     # ---- calls
     def failed(self, message: dict) -> bool:
         return message["content"].startswith(self.ERROR_PREFIX)
 
+    def refuse(self, call: ToolCall, why: str) -> dict:
+        """The error message answering a call that is not run (`why`: a phrase the policy reads)."""
+        return tool_message(call.name or "unknown", self.ERROR_PREFIX + why)
+
     def call(self, call: ToolCall) -> dict:
         """The tool message answering `call` (an error message when it could not run, raised, hung or crashed)."""
-        err = self.ERROR_PREFIX
         if call.error:
-            return tool_message(call.name or "unknown", err + call.error)
+            return self.refuse(call, call.error)
         if call.name not in self.toolbox.schemas:
-            return tool_message(call.name, f"{err}unknown tool {call.name!r}; the tools are {', '.join(self.toolbox.names)}")
-        if self._proc is None or self._proc.poll() is not None:
-            self._proc = self._start()
-        try:
-            self._proc.stdin.write(json.dumps({"name": call.name, "arguments": call.arguments}) + "\n")
-            self._proc.stdin.flush()
-            reply = self._read(self._proc, self.timeout)
-        except (BrokenPipeError, OSError, ValueError):
-            reply = "died"
-        if not isinstance(reply, dict):  # hung, or the tool took the process with it: start a fresh one next time
-            self.close()
-            why = f"timed out after {self.timeout:g} s" if reply == "hung" else "crashed the tool process"
-            return tool_message(call.name, f"{err}{call.name} {why}")
-        return tool_message(call.name, reply["content"] if reply["ok"] else err + reply["content"])
+            return self.refuse(call, f"unknown tool {call.name!r}; the tools are {', '.join(self.toolbox.names)}")
+        out = self.worker.call({"name": call.name, "arguments": call.arguments})
+        reply = out.reply
+        if reply is None:  # hung, crashed, an overlong reply, or the worker did not start: a fresh one next time
+            return self.refuse(call, f"{call.name} {out.failure}")
+        if isinstance(reply.get("error"), str):  # the worker's own handler failed (a tool's exception that cannot print)
+            return self.refuse(call, f"{call.name}: {reply['error']}")
+        if not isinstance(reply.get("ok"), bool) or not isinstance(reply.get("content"), str):
+            self.worker.close()  # a tool wrote to the reply channel itself
+            return self.refuse(call, f"{call.name} garbled the tool process's reply")
+        return tool_message(call.name, reply["content"] if reply["ok"] else self.ERROR_PREFIX + reply["content"])

@@ -27,6 +27,7 @@ from model.critic import CriticModel
 from model.loader import eos_token_ids, load_policy, load_reward_model
 from model.lora import AdapterSnapshot, AdaptersOff, add_lora
 from model.weights import WeightsError, native_weight_path
+from trainer import verifier
 from trainer.config import Config
 from trainer.dist import DistInfo, all_gather_objects
 from trainer.ppo import AdaptiveKLController, FixedKLController, RewardNormalizer
@@ -386,6 +387,8 @@ def _build(raw: Config, info: DistInfo) -> Setup:
             seed_everything(cfg.seed + info.rank)
         custom_fns = {spec.split(":")[-1]: load_reward_fn(spec) for spec in cfg.reward_fn}
         records, n_bad, eval_records = read_prompts(cfg)
+        if cfg.reasoning_gym:  # its answers are scored in a bounded worker, --verifier_timeout seconds each
+            verifier.configure(cfg.verifier_timeout)
         toolbox = load_tools(cfg.tools) if cfg.tools else None
         check_tool_rows(records + eval_records, toolbox)
     except (WeightsError, DataError, ValueError, OSError) as e:
@@ -431,7 +434,8 @@ def _build(raw: Config, info: DistInfo) -> Setup:
                       critic_device=devices["critic"], reward_device=devices["reward"], total_steps=total_steps,
                       precisions=precisions)
     return Setup(cfg, runtime, models, optim, kl_ctl, ds, custom_fns, n_bad, eval_records,
-                 RewardNormalizer(cfg.reward_norm, cfg.reward_clip), ToolRunner(toolbox, cfg.tool_timeout) if toolbox else None)
+                 RewardNormalizer(cfg.reward_norm, cfg.reward_clip),
+                 ToolRunner(toolbox, cfg.tool_timeout, cfg.max_tool_calls) if toolbox else None)
 
 
 def check_tool_rows(records: list, toolbox: Toolbox | None) -> None:
