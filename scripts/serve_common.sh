@@ -4,6 +4,9 @@
 #   launch_server TAG LOG LIMIT     TAG: the caller's name in messages; LOG: the server's log (background modes);
 #                                   LIMIT: seconds to wait for CHECK (background mode)
 # Reads the caller's CMD (array), MODE (foreground | background | nowait), CHECK and URL; uses its die().
+# CHECK is /health: vLLM and SGLang answer it without the --api-key (vLLM checks /v1 routes only, SGLang every route
+# but /health and /metrics), so a server that wants a key is waited for the same way. A key is never in CMD: the
+# callers pass it in the environment (VLLM_API_KEY), where `ps` and the echoed command do not show it.
 
 launch_server() {
     local tag="$1" log="$2" limit="$3" i

@@ -20,7 +20,11 @@
 #                    --rollout_is corrects it)
 #   MAX_MODEL_LEN    --max-model-len (default 1024): at least the run's --max_seq_len + --max_gen_len
 #   ENGINE_HOST      the address to listen on (default 127.0.0.1: dev mode lets any client that reaches the port
-#                    load weights; 0.0.0.0 for trainers on other nodes of a trusted network)
+#                    load weights; a private interface, or 0.0.0.0 on a trusted network, for trainers on other nodes)
+#   MINIPPO_ENGINE_API_KEY  a key the server wants (vLLM's VLLM_API_KEY, its --api-key kept off the command line,
+#                    where every user of the machine could read it); the trainer sends it from the same variable.
+#                    vLLM checks it on /v1 routes only: /collective_rpc, /pause, /update_weight_version and the
+#                    other dev-mode routes answer anyone who reaches the port (docs/engines.md)
 #   KV_CACHE_GB      CPU: VLLM_CPU_KVCACHE_SPACE in GiB (default 2)
 #   GPU_MEM          GPU: --gpu-memory-utilization (default 0.45: the trainer may share the GPU)
 #   ENGINE_LOG       the server's log (default /tmp/minippo-engine-PORT.log; --foreground: the terminal)
@@ -61,11 +65,15 @@ CHECK="http://$([[ "$HOST" == "0.0.0.0" ]] && echo 127.0.0.1 || echo "$HOST"):$P
 case "$KIND" in
     sglang)
         # SGLang's CPU build is not on PyPI; on a GPU machine `pip install "sglang[all]"` in its own virtualenv.
+        # MiniMind's command binds 0.0.0.0; here the address ENGINE_HOST says (127.0.0.1 by default), and a key
+        # where MINIPPO_ENGINE_API_KEY is set (SGLang checks it on every route but /health and /metrics). The key is
+        # printed as the variable, never its value.
+        KEY_ARG=""; [[ -n "${MINIPPO_ENGINE_API_KEY:-}" ]] && KEY_ARG=' --api-key "$MINIPPO_ENGINE_API_KEY"'
         echo "SGLang is not started by this script; in SGLang's own virtualenv run MiniMind's command:"
-        echo "  python -m sglang.launch_server --model-path $MODEL --attention-backend triton --host 0.0.0.0 --port $PORT"
+        echo "  python -m sglang.launch_server --model-path $MODEL --attention-backend triton --host $HOST --port $PORT$KEY_ARG"
         echo "(add --enable-deterministic-inference for runs that repeat with one --seed, --context-length N for longer"
         echo " prompts + responses than the model's max_position_embeddings); then train with:"
-        echo "  python train_ppo.py --rollout_engine sglang --engine_url http://localhost:$PORT ..."
+        echo "  python train_ppo.py --rollout_engine sglang --engine_url $URL ..."
         exit 0 ;;
     vllm) ;;
     *) die "unknown engine '$KIND' (vllm or sglang)" ;;
@@ -81,6 +89,8 @@ if curl -s -m 2 -o /dev/null "$CHECK" 2>/dev/null; then
 fi
 
 export VLLM_SERVER_DEV_MODE=1 HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
+# The key through vLLM's own variable (it reads --api-key or VLLM_API_KEY): off the command line and the echo below.
+if [[ -n "${MINIPPO_ENGINE_API_KEY:-}" ]]; then export VLLM_API_KEY="$MINIPPO_ENGINE_API_KEY"; fi
 ARGS=(--model "$MODEL" --host "$HOST" --port "$PORT" --max-model-len "${MAX_MODEL_LEN:-1024}"
       --logprobs-mode processed_logprobs --seed 0)
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -147,4 +157,5 @@ CMD=("$PY" -m vllm.entrypoints.openai.api_server "${ARGS[@]}")  # `vllm serve` i
 echo "serve_engine: vllm on $WHERE: ${CMD[*]}"
 launch_server serve_engine "${ENGINE_LOG:-/tmp/minippo-engine-$PORT.log}" "${ENGINE_START_TIMEOUT:-600}"
 echo "train with:  python train_ppo.py --rollout_engine vllm --engine_url $URL ...  (the actor of $MODEL)"
+[[ -n "${MINIPPO_ENGINE_API_KEY:-}" ]] && echo "  (it wants the key: the trainer sends MINIPPO_ENGINE_API_KEY; keep the port off untrusted networks all the same)"
 echo "stop it with: kill -- -$PID"

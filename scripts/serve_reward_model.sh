@@ -17,7 +17,11 @@
 #   ENGINE_VENV      the engine's virtualenv (default: $MINIPPO_ENGINE_VENV, else .venv-engine in the repository)
 #   DTYPE            --dtype; default float32 on a CPU, bfloat16 on a GPU (the trainer's frozen reward model there)
 #   MAX_MODEL_LEN    --max-model-len (default 512)
-#   RM_HOST          the address to listen on (default 127.0.0.1; 0.0.0.0 for trainers on other nodes)
+#   RM_HOST          the address to listen on (default 127.0.0.1; a private interface, or 0.0.0.0 on a trusted
+#                    network, for trainers on other nodes)
+#   MINIPPO_REWARD_API_KEY  a key the server wants (vLLM's VLLM_API_KEY, its --api-key kept off the command line);
+#                    the trainer sends it from the same variable. vLLM checks it on /v1 routes only: /classify and
+#                    /tokenize answer anyone who reaches the port (docs/reward_servers.md)
 #   KV_CACHE_GB      CPU: VLLM_CPU_KVCACHE_SPACE in GiB (default 1)
 #   GPU_MEM          GPU: --gpu-memory-utilization (default 0.3: the trainer and a rollout engine may share the GPU)
 #   RM_LOG           the server's log (default /tmp/minippo-rm-PORT.log; --foreground: the terminal)
@@ -64,6 +68,8 @@ if curl -s -m 2 -o /dev/null "$CHECK" 2>/dev/null; then
 fi
 
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
+# The key through vLLM's own variable (it reads --api-key or VLLM_API_KEY): off the command line and the echo below.
+if [[ -n "${MINIPPO_REWARD_API_KEY:-}" ]]; then export VLLM_API_KEY="$MINIPPO_REWARD_API_KEY"; fi
 ARGS=(--model "$MODEL" --runner pooling --host "$HOST" --port "$PORT" --max-model-len "${MAX_MODEL_LEN:-512}" --seed 0)
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     ARGS+=(--dtype "${DTYPE:-bfloat16}" --gpu-memory-utilization "${GPU_MEM:-0.3}")

@@ -5,13 +5,15 @@ It speaks SGLang's native API (/generate with one sampling_params per row and th
 request whose input + max_new_tokens reaches the context length is refused with HTTP 400, as SGLang's tokenizer
 manager does) or the subset of vLLM's OpenAI server the vLLM client uses (/v1/models, /v1/completions with token-ID
 prompts, /collective_rpc reload_weights, /update_weight_version, /weight_info, /reset_prefix_cache, /pause, /resume,
-/is_paused, /health), with the real servers' response
-shapes and status codes. The model is a plain HF directory loaded in fp32 (scripts/convert_model.py to_hf); sampling
-is model.generation.sample, so a greedy reply is token for token ours. Log-probs: SGLang's, log softmax(logits / T)
-over the whole vocabulary (greedy: T = 1); vLLM's --logprobs-mode processed_logprobs (after top-k / top-p,
-renormalised) or raw_logprobs (before temperature). Weight reloads check every key and shape before they copy.
+/is_paused, /health), with the real servers' response shapes and status codes; with an `api_key` every route but
+/health wants it as a bearer token. The model is a plain HF directory loaded in fp32 (scripts/convert_model.py
+to_hf); sampling is model.generation.sample, so a greedy reply is token for token ours. Log-probs: SGLang's, log
+softmax(logits / T) over the whole vocabulary (greedy: T = 1); vLLM's --logprobs-mode processed_logprobs (after
+top-k / top-p, renormalised) or raw_logprobs (before temperature). Weight reloads check every key and shape before
+they copy.
 
     python -m tests.engine_standin --model DIR --port 8998 [--protocol sglang|vllm] [--logprobs_mode raw_logprobs]
+    (with MINIPPO_ENGINE_API_KEY set, that is its api_key, as scripts/serve_engine.sh passes it to the server)
     standin = start(DIR, protocol="vllm")  # in this process: standin.url, standin.pushes, standin.stop()
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import threading
 import time
@@ -38,16 +41,20 @@ class StandIn:
 
     def __init__(self, model_dir: str | Path, protocol: str = "sglang", logprobs_mode: str = "processed_logprobs",
                  context_length: int | None = None, legacy: bool = False, stall_at: int | None = None,
-                 stall_s: float = 0.0, delay_s: float = 0.0) -> None:
+                 stall_s: float = 0.0, delay_s: float = 0.0, api_key: str | None = None) -> None:
         """`context_length`: SGLang's --context-length / vLLM's --max-model-len (default: the model's
         max_position_embeddings). `legacy`: an older server (SGLang without /model_info; vLLM without /pause,
         /resume, /is_paused). `stall_at`: the stall_at-th sampling request (1-based, counted over /generate and
         /v1/completions) is answered only after `stall_s` seconds (a hung or overloaded engine). `delay_s`: every
-        sampling request takes at least so long (requests in flight during a weight push)."""
+        sampling request takes at least so long (requests in flight during a weight push). `api_key`: every route
+        but /health answers HTTP 401 without `Authorization: Bearer <api_key>` (SGLang's --api-key; vLLM's checks /v1
+        routes only: stricter here, so a test sees that every route carries it)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path, self.protocol, self.logprobs_mode = str(model_dir), protocol, logprobs_mode
         self.legacy, self.stall_at, self.stall_s, self.delay_s = legacy, stall_at, stall_s, delay_s
+        self.api_key = api_key
+        self.auth: list[str | None] = []  # every request's Authorization header, in order
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
         self.context_length = context_length or int(self.model.config.max_position_embeddings)
         try:
@@ -309,8 +316,12 @@ class StandIn:
                 path, _, query = self.path.partition("?")
                 routes = standin.routes()
                 standin.paths.append(self.path)
+                standin.auth.append(self.headers.get("Authorization"))
                 if path not in routes:
                     return self._send(404, {"detail": "Not Found"})
+                if standin.api_key and path != "/health" and \
+                        self.headers.get("Authorization") != f"Bearer {standin.api_key}":
+                    return self._send(401, {"error": "Unauthorized"})
                 size = int(self.headers.get("Content-Length") or 0)
                 try:
                     body = json.loads(self.rfile.read(size) or b"{}")
@@ -368,7 +379,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--logprobs_mode", choices=["processed_logprobs", "raw_logprobs"], default="processed_logprobs")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    s = StandIn(a.model, a.protocol, a.logprobs_mode).serve(a.port, a.host)
+    # the key as scripts/serve_engine.sh gives the server its --api-key: from the environment, never the command line
+    key = os.environ.get("MINIPPO_ENGINE_API_KEY") or None
+    s = StandIn(a.model, a.protocol, a.logprobs_mode, api_key=key).serve(a.port, a.host)
     print(f"serving {a.model} ({a.protocol}) at {s.url}", flush=True)
     threading.Event().wait()
 

@@ -10,8 +10,9 @@
 - `start_fn(fn)`: a --reward_url server: POST {"prompts", "replies", "references"} -> {"rewards": [fn(p, r, ref)...]};
   `fail_on` = the request numbers (1, 2, ...) answered with HTTP 500 instead.
 
-Both serve from a daemon thread of this process (`.url`, `.requests`, `.stop()`); ranks started as subprocesses
-reach them over the loopback.
+Both serve from a daemon thread of this process (`.url`, `.requests`, `.auth`: each request's Authorization header,
+`.stop()`); with `api_key=` every route but /health wants it as a bearer token (HTTP 401 otherwise). Ranks started
+as subprocesses reach them over the loopback.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class _Server:
 
     def __init__(self) -> None:
         self.requests: list[tuple[str, Any]] = []
+        self.api_key: str | None = None  # set: every route but /health answers 401 without `Bearer <api_key>`
+        self.auth: list[str | None] = []  # every request's Authorization header, in order
         self.lock = threading.Lock()
         self.server: ThreadingHTTPServer | None = None
         self.url = ""
@@ -52,8 +55,11 @@ class _Server:
         class Handler(BaseHTTPRequestHandler):
             def _answer(self) -> None:
                 path = self.path.split("?", 1)[0]
+                owner.auth.append(self.headers.get("Authorization"))
                 if path not in owner.routes:
                     return self._send(404, {"detail": "Not Found"})
+                if owner.api_key and path != "/health" and self.headers.get("Authorization") != f"Bearer {owner.api_key}":
+                    return self._send(401, {"error": "Unauthorized"})
                 size = int(self.headers.get("Content-Length") or 0)
                 try:
                     body = json.loads(self.rfile.read(size) or b"null")
@@ -172,14 +178,16 @@ class RewardFnStandIn(_Server):
                                  zip(body["prompts"], body["replies"], body["references"])]}
 
 
-def start_rm(model_dir: str | Path, **kw: Any) -> RewardModelStandIn:
+def start_rm(model_dir: str | Path, api_key: str | None = None, **kw: Any) -> RewardModelStandIn:
     rm = RewardModelStandIn(model_dir, **kw)
+    rm.api_key = api_key
     rm.serve()
     return rm
 
 
-def start_fn(fn: Callable[[str, str, str | None], Any], **kw: Any) -> RewardFnStandIn:
+def start_fn(fn: Callable[[str, str, str | None], Any], api_key: str | None = None, **kw: Any) -> RewardFnStandIn:
     server = RewardFnStandIn(fn, **kw)
+    server.api_key = api_key
     server.serve()
     return server
 

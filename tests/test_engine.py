@@ -384,7 +384,8 @@ def test_model_mismatch_names_what_differs():
 # ------------------------------------------------------------------ MiniMind's SGLang path as MiniMind runs it
 def test_the_sglang_start_command_is_minimminds_with_triton_attention(hf_dir, tmp_path):
     """MiniMind starts SGLang with --attention-backend triton (MiniMind-3's head_dim 96): the hint of an unreachable
-    engine and serve_engine.sh's printed command both carry it."""
+    engine and serve_engine.sh's printed command both carry it; the command binds the loopback (ENGINE_HOST to
+    change it) and, where MINIPPO_ENGINE_API_KEY is set, asks for the key by the variable's name."""
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(EngineError) as e:
         SGLangEngine(url).health()
@@ -392,8 +393,14 @@ def test_the_sglang_start_command_is_minimminds_with_triton_attention(hf_dir, tm
     out = subprocess.run(["bash", str(ROOT / "scripts" / "serve_engine.sh"), "sglang", str(hf_dir), "8998"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert f"python -m sglang.launch_server --model-path {hf_dir} --attention-backend triton --host 0.0.0.0 " \
-           f"--port 8998" in out.stdout
+    assert f"python -m sglang.launch_server --model-path {hf_dir} --attention-backend triton --host 127.0.0.1 " \
+           f"--port 8998\n" in out.stdout  # not MiniMind's 0.0.0.0: the loopback unless ENGINE_HOST says otherwise
+    env = dict(os.environ, ENGINE_HOST="0.0.0.0", MINIPPO_ENGINE_API_KEY="k-secret-1")
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "serve_engine.sh"), "sglang", str(hf_dir), "8998"],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert '--host 0.0.0.0 --port 8998 --api-key "$MINIPPO_ENGINE_API_KEY"\n' in out.stdout  # the variable, not its value
+    assert "k-secret-1" not in out.stdout + out.stderr
 
 
 def test_sglang_model_info_first_and_the_deprecated_endpoint_on_older_servers(hf_dir, demo, tmp_path):
@@ -815,3 +822,196 @@ def test_one_batch_ahead_with_a_push_every_second_update_is_at_most_two_behind(s
     assert code is None, out[-3000:]
     assert [r["rollout/staleness"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2, 1]
     assert standin.pushes == ["0", "2"]
+
+
+# ------------------------------------------------------------------ the network and the push folder, as an attacker acts
+@BOTH
+def test_every_engine_request_carries_the_key_from_the_environment(protocol, hf_dir, demo, tmp_path, monkeypatch):
+    """An engine started with --api-key (the stand-in wants it on every route but /health): without
+    MINIPPO_ENGINE_API_KEY, or with another key, one line naming the variable (never the key); with it, health,
+    push (vLLM: fence, reload, version, cache) and sampling all carry `Authorization: Bearer <key>`."""
+    from trainer.engine import ENGINE_KEY_ENV
+
+    actor, tok = demo
+    s = start(hf_dir, protocol, api_key="k-123")
+    try:
+        monkeypatch.delenv(ENGINE_KEY_ENV, raising=False)
+        with pytest.raises(EngineError) as e:
+            CLIENTS[protocol](s.url).server_version()
+        assert "HTTP 401" in str(e.value) and f"set {ENGINE_KEY_ENV} to its --api-key" in str(e.value)
+        monkeypatch.setenv(ENGINE_KEY_ENV, "guess")
+        with pytest.raises(EngineError) as e:
+            CLIENTS[protocol](s.url).server_version()
+        assert f"the key in {ENGINE_KEY_ENV} is not the server's" in str(e.value) and "guess" not in str(e.value)
+        monkeypatch.setenv(ENGINE_KEY_ENV, "k-123")
+        engine = CLIENTS[protocol](s.url)
+        first = len(s.auth)
+        engine.health()
+        push(engine, actor, tmp_path / "push", 0)
+        ids, mask = prompts(tok, 2)
+        engine.sample(ids, mask, max_new_tokens=4, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      greedy=True, num_generations=2)
+        assert s.pushes == ["0"] and len(s.auth) - first >= 3
+        assert set(s.auth[first:]) == {"Bearer k-123"}, s.paths[first:]
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("mode", ["trickle_body", "trickle_head"])
+def test_an_engine_that_trickles_bytes_fails_at_engine_timeout_not_later(mode):
+    """A byte every 0.2 s (a per-read timeout never fires): the request ends at --engine_timeout (1 s here), in one
+    line; before, it lasted as long as the server trickled."""
+    from tests.hostile_http import Hostile
+    from trainer.engine import EngineUnreachable
+
+    server = Hostile(mode, every=0.2)
+    try:
+        start_t = time.monotonic()
+        with pytest.raises(EngineUnreachable) as e:
+            VLLMEngine(server.url, timeout=1.0).health()
+        assert time.monotonic() - start_t < 1.6
+        assert str(e.value).startswith(f"the vllm engine at {server.url} is not reachable (no complete answer "
+                                       f"within 1 s)") and "\n" not in str(e.value)
+    finally:
+        server.stop()
+
+
+def test_an_engine_that_floods_100_mb_is_refused_at_the_cap():
+    """100 MB where /health answers nothing (a server that wants the trainer out of memory): refused at
+    trainer/http_client.py's cap, one line naming the URL; only what the cap and the sockets' buffers let in was sent."""
+    from tests.hostile_http import Hostile
+    from trainer.http_client import MAX_BYTES
+
+    server = Hostile("flood", length=False)
+    try:
+        with pytest.raises(EngineError) as e:
+            SGLangEngine(server.url, timeout=30).health()
+        assert str(e.value).startswith(f"the sglang engine at {server.url}/health answered with more than the "
+                                       f"{MAX_BYTES} bytes the trainer reads") and "\n" not in str(e.value)
+        time.sleep(0.2)
+        assert server.sent < 80_000_000, server.sent
+    finally:
+        server.stop()
+
+
+def _tiny_push(folder: Path, **kw) -> None:
+    write_weights({"model.embed_tokens.weight": torch.ones(2, 2)}, {"architectures": ["X"]}, folder, **kw)
+
+
+def test_a_link_planted_at_a_temporary_name_is_never_written_through(tmp_path):
+    """Links at the fixed temporary names the trainer used (.model.safetensors.tmp, .config.json.tmp): the files
+    they point to stay as they were (the trainer writes under fresh O_EXCL names), and the links are gone."""
+    folder, victim = tmp_path / "push", tmp_path / "victim.txt"
+    folder.mkdir(mode=0o700)
+    victim.write_text("precious")
+    for name in (".model.safetensors.tmp", ".config.json.tmp"):
+        (folder / name).symlink_to(victim)
+    _tiny_push(folder)
+    assert victim.read_text() == "precious"
+    assert sorted(f.name for f in folder.iterdir()) == ["config.json", "model.safetensors"]
+    assert not any(f.is_symlink() for f in folder.iterdir())
+
+
+def test_a_push_folder_is_the_trainers_own_0700_with_0600_files(tmp_path):
+    """A new folder is made 0700 and its files 0600 (the engine runs as the same user), whatever the umask; a
+    second push replaces the files and leaves no temporary ones."""
+    folder = tmp_path / "a" / "push"
+    old = os.umask(0o022)
+    try:
+        _tiny_push(folder)
+        _tiny_push(folder)
+    finally:
+        os.umask(old)
+    assert folder.stat().st_mode & 0o777 == 0o700
+    assert {f.name: f.stat().st_mode & 0o777 for f in folder.iterdir()} == {"config.json": 0o600,
+                                                                            "model.safetensors": 0o600}
+
+
+@pytest.mark.parametrize("how, says", [
+    ("other_uid", "belongs to another user"),
+    ("world_writable", "is open to other users (mode 777), who could replace the weights the engine loads: "
+                       "chmod go-w"),
+    ("link", "is a symbolic link"),
+])
+def test_a_push_folder_others_control_is_refused_in_one_line(how, says, tmp_path, monkeypatch):
+    """A folder another user owns, that others can write, or a link in its place: refused before anything is
+    written, in one line saying what to do (other users are simulated: os.getuid reports another uid)."""
+    folder = tmp_path / "push"
+    if how == "link":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        folder.symlink_to(tmp_path / "elsewhere")
+    else:
+        folder.mkdir(mode=0o700)
+        if how == "world_writable":
+            os.chmod(folder, 0o777)
+        else:
+            uid = os.getuid()
+            monkeypatch.setattr(os, "getuid", lambda: uid + 1)
+    with pytest.raises(EngineError) as e:
+        _tiny_push(folder)
+    msg = str(e.value)
+    assert msg.startswith(f"--engine_shared_path {folder} ") and says in msg and "\n" not in msg, msg
+    assert not list((tmp_path / ("elsewhere" if how == "link" else "push")).iterdir())
+
+
+def test_the_default_push_folder_wants_no_group_or_other_bits(tmp_path):
+    """The default folder's name is guessable: group- or world-readable is refused there (a folder given may be
+    group-readable on purpose: its files are then group-readable too)."""
+    folder = tmp_path / "push"
+    folder.mkdir()
+    os.chmod(folder, 0o750)
+    with pytest.raises(EngineError, match=r"^the default push folder .* is open to other users \(mode 750\).*chmod 700"):
+        _tiny_push(folder, private=True)
+    _tiny_push(folder)
+    assert (folder / "model.safetensors").stat().st_mode & 0o777 == 0o640
+
+
+def test_the_default_push_folder_is_emptied_after_each_push_and_removed_at_the_end(standin, tmp_path, monkeypatch):
+    """No --engine_shared_path: rank 0 makes /dev/shm/minippo_engine_HOST_PORT its own (0700), the engine loads the
+    push, and the files are removed at once (no memory held between pushes); the empty folder goes at the end
+    (remove_push_folders, atexit's). The same folder held by another user is refused in one line."""
+    from trainer.run.engine_sync import push_folder, push_weights, remove_push_folders
+
+    world = build_update_world(["--hidden_size", "128", "--num_hidden_layers", "4", "--from_weight", "full_sft",
+                                "--save_dir", str(ROOT / "out"), "--rollout_engine", "sglang", "--engine_url",
+                                standin.url, "--checkpoint_dir", str(tmp_path / "ckpt")])
+    folder, default = push_folder(world.cfg)
+    assert default and folder.name == f"minippo_engine_127_0_0_1_{standin.url.rsplit(':', 1)[1]}"
+    try:
+        push_weights(world.cfg, world.models, world.runtime, version=0)
+        assert standin.pushes == ["0"] and folder.stat().st_mode & 0o777 == 0o700 and not list(folder.iterdir())
+        remove_push_folders()
+        assert not folder.exists()
+        folder.mkdir(mode=0o700)  # another user's, left there before the run
+        uid = os.getuid()
+        monkeypatch.setattr(os, "getuid", lambda: uid + 1)
+        with pytest.raises(SystemExit) as e:
+            push_weights(world.cfg, world.models, world.runtime, version=1)
+        msg = str(e.value.code)
+        assert msg.startswith(f"error: the default push folder {folder} belongs to another user") and "\n" not in msg
+        assert "give --engine_shared_path a folder of your own" in msg and folder.is_dir()  # refused, not removed
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_run_with_an_engine_key_sends_it_everywhere_and_records_it_nowhere(hf_dir, tmp_path, monkeypatch):
+    """A whole vLLM run, the key in MINIPPO_ENGINE_API_KEY and the default push folder: every request carries the
+    key, nothing the run writes holds it, and the folder is empty after the run."""
+    from trainer.run.engine_sync import remove_push_folders
+
+    s = start(hf_dir, "vllm", api_key="k-run-7f3")
+    monkeypatch.setenv("MINIPPO_ENGINE_API_KEY", "k-run-7f3")
+    try:
+        code, out = run_main(demo_flags(tmp_path, s.url, "vllm", engine_shared_path=None, max_steps=2))
+    finally:
+        s.stop()
+    assert code is None, out[-3000:]
+    assert s.pushes == ["0", "1", "2"] and set(s.auth) <= {"Bearer k-run-7f3", None}
+    assert all(a is not None for a, p in zip(s.auth, s.paths) if p != "/health")
+    written = [f for d in ("run", "ckpt") for f in (tmp_path / d).rglob("*") if f.is_file()]
+    assert written and not [f for f in written if b"k-run-7f3" in f.read_bytes()] and "k-run-7f3" not in out
+    folder = Path(f"/dev/shm/minippo_engine_127_0_0_1_{s.url.rsplit(':', 1)[1]}")
+    assert folder.is_dir() and not list(folder.iterdir())
+    remove_push_folders()
+    assert not folder.exists()

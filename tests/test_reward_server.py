@@ -213,7 +213,8 @@ def test_training_with_both_servers_equals_in_process_scoring(tiny, tmp_path):
     try:
         runs = {}
         for name, flags in (("no_url", {}), ("local", url), ("served", {**url, "reward_model_url": rm_server.url})):
-            code, out = run_main(tiny_flags(tiny, tmp_path / name, max_steps=2, eval_data_path="none", rm_weight=1.0, **flags))
+            code, out = run_main(tiny_flags(tiny, tmp_path / name, max_steps=2, eval_data_path="none", rm_weight=1.0,
+                                            save_weight=f"ppo_rs_{name}", **flags))  # each run its own policy file
             assert code in (None, 0), out[-2000:]
             runs[name] = _rewards_by_step(tmp_path / name / "run")
     finally:
@@ -234,7 +235,8 @@ def test_training_with_both_servers_equals_in_process_scoring(tiny, tmp_path):
 def test_training_stops_in_one_line_when_the_reward_server_fails(tiny, tmp_path):
     server = start_fn(_length_reward, fail_on=(3,))  # the check, step 1, then step 2 fails
     try:
-        code, out = run_main(tiny_flags(tiny, tmp_path, max_steps=3, eval_data_path="none", reward_url=server.url + "/reward"))
+        code, out = run_main(tiny_flags(tiny, tmp_path, max_steps=3, eval_data_path="none", reward_url=server.url + "/reward",
+                                        save_weight="ppo_rs_fails"))
     finally:
         server.stop()
     assert isinstance(code, str) and "\n" not in code.strip(), (code, out[-2000:])
@@ -306,7 +308,8 @@ def test_two_ranks_each_score_their_own_rows_on_their_own_server(tiny, tmp_path)
     fn_server = start_fn(_length_reward)
     try:
         flags = tiny_flags(tiny, tmp_path, max_steps=2, batch_size=2, mini_batch_size=2, device="cpu", eval_data_path="none",
-                           reward_model_url=",".join(s.url for s in rms), reward_url=fn_server.url + "/reward")
+                           reward_model_url=",".join(s.url for s in rms), reward_url=fn_server.url + "/reward",
+                           save_weight="ppo_rs_ddp")  # its own policy file: the tiny world's out/ is shared
         results = _spawn_ranks([flags, flags], tmp_path)
     finally:
         for s in (*rms, fn_server):
@@ -330,7 +333,7 @@ def test_a_reward_server_failing_for_one_rank_stops_every_rank_with_one_line(tin
     server = start_fn(_length_reward, fail_on=(5,))  # 2 checks, 2 requests in step 1, then step 2's first
     try:
         flags = tiny_flags(tiny, tmp_path, max_steps=3, batch_size=2, mini_batch_size=2, device="cpu", eval_data_path="none",
-                           reward_url=server.url + "/reward")
+                           reward_url=server.url + "/reward", save_weight="ppo_rs_ddp_fails")
         results = _spawn_ranks([flags, flags], tmp_path)
     finally:
         server.stop()
@@ -365,3 +368,69 @@ def test_the_documented_minimal_server_keeps_the_contract(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+# --------------------------------------------------------------------------------------- the network, as an attacker acts
+def test_both_reward_servers_get_the_key_from_the_environment(demo_rm, monkeypatch):
+    """Servers started with a key (every route but /health wants it): without MINIPPO_REWARD_API_KEY, one line
+    naming the variable; with it, every request to the reward model (/v1/models, /tokenize, /classify) and to the
+    reward function carries `Authorization: Bearer <key>`; the key is in no message."""
+    from trainer.reward_server import REWARD_KEY_ENV
+
+    _, tok = demo_rm
+    rm, fn = start_rm(DEMO_RM, api_key="rk-9"), start_fn(lambda p, r, ref: 0.5, api_key="rk-9")
+    try:
+        monkeypatch.delenv(REWARD_KEY_ENV, raising=False)
+        for check in (lambda: _remote(rm.url, tok).connect(), lambda: RewardFunctionServer(fn.url + "/reward").check()):
+            with pytest.raises(RewardServerError) as e:
+                check()
+            assert "HTTP 401" in str(e.value) and f"set {REWARD_KEY_ENV}" in str(e.value) and "\n" not in str(e.value)
+        monkeypatch.setenv(REWARD_KEY_ENV, "rk-9")
+        rm.auth.clear()
+        fn.auth.clear()
+        assert _remote(rm.url, tok).connect().score(_conversations(2)).shape == (2,)
+        assert RewardFunctionServer(fn.url + "/reward").check()(["p"], ["r"], [None]) == [0.5]
+        assert len(rm.auth) >= 4 and set(rm.auth) == {"Bearer rk-9"}
+        assert len(fn.auth) == 2 and set(fn.auth) == {"Bearer rk-9"}
+    finally:
+        rm.stop()
+        fn.stop()
+
+
+@pytest.mark.parametrize("mode", ["trickle_body", "trickle_head"])
+def test_a_reward_server_that_trickles_bytes_fails_at_reward_timeout_not_later(mode):
+    """A byte every 0.2 s keeps every socket read short: the batch still fails at --reward_timeout (1 s), in one
+    line; before, it lasted as long as the server trickled."""
+    import time
+
+    from tests.hostile_http import Hostile
+
+    server = Hostile(mode, every=0.2)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RewardServerError) as e:
+            RewardFunctionServer(server.url + "/reward", timeout=1.0).check()
+        assert time.monotonic() - t0 < 1.6
+    finally:
+        server.stop()
+    assert str(e.value).startswith(f"--reward_url {server.url}/reward did not answer the batch within 1 s "
+                                   f"(--reward_timeout)") and "\n" not in str(e.value)
+
+
+def test_a_reward_server_that_floods_100_mb_is_refused_at_the_cap():
+    """100 MB for an empty batch: refused at trainer/http_client.py's cap, one line naming the URL, without reading it all."""
+    import time
+
+    from tests.hostile_http import Hostile
+    from trainer.http_client import MAX_BYTES
+
+    server = Hostile("flood")
+    try:
+        with pytest.raises(RewardServerError) as e:
+            RewardFunctionServer(server.url + "/reward", timeout=30).check()
+        time.sleep(0.2)
+        assert server.sent < 40_000_000, server.sent
+    finally:
+        server.stop()
+    assert str(e.value) == (f"--reward_url: {server.url}/reward answered with 100000000 bytes, more than the {MAX_BYTES} "
+                            f"bytes the trainer reads: is it the right server?")

@@ -14,20 +14,23 @@ Which log-probs each engine returns (both: after temperature, the distribution t
   truncation. vLLM's default, raw_logprobs, is before temperature: the start-up probe refuses it.
 - SGLang: log softmax(logits / T) over the whole vocabulary (its default; greedy: T = 1).
 
-Weights: the trainer writes the policy as safetensors into a folder both can read (`push_dir`) and the engine
-reloads it (vLLM: the worker's `reload_weights` through `/collective_rpc`, which needs VLLM_SERVER_DEV_MODE=1, fenced
-by /pause?mode=wait ... /resume where the server has them; SGLang: `/update_weights_from_disk`), then records the
-weight version (the number of updates in those weights). Every response is stamped with the version it was sampled
-with (SGLang: per response; vLLM: the server's version read before and after the batch); any other version than the
-last pushed one stops the run (EngineError). Sampled ahead (--async_rollouts, trainer/run/async_rollouts.py), a batch
-asked for at version v may carry any version from v to the last push, and its Samples carry the oldest one.
+Weights: the trainer writes the policy as safetensors into a folder both can read (--engine_shared_path; its own,
+checked by `own_folder`: created 0700, files 0600) and the engine reloads it (vLLM: the worker's `reload_weights`
+through `/collective_rpc`, which needs VLLM_SERVER_DEV_MODE=1, fenced by /pause?mode=wait ... /resume where the
+server has them; SGLang: `/update_weights_from_disk`), then records the weight version (the number of updates in
+those weights). Every response is stamped with the version it was sampled with (SGLang: per response; vLLM: the
+server's version read before and after the batch); any other version than the last pushed one stops the run
+(EngineError). Sampled ahead (--async_rollouts, trainer/run/async_rollouts.py), a batch asked for at version v may
+carry any version from v to the last push, and its Samples carry the oldest one.
 
-Waits: every request waits at most `timeout` (--engine_timeout) and, inside a rank-local block under torchrun, at
-most what is left of the block's deadline (trainer.dist.deadline(): the other ranks wait for this one in the
-collective at its end), so a hung engine ends the run with one line, never in the process group's watchdog. A thread
-that samples ahead (`sampling_ahead`) is in no such block: the trainer's wait for its result is bounded instead.
+Waits: every request (trainer/http_client.py: a total deadline, a size cap) waits at most `timeout` (--engine_timeout) and,
+inside a rank-local block under torchrun, at most what is left of the block's deadline (trainer.dist.deadline(): the
+other ranks wait for this one in the collective at its end), so a hung engine ends the run with one line, never in
+the process group's watchdog. A thread that samples ahead (`sampling_ahead`) is in no such block: the trainer's wait
+for its result is bounded instead.
 
-Only the standard library talks HTTP here: the trainer's requirements do not grow for an engine.
+Access: every request carries the bearer token in MINIPPO_ENGINE_API_KEY where it is set (the server's --api-key;
+vLLM checks it on /v1 routes only, so its dev-mode routes rely on where it listens: docs/engines.md).
 """
 
 from __future__ import annotations
@@ -35,11 +38,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
+import stat
+import tempfile
 import threading
-import urllib.error
-import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,8 +51,13 @@ import torch
 
 from model.generation import Samples
 from trainer import dist as D
+from trainer import http_client as H
+from trainer.http_client import MAX_BYTES
+from trainer.http_client import server_index as engine_index
 
 WEIGHTS_FILE = "model.safetensors"
+ENGINE_KEY_ENV = "MINIPPO_ENGINE_API_KEY"  # the engines' bearer token (their --api-key), read by Engine.__init__
+BYTES_PER_TOKEN = 256  # a sampling answer's cap per token asked for (vLLM's logprobs entries take ~120 B a token)
 _THREAD = threading.local()  # .ahead: this thread samples ahead of the trainer (--async_rollouts)
 
 
@@ -113,6 +120,10 @@ class Engine:
     def __init__(self, url: str, timeout: float = 600.0) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
+        try:  # the one place the engine's key is read: never a config field (run.json, resume files record those)
+            self._token = H.token_from_env(ENGINE_KEY_ENV)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
         self.version: int | None = None  # the weight version last pushed (None: none yet)
         # The version a push under way makes the engine serve, set before it starts: a batch sampled ahead
         # (--async_rollouts) may be stamped with it before the push returns.
@@ -120,10 +131,9 @@ class Engine:
 
     # ---- HTTP
     def _request(self, path: str, body: dict | None = None, *, method: str | None = None,
-                 timeout: float | None = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method or ("POST" if body is not None else "GET"),
-                                     headers={"Content-Type": "application/json"})
+                 timeout: float | None = None, max_bytes: int = MAX_BYTES) -> Any:
+        """trainer/http_client.py's request to this engine (the token of MINIPPO_ENGINE_API_KEY on every route), its
+        failures as EngineError / EngineUnreachable."""
         wait = timeout or self.timeout
         # under torchrun: the other ranks wait for this one in a collective, for so long only
         due = None if getattr(_THREAD, "ahead", False) else D.deadline()
@@ -132,22 +142,22 @@ class Engine:
             if wait <= 0:
                 raise EngineUnreachable(self._too_slow(due, path))
         try:
-            with urllib.request.urlopen(req, timeout=wait) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as e:
-            raise EngineError(f"the {self.kind} engine at {self.url} refused {path}: HTTP {e.code} {_error_text(e)}") from None
-        except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError) as e:
-            reason = getattr(e, "reason", e)
-            if due is not None and due.left() <= 1.0 and isinstance(reason, (socket.timeout, TimeoutError)):
+            return H.request_json(self.url + path, body, method=method, timeout=wait, token=self._token,
+                                  max_bytes=max_bytes)
+        except H.Refused as e:
+            hint = ""
+            if e.status == 401:
+                hint = (f" (the key in {ENGINE_KEY_ENV} is not the server's --api-key)" if self._token else
+                        f" (it wants a key: set {ENGINE_KEY_ENV} to its --api-key)")
+            raise EngineError(f"the {self.kind} engine at {self.url} refused {path}: {e}{hint}") from None
+        except H.TimedOut as e:
+            if due is not None and due.left() <= 1.0:
                 raise EngineUnreachable(self._too_slow(due, path)) from None
-            raise EngineUnreachable(f"the {self.kind} engine at {self.url} is not reachable ({reason}); {self._hint()}") from None
-        if not raw.strip():
-            return None
-        try:
-            return json.loads(raw)
-        except json.JSONDecodeError:
-            raise EngineError(f"the {self.kind} engine at {self.url} answered {path} with something that is not JSON: "
-                              f"{raw[:80]!r}") from None
+            raise EngineUnreachable(f"the {self.kind} engine at {self.url} is not reachable ({e}); {self._hint()}") from None
+        except H.Unreachable as e:
+            raise EngineUnreachable(f"the {self.kind} engine at {self.url} is not reachable ({e}); {self._hint()}") from None
+        except H.BadAnswer as e:
+            raise EngineError(f"the {self.kind} engine at {e}") from None
 
     def _hint(self) -> str:
         return self.start_hint if self.version is None else (  # mid-run: the engine died, hung or restarted
@@ -251,20 +261,6 @@ class Engine:
         return s
 
 
-def _error_text(e: urllib.error.HTTPError) -> str:
-    """The server's own message of an HTTP error, on one line."""
-    try:
-        body = e.read().decode(errors="replace")
-        parsed = json.loads(body)
-        msg = parsed.get("error", parsed) if isinstance(parsed, dict) else parsed
-        if isinstance(msg, dict):
-            msg = msg.get("message") or msg.get("detail") or msg
-        text = str(msg)
-    except Exception:  # noqa: BLE001 - any body at all; the status code is the message then
-        text = e.reason if isinstance(e.reason, str) else ""
-    return " ".join(text.split())[:300]
-
-
 def _as_samples(done: list[Completion], input_ids: torch.Tensor, eos: list[int], pad_token_id: int,
                 max_new_tokens: int, url: str) -> Samples:
     """Completions -> Samples: responses right-padded to the longest, the mask 1 up to and including EOS."""
@@ -287,6 +283,12 @@ def _as_samples(done: list[Completion], input_ids: torch.Tensor, eos: list[int],
     device = input_ids.device
     return Samples(sequences=torch.cat([input_ids, tokens.to(device)], dim=1), response_mask=mask.to(device),
                    has_eos=has_eos.to(device), logprobs=logprobs.to(device), entropy=None)
+
+
+def _answer_cap(rows: Sequence[Sequence[int]], params: SamplingParams) -> int:
+    """The most bytes a sampling answer for `rows` may take: BYTES_PER_TOKEN per prompt and response token (the
+    server may echo the prompts), above trainer/http_client.py's default cap: a bound on memory, not a guess of the size."""
+    return MAX_BYTES + BYTES_PER_TOKEN * sum(len(r) + params.max_new_tokens for r in rows)
 
 
 class VLLMEngine(Engine):
@@ -333,10 +335,16 @@ class VLLMEngine(Engine):
                     "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or -1,
                     "seed": seed, "logprobs": 0, "return_token_ids": True, "stop_token_ids": list(params.stop_ids),
                     "ignore_eos": params.ignore_eos, "skip_special_tokens": False}
-            out = self._request("/v1/completions", body)
-            choices = sorted(out["choices"], key=lambda c: c["index"])
-            return [Completion(list(c["token_ids"]), [float(x) for x in c["logprobs"]["token_logprobs"]],
-                               c["finish_reason"], before) for c in choices]
+            out = self._request("/v1/completions", body, max_bytes=_answer_cap([prompt] * n, params))
+            try:
+                choices = sorted(out["choices"], key=lambda c: c["index"])
+                return [Completion([int(t) for t in c["token_ids"]],
+                                   [float(x) for x in c["logprobs"]["token_logprobs"]], str(c["finish_reason"]),
+                                   before) for c in choices]
+            except (KeyError, TypeError, ValueError) as e:
+                raise EngineError(f"the vllm engine at {self.url} answered /v1/completions without token IDs and "
+                                  f"log-probs per choice ({type(e).__name__}: {H.one_line(e, 80)}): is it vLLM's "
+                                  f"OpenAI server?") from None
 
         with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(prompts)))) as pool:
             groups = list(pool.map(one, prompts, seeds))
@@ -393,13 +401,14 @@ class VLLMEngine(Engine):
 
 class SGLangEngine(Engine):
     """SGLang's native server (`python -m sglang.launch_server --model-path DIR --attention-backend triton --host
-    0.0.0.0 --port 8998`, as MiniMind's README starts it): /generate with a batch of input_ids, one sampling_params
-    per row (its `sampling_seed`) and return_logprob, /update_weights_from_disk, /model_info (older servers:
-    /get_model_info, deprecated since), /v1/models (the context length its requests are checked against)."""
+    127.0.0.1 --port 8998`; MiniMind's README binds 0.0.0.0, which lets anyone who reaches the port load weights
+    unless --api-key is given): /generate with a batch of input_ids, one sampling_params per row (its
+    `sampling_seed`) and return_logprob, /update_weights_from_disk, /model_info (older servers: /get_model_info,
+    deprecated since), /v1/models (the context length its requests are checked against)."""
 
     kind = "sglang"
     start_hint = ("start one with python -m sglang.launch_server --model-path MODEL_DIR --attention-backend triton "
-                  "--host 0.0.0.0 --port 8998 (docs/engines.md)")
+                  "--host 127.0.0.1 --port 8998 (docs/engines.md)")
 
     def __init__(self, url: str, timeout: float = 600.0) -> None:
         super().__init__(url, timeout)
@@ -459,16 +468,21 @@ class SGLangEngine(Engine):
         # One seed per row: SGLang's seeded sampler (--enable-deterministic-inference) hashes (seed, position), so
         # the N rows of a prompt need N seeds or they would be N copies of one reply.
         sps = [dict(sp, sampling_seed=(seed + j) % (2**31 - 1)) for seed in seeds for j in range(n)]
-        out = self._request("/generate", {"input_ids": rows, "sampling_params": sps, "return_logprob": True})
+        out = self._request("/generate", {"input_ids": rows, "sampling_params": sps, "return_logprob": True},
+                            max_bytes=_answer_cap(rows, params))
         out = out if isinstance(out, list) else [out]
         done = []
-        for item in out:
-            meta = item.get("meta_info") or {}
-            ids = list(item.get("output_ids") or meta.get("output_ids") or [])
-            lps = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
-            reason = (meta.get("finish_reason") or {}).get("type", "length")
-            version = meta.get("weight_version")
-            done.append(Completion(ids, lps, reason, None if version is None else str(version)))
+        try:
+            for item in out:
+                meta = item.get("meta_info") or {}
+                ids = [int(t) for t in item.get("output_ids") or meta.get("output_ids") or []]
+                lps = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
+                reason = str((meta.get("finish_reason") or {}).get("type", "length"))
+                version = meta.get("weight_version")
+                done.append(Completion(ids, lps, reason, None if version is None else str(version)))
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
+            raise EngineError(f"the sglang engine at {self.url} answered /generate without output IDs and log-probs "
+                              f"per row ({type(e).__name__}: {H.one_line(e, 80)}): is it SGLang's server?") from None
         return [done[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     def _load(self, folder: Path, version: int) -> None:
@@ -482,12 +496,6 @@ class SGLangEngine(Engine):
 ENGINES: dict[str, type[Engine]] = {"vllm": VLLMEngine, "sglang": SGLangEngine}
 
 
-def engine_index(rank: int, world_size: int, n: int) -> int:
-    """Which of n engines serves `rank`: the ranks in n contiguous blocks, so with one engine per node, listed in node
-    order, every rank samples from its own node's (torchrun numbers a node's ranks contiguously)."""
-    return rank * n // max(world_size, 1) if n <= world_size else rank
-
-
 def connect(kind: str, urls: Sequence[str], rank: int, world_size: int = 1, timeout: float = 600.0) -> Engine:
     """This rank's engine (`engine_index`: one engine may serve every rank), checked reachable."""
     engine = ENGINES[kind](urls[engine_index(rank, world_size, len(urls))], timeout)
@@ -495,16 +503,75 @@ def connect(kind: str, urls: Sequence[str], rank: int, world_size: int = 1, time
     return engine
 
 
+def own_folder(folder: Path, private: bool = False) -> int:
+    """Make sure `folder` is the trainer's own before it writes weights there; returns the mode its files get.
+    Created 0700 where missing; an existing one must be a real folder (not a link), this user's, and writable by no
+    one else (`private`, the default folder in /dev/shm whose name anyone can guess: no group or other bits at all).
+    Anyone else who can write there could replace the weights the engine loads or plant links the trainer follows.
+    Files are 0600 (the engine runs as this user: scripts/serve_engine.sh), group-readable only in a folder that its
+    owner made group-readable on purpose (an engine of another user of the group)."""
+    what = "the default push folder" if private else "--engine_shared_path"
+    own = "give --engine_shared_path a folder of your own"
+    try:
+        folder.mkdir(mode=0o700, parents=True)
+        os.chmod(folder, 0o700)  # whatever the umask
+    except FileExistsError:
+        pass
+    st = os.lstat(folder)
+    if stat.S_ISLNK(st.st_mode):
+        raise EngineError(f"{what} {folder} is a symbolic link (to {os.readlink(folder)}): "
+                          + ("remove it (another user may have planted it), or " + own if private
+                             else "give the folder it points to"))
+    if not stat.S_ISDIR(st.st_mode):
+        raise EngineError(f"{what} {folder} is not a folder: remove it, or {own}")
+    if st.st_uid != os.getuid():
+        raise EngineError(f"{what} {folder} belongs to another user (uid {st.st_uid}), who could replace the weights "
+                          f"the engine loads: remove it, or {own}")
+    loose = st.st_mode & (0o077 if private else 0o022)
+    if loose:
+        raise EngineError(f"{what} {folder} is open to other users (mode {stat.S_IMODE(st.st_mode):o}), who could "
+                          f"replace the weights the engine loads: chmod {'700' if private else 'go-w'} {folder}, or "
+                          f"{own}")
+    return 0o600 | (0 if private else st.st_mode & 0o040)
+
+
+def _write_new(dest: Path, mode: int, write: Callable[[str], None]) -> None:
+    """`write(tmp)` fills a new file under a random temporary name (O_CREAT | O_EXCL: never an existing file or a
+    planted link) in dest's folder, renamed over `dest` once whole, so an engine never reads half a file; the
+    temporary file is removed if anything fails. `write` may reopen tmp by name: nobody else writes in the folder."""
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    try:
+        os.close(fd)
+        write(tmp)
+        os.chmod(tmp, mode)  # after: safetensors renames its own new file (0600) over tmp
+        os.replace(tmp, dest)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _write_bytes(data: bytes) -> Callable[[str], None]:
+    def write(path: str) -> None:
+        with open(path, "r+b") as f:  # the file mkstemp made: no O_CREAT, no new inode
+            f.write(data)
+    return write
+
+
 def write_weights(state_dict: dict[str, torch.Tensor], config_json: dict, folder: str | os.PathLike,
-                  extra_files: Sequence[Path] = ()) -> Path:
+                  extra_files: Sequence[Path] = (), private: bool = False) -> Path:
     """The policy as an HF checkpoint an engine reloads: `model.safetensors` (a tied lm_head too, as a copy of the
     embeddings: an engine that serves the model untied reloads it, one that serves it tied skips it) and config.json
-    (+ `extra_files`, e.g. tokenizer files), each written under a temporary name and renamed into place, so an engine
-    never reads half a file."""
+    (+ `extra_files`, e.g. tokenizer files), each written under a temporary name and renamed into place (`_write_new`),
+    so an engine never reads half a file, in a folder checked to be the trainer's own (`own_folder`; `private`: the
+    default folder). A push replaces the last one's files; temporary files a crash left are removed."""
     from safetensors.torch import save_file  # transformers' own dependency
 
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    mode = own_folder(folder, private)
+    for f in folder.iterdir():  # a push cut short: ours (.NAME.*.tmp), safetensors' own (.tmpXXXXXX); a link: unlinked
+        if f.name.startswith(".tmp") or f.name.startswith(".") and f.name.endswith(".tmp"):
+            f.unlink()
     others = sorted(f.name for f in folder.glob("*.safetensors") if f.name != WEIGHTS_FILE)
     if others:  # an engine reloads every *.safetensors of the folder: a model's own files would mix in
         raise EngineError(f"{folder} holds other weight files ({', '.join(others[:3])}): give --engine_shared_path an "
@@ -516,17 +583,11 @@ def write_weights(state_dict: dict[str, torch.Tensor], config_json: dict, folder
     if embed is not None and (head is None and config_json.get("tie_word_embeddings", False)
                               or head is not None and head.data_ptr() == embed.data_ptr()):
         tensors["lm_head.weight"] = embed.clone()  # safetensors refuses tensors that share memory
-    tmp = folder / f".{WEIGHTS_FILE}.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, folder / WEIGHTS_FILE)
-    tmp_cfg = folder / ".config.json.tmp"
-    tmp_cfg.write_text(json.dumps(config_json, indent=2), encoding="utf-8")
-    os.replace(tmp_cfg, folder / "config.json")
+    _write_new(folder / WEIGHTS_FILE, mode, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    _write_new(folder / "config.json", mode, _write_bytes(json.dumps(config_json, indent=2).encode()))
     for f in extra_files:
         if f.name not in (WEIGHTS_FILE, "config.json") and f.is_file():
-            tmp_f = folder / f".{f.name}.tmp"
-            tmp_f.write_bytes(f.read_bytes())
-            os.replace(tmp_f, folder / f.name)
+            _write_new(folder / f.name, mode, _write_bytes(f.read_bytes()))
     return folder
 
 

@@ -19,17 +19,16 @@ row, the same strings a --reward_fn function gets) answered by {"rewards": [one 
 reward key). Each rank sends its own rows; an empty batch is sent once at start as a check of the contract.
 
 Both raise RewardServerError, a one-line message naming the server and what to do; the trainer stops with it, every
-rank together (train_ppo.py score_responses runs inside the rank-local scoring block). Only the standard library talks
-HTTP here, as in trainer/engine.py.
+rank together (train_ppo.py score_responses runs inside the rank-local scoring block). Requests go through
+trainer/http_client.py (a total deadline of --reward_timeout, a size cap) and carry the bearer token in
+MINIPPO_REWARD_API_KEY where it is set, to both servers and on every route (vLLM checks its --api-key on /v1 routes
+only: /classify and /tokenize are open to whoever reaches the port; docs/reward_servers.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import socket
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,14 +37,18 @@ import torch
 from torch import Tensor
 
 from trainer import dist as D
+from trainer import http_client as H
+from trainer.http_client import server_index
 from trainer.reward_model import conversation_ids
 from trainer.rewards import RewardFnError
 
-__all__ = ["RewardServerError", "RemoteRewardModel", "RewardFunctionServer", "server_index", "exits_on_reward_error"]
+__all__ = ["REWARD_KEY_ENV", "RewardServerError", "RemoteRewardModel", "RewardFunctionServer", "server_index",
+           "exits_on_reward_error"]
 
 # A text the trainer and the server both tokenize at start: a different tokenizer splits it differently.
 PROBE_TEXT = "Hello! 12 + 7 = 19. The sea is blue.\n你好，世界。"
 ROWS_PER_REQUEST = 256  # a step's rows go in requests of at most this many (vLLM batches them itself)
+REWARD_KEY_ENV = "MINIPPO_REWARD_API_KEY"  # both reward servers' bearer token (their --api-key), read by _Client
 
 
 class RewardServerError(RuntimeError):
@@ -64,30 +67,13 @@ def exits_on_reward_error() -> Iterator[None]:
         raise SystemExit(f"error: {e}") from None
 
 
-def server_index(rank: int, world_size: int, n: int) -> int:
-    """Which of n servers scores for `rank`: the ranks in n contiguous blocks (one server per node, listed in node
-    order), as trainer/engine.py engine_index splits --engine_url."""
-    return rank * n // max(world_size, 1) if n <= world_size else rank
-
-
 def _one_line(text: str, limit: int = 300) -> str:
-    return " ".join(str(text).split())[:limit]
-
-
-def _error_text(e: urllib.error.HTTPError) -> str:
-    """The server's own message of an HTTP error (vLLM: {"error": {"message": ...}}; FastAPI: {"detail": ...})."""
-    try:
-        parsed = json.loads(e.read().decode(errors="replace"))
-        msg = parsed.get("error", parsed.get("detail", parsed)) if isinstance(parsed, dict) else parsed
-        if isinstance(msg, dict):
-            msg = msg.get("message") or msg.get("detail") or msg
-        return _one_line(str(msg))
-    except Exception:  # noqa: BLE001 - any body at all: the status line is the message then
-        return _one_line(e.reason if isinstance(e.reason, str) else "")
+    return H.one_line(text, limit)
 
 
 class _Client:
-    """JSON over HTTP with one-line errors. `flag` names the setting in messages, `hint` says how to start the server."""
+    """trainer/http_client.py's requests to one server, failures as RewardServerError. `flag` names the setting in messages,
+    `hint` says how to start the server."""
 
     flag = "--reward_url"
     hint = "start it first"
@@ -96,35 +82,36 @@ class _Client:
         self.url = url.rstrip("/")
         self.timeout = float(timeout)
         self.started = False  # True once the start-up check passed: a later failure is mid-run
+        try:  # the one place the reward servers' key is read: never a config field (run.json records those)
+            self._token = H.token_from_env(REWARD_KEY_ENV)
+        except ValueError as e:
+            raise RewardServerError(str(e)) from None
 
     def request(self, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
-        data = None if body is None else json.dumps(body, allow_nan=False).encode()
-        req = urllib.request.Request(self.url + path, data=data, method="GET" if body is None else "POST",
-                                     headers={"Content-Type": "application/json"})
         where, what = f"{self.flag} {self.url}", path or "the batch"
         wait = timeout or self.timeout
         due = D.deadline()  # under torchrun the other ranks wait for this one in a collective, for so long only
         if due is not None and due.left() < wait:
             wait = max(due.left(), 0.001)
         try:
-            with urllib.request.urlopen(req, timeout=wait) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as e:
-            raise RewardServerError(f"{where} refused {what}: HTTP {e.code} {_error_text(e)}") from None
-        except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            if isinstance(reason, (socket.timeout, TimeoutError)):  # alive but slow (or hung): not a restart's matter
-                bound = "--reward_timeout" if wait == (timeout or self.timeout) or due is None else due.flag + ", less a margin"
-                raise RewardServerError(f"{where} did not answer {what} within {wait:.3g} s ({bound}): is it "
-                                        f"overloaded or stuck? Raise --reward_timeout (below --ddp_timeout) or fix the "
-                                        f"server, then continue with --from_resume 1") from None
+            return H.request_json(self.url + path, body, timeout=wait, token=self._token)
+        except H.Refused as e:
+            hint = ""
+            if e.status == 401:
+                hint = (f" (the key in {REWARD_KEY_ENV} is not the server's)" if self._token else
+                        f" (it wants a key: set {REWARD_KEY_ENV} to it)")
+            raise RewardServerError(f"{where} refused {what}: {e}{hint}") from None
+        except H.TimedOut:  # alive but slow (or hung): not a restart's matter
+            bound = "--reward_timeout" if wait == (timeout or self.timeout) or due is None else due.flag + ", less a margin"
+            raise RewardServerError(f"{where} did not answer {what} within {wait:.3g} s ({bound}): is it "
+                                    f"overloaded or stuck? Raise --reward_timeout (below --ddp_timeout) or fix the "
+                                    f"server, then continue with --from_resume 1") from None
+        except H.Unreachable as e:
             hint = ("the last checkpoint is intact: restart the server, then continue with --from_resume 1" if self.started
                     else self.hint)
-            raise RewardServerError(f"{where} is not reachable ({_one_line(str(reason), 120)}); {hint}") from None
-        try:
-            return json.loads(raw) if raw.strip() else None
-        except json.JSONDecodeError:
-            raise RewardServerError(f"{where} answered {what} with something that is not JSON: {raw[:80]!r}") from None
+            raise RewardServerError(f"{where} is not reachable ({_one_line(str(e), 120)}); {hint}") from None
+        except H.BadAnswer as e:
+            raise RewardServerError(f"{self.flag}: {e}") from None
 
 
 def _read_config(path: str | Path) -> dict:

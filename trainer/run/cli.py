@@ -457,7 +457,9 @@ def engine_urls(cfg: Config) -> list[str]:
 
 def engine_shared_path(cfg: Config) -> str | None:
     """Where pushed weights go: the flag, or a folder in /dev/shm (memory, no disk write) named after the first
-    engine's host and port, or under --checkpoint_dir where there is no /dev/shm."""
+    engine's host and port, or under --checkpoint_dir where there is no /dev/shm. The default's name is one anyone on
+    the machine can guess: rank 0 makes it its own (0700) or refuses it, and empties it after each push
+    (trainer/run/engine_sync.py push_folder)."""
     if cfg.rollout_engine == "torch":
         return cfg.engine_shared_path
     given = cfg.engine_shared_path or cfg.sglang_shared_path

@@ -4,16 +4,20 @@ resumed weights) and after every --engine_sync_interval updates, and check once 
 
 Who talks to whom: the ranks split into n contiguous blocks over the n engines of --engine_url, block i sampling from
 engine i (one engine per node, listed in node order: each rank uses its node's; one engine may serve every rank: it
-batches their requests). Rank 0 writes the weights once into --engine_shared_path and has every engine reload them, while
-the other ranks wait outside the training group (as for a save: a reload may outlast --ddp_timeout); the folder
-must be readable by every engine (one node: /dev/shm; several nodes: a shared filesystem path). Under
---strategy fsdp2 every rank takes part in gathering the whole weights to rank 0 first; a LoRA actor pushes its
-merged weights (W + B A scale: the engine serves a plain model).
+batches their requests). Rank 0 alone writes the weights once into --engine_shared_path and has every engine reload
+them, while the other ranks wait outside the training group (as for a save: a reload may outlast --ddp_timeout); the
+folder must be readable by every engine (one node: /dev/shm; several nodes: a shared filesystem path) and is the
+trainer's own (trainer/engine.py own_folder: this user's, writable by no one else; the default one private, its files
+removed after each push: `push_folder`). Under --strategy fsdp2 every rank takes part in gathering the whole weights to
+rank 0 first; a LoRA actor pushes its merged weights (W + B A scale: the engine serves a plain model).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -23,13 +27,15 @@ from model.loader import DEFAULT_TOKENIZER_DIR, load_tokenizer
 from model.lora import base_of, is_lora, merged_state_dict
 from trainer import dist as D
 from trainer.config import Config
-from trainer.engine import ENGINES, Engine, EngineError, connect, exits_on_engine_error, model_mismatch, write_weights
+from trainer.engine import ENGINES, Engine, EngineError, connect, exits_on_engine_error, model_mismatch, own_folder, write_weights
 from trainer.rollout import draw, policy_forward
+from trainer.run.cli import engine_shared_path
 from trainer.run.distributed import failing_together, main_writes
 from trainer.run.sharding import full_state_dict, is_sharded
 from trainer.runtime import Models, Runtime
 
 _CLIENTS: dict[str, Engine] = {}  # rank 0's clients of the other engines it pushes to
+_DEFAULT_FOLDERS: set[Path] = set()  # the default push folders rank 0 checked as its own (removed at the end)
 
 # Mean |log-prob gap| per token on the start-up probe above which the engine is not sampling the policy (a bf16
 # engine measures ~0.04-0.05 against bf16 autocast, an fp32 one ~1e-6: docs/engines.md), and above which, when the
@@ -98,6 +104,39 @@ def check_tokenizer(cfg: Config, tok) -> None:
                          f"actor's tokenizer directory, or leave the flag out (the actor's is the default)")
 
 
+def push_folder(cfg: Config) -> tuple[Path, bool]:
+    """Where rank 0 writes the weights, and whether it is the default folder (trainer/run/cli.py engine_shared_path:
+    /dev/shm/minippo_engine_HOST_PORT, a name anyone on the machine can guess). The default is the trainer's alone
+    (0700, nobody else's bits); its files are removed after every push, once the engines have loaded them, so it
+    holds no memory between pushes whatever ends the run, and the empty folder at the end (`remove_push_folders`).
+    It is kept between pushes: another user could take the name in between. A folder given is kept, its files
+    replaced by each push."""
+    folder = Path(cfg.engine_shared_path or "")
+    default = engine_shared_path(cfg.replace(engine_shared_path=None, sglang_shared_path=None))
+    return folder, default is not None and folder == Path(default)
+
+
+def _empty(folder: Path) -> None:
+    """Remove what is in `folder` (the trainer's own, checked), never following a link."""
+    for f in folder.iterdir():
+        with contextlib.suppress(OSError):
+            if f.is_dir() and not f.is_symlink():
+                shutil.rmtree(f)
+            else:
+                f.unlink()
+
+
+def remove_push_folders() -> None:
+    """Remove the default push folders this process made its own (empty after each push). Run by atexit; a process
+    that leaves by os._exit (torchrun's ranks: trainer/run/distributed.py exit_after) skips atexit and leaves the
+    empty folder behind unless the run's end calls this. Safe to call again, on any rank."""
+    while _DEFAULT_FOLDERS:
+        shutil.rmtree(_DEFAULT_FOLDERS.pop(), ignore_errors=True)  # rmtree refuses a link in place of the folder
+
+
+atexit.register(remove_push_folders)
+
+
 def push_weights(cfg: Config, m: Models, rt: Runtime, version: int) -> None:
     """Make every engine serve the actor's current weights as weight version `version` (the number of updates in
     them). Every rank calls this at the same point; a failure on rank 0 (a full disk, an engine that refuses the
@@ -111,20 +150,29 @@ def push_weights(cfg: Config, m: Models, rt: Runtime, version: int) -> None:
         state = merged_state_dict(m.actor) if is_lora(m.actor) else base_of(m.actor).state_dict()
     else:
         state = {}
-    folder = Path(cfg.engine_shared_path or "")
+    folder, default = push_folder(cfg)
 
     def write_and_reload() -> None:
+        mine = False  # the folder passed own_folder's checks: only then may it be removed
         with exits_on_engine_error():
             try:
-                write_weights(state, _config_json(m.actor), folder, _extra_files(cfg))
-            except OSError as e:
-                raise SystemExit(f"error: writing the weights for the engine to {folder} failed: {e.strerror or e}; "
-                                 f"give --engine_shared_path a folder with room") from None
-            for url in dict.fromkeys((cfg.engine_url or "").split(",")):  # every engine once, this rank's too
-                if url.rstrip("/") == engine.url:
-                    engine.load_weights(folder, version)
-                else:  # one client per engine for the run: what it learnt of its server (vLLM's fence) is asked once
-                    _CLIENTS.setdefault(url, ENGINES[cfg.rollout_engine](url, cfg.engine_timeout)).load_weights(folder, version)
+                try:
+                    own_folder(folder, default)
+                    mine = True
+                    if default:
+                        _DEFAULT_FOLDERS.add(folder)
+                    write_weights(state, _config_json(m.actor), folder, _extra_files(cfg), private=default)
+                except OSError as e:
+                    raise SystemExit(f"error: writing the weights for the engine to {folder} failed: "
+                                     f"{e.strerror or e}; give --engine_shared_path a folder of yours with room") from None
+                for url in dict.fromkeys((cfg.engine_url or "").split(",")):  # every engine once, this rank's too
+                    if url.rstrip("/") == engine.url:
+                        engine.load_weights(folder, version)
+                    else:  # one client per engine for the run: what it learnt of its server (vLLM's fence) is asked once
+                        _CLIENTS.setdefault(url, ENGINES[cfg.rollout_engine](url, cfg.engine_timeout)).load_weights(folder, version)
+            finally:
+                if default and mine:  # the engines hold the weights now: the memory is freed at once
+                    _empty(folder)
 
     main_writes(write_and_reload, rt.info)
     engine.version = version  # every rank expects its engine to sample version `version` from now on

@@ -1,0 +1,98 @@
+"""trainer/http_client.py against a hostile server (tests/hostile_http.py): a total deadline however the bytes trickle, a size
+cap that stops reading, a bearer token on the request and never carried elsewhere by a redirect, one-line errors.
+The engine and reward-server clients' own tests (tests/test_engine.py, tests/test_reward_server.py) repeat the
+attacks through the clients."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.hostile_http import Hostile
+from trainer import http_client as H
+
+
+@pytest.fixture
+def hostile(request):
+    servers: list[Hostile] = []
+
+    def make(mode: str, **kw) -> Hostile:
+        servers.append(Hostile(mode, **kw))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.stop()
+
+
+@pytest.mark.parametrize("mode", ["trickle_body", "trickle_head"])
+def test_a_trickling_server_fails_at_the_deadline_not_later(mode, hostile):
+    """A byte every 0.2 s keeps every socket read under any per-read timeout; the request still ends at its total
+    deadline (1 s here), in the body or before the status line is whole."""
+    server = hostile(mode, every=0.2)
+    start = time.monotonic()
+    with pytest.raises(H.TimedOut) as e:
+        H.request_json(server.url + "/health", timeout=1.0)
+    took = time.monotonic() - start
+    assert 0.9 < took < 1.6, took
+    assert str(e.value) == "no complete answer within 1 s"
+    assert server.sent > 0  # it was answering, slowly
+
+
+@pytest.mark.parametrize("length", [True, False], ids=["content_length", "until_close"])
+def test_a_100_mb_answer_is_refused_at_the_cap_without_being_read(length, hostile):
+    """100 MB sent as fast as the client takes it: refused at the cap (1 MiB here), naming the URL, in one line; the
+    server could only push what the cap and the sockets' buffers let in (memory stays bounded)."""
+    server = hostile("flood", length=length)
+    cap = 1 << 20
+    with pytest.raises(H.BadAnswer) as e:
+        H.request_json(server.url + "/v1/models", timeout=30, max_bytes=cap)
+    msg = str(e.value)
+    assert msg.startswith(f"{server.url}/v1/models answered with ") and f"the {cap} bytes the trainer reads" in msg
+    assert ("100000000 bytes" in msg) == length and "\n" not in msg
+    time.sleep(0.2)  # the server's last send fails once the client has hung up
+    assert server.sent < 40_000_000, server.sent  # cap + socket buffers, far from the 100 MB
+
+
+def test_the_default_cap_bounds_any_answer(hostile):
+    server = hostile("flood", length=False)
+    with pytest.raises(H.BadAnswer, match=f"more than the {H.MAX_BYTES} bytes"):
+        H.request_json(server.url, timeout=30)
+    time.sleep(0.2)
+    assert server.sent < H.MAX_BYTES + 40_000_000 < 100_000_000
+
+
+def test_the_token_is_a_bearer_header_and_a_redirect_carries_it_nowhere(hostile):
+    """The token goes as `Authorization: Bearer <token>`; a server that redirects (to collect the token elsewhere)
+    is refused, and the place it points to hears nothing."""
+    elsewhere = hostile("flood", size=2)
+    server = hostile("redirect", location=elsewhere.url + "/steal")
+    with pytest.raises(H.BadAnswer) as e:
+        H.request_json(server.url + "/generate", {"input_ids": [[1]]}, timeout=5, token="s3cret")
+    assert server.headers[0]["authorization"] == "Bearer s3cret"
+    assert "redirect (HTTP 307 to " in str(e.value) and "s3cret" not in str(e.value)
+    time.sleep(0.1)
+    assert elsewhere.headers == []
+
+
+def test_failures_are_one_line_of_their_kind(hostile):
+    """Nobody listening: Unreachable; an error status: Refused with the server's own message."""
+    server = hostile("flood")
+    url = server.url
+    server.stop()
+    time.sleep(0.05)
+    with pytest.raises(H.Unreachable) as e:
+        H.request_json(url, timeout=5)
+    assert "refused" in str(e.value).lower() and "\n" not in str(e.value)
+
+
+def test_a_key_a_header_cannot_carry_names_the_variable_not_the_key(monkeypatch):
+    monkeypatch.setenv("MINIPPO_TEST_KEY", "  abc\r\nX-Injected: 1 ")
+    with pytest.raises(ValueError) as e:
+        H.token_from_env("MINIPPO_TEST_KEY")
+    assert str(e.value).startswith("MINIPPO_TEST_KEY holds characters an HTTP header cannot carry") and "abc" not in str(e.value)
+    monkeypatch.setenv("MINIPPO_TEST_KEY", "  key-1  ")
+    assert H.token_from_env("MINIPPO_TEST_KEY") == "key-1"
+    monkeypatch.setenv("MINIPPO_TEST_KEY", "")
+    assert H.token_from_env("MINIPPO_TEST_KEY") is None
