@@ -19,13 +19,14 @@ changes elsewhere, all built here:
 from __future__ import annotations
 
 import os
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from model.weights import atomic_dir
 
 LORA_FLAGS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
 ADAPTER = "default"  # peft's adapter name; one adapter per run
@@ -302,9 +303,7 @@ def export_base_hf(model: nn.Module, tok: Any, out_dir: str | os.PathLike) -> Pa
     with torch.random.fork_rng(devices=[]):  # from_config's random init must not move the run's RNG (exact resume)
         stock = AutoModelForCausalLM.from_config(hf)
     stock.load_state_dict({k: v.float() for k, v in merged_state_dict(model, adapters=False).items()}, strict=True)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    stock.save_pretrained(str(tmp))
-    tok.save_pretrained(str(tmp))
-    shutil.rmtree(out_dir, ignore_errors=True)  # a partial directory from a killed save (no config.json)
-    os.replace(tmp, out_dir)
+    with atomic_dir(out_dir) as tmp:  # whole or not at all: a killed save leaves no partial base
+        stock.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
     return out_dir

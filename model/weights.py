@@ -1,4 +1,5 @@
-"""Native MiniMind weight files (`out/<weight>_<hidden>[_moe].pth`): strict load, atomic save.
+"""Native MiniMind weight files (`out/<weight>_<hidden>[_moe].pth`): strict load, atomic save (and
+`atomic_dir`, the same promise for an exported folder).
 
 A file is a plain `torch.save` of a tensor-only state dict in Hugging Face key naming, usually
 fp16. MiniMind loads these with `strict=False`, which hides real mistakes (a wrong
@@ -12,10 +13,14 @@ transformers' Qwen3-MoE keeps them fused (`mlp.experts.gate_up_proj` [E, 2*I, H]
 
 from __future__ import annotations
 
+import glob
 import os
 import re
+import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -171,6 +176,59 @@ def atomic_torch_save(obj, path: str | os.PathLike) -> None:
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        raise
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
+    """A folder written whole or not at all (a save_pretrained export): yields a private temporary folder beside
+    `final` (same filesystem, unique name) to write into; on success its files are synced and it takes `final`'s
+    place (the previous folder is renamed aside first, then removed); on an error it is removed. A kill at any
+    moment leaves the previous folder or the new one, each complete: in the instant between the two renames
+    the previous one stands beside `final` as `.<name>.*.old`, and the next write puts it back first.
+    Temporary folders of killed writes (`.<name>.*.tmp`) are removed by the next write."""
+    final = Path(final)
+    parent, name = final.parent, final.name
+    parent.mkdir(parents=True, exist_ok=True)
+    asides = sorted(parent.glob(f".{glob.escape(name)}.*.old"), key=lambda p: p.stat().st_mtime)
+    if asides and not final.exists():
+        os.rename(asides.pop(), final)  # killed between the renames: the previous export back in its place
+    for stale in [*asides, *parent.glob(f".{glob.escape(name)}.*.tmp")]:
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=parent))  # 0700 while it is written
+    try:
+        yield tmp
+        probe = tmp / ".mode"
+        probe.mkdir()  # what a plain mkdir gives under this umask: the export's own mode
+        mode = probe.stat().st_mode & 0o7777
+        probe.rmdir()
+        for root, _, files in os.walk(tmp):
+            for f in files:
+                _fsync(Path(root) / f)
+        os.chmod(tmp, mode)
+        _fsync(tmp)
+        if final.exists():
+            aside = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".old", dir=parent))
+            os.rename(final, aside)  # onto an empty folder: replaces it
+            try:
+                os.rename(tmp, final)
+            except BaseException:
+                os.rename(aside, final)
+                raise
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 

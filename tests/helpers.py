@@ -42,9 +42,20 @@ def make_tiny_world(tmp: Path, hidden: int = 64, layers: int = 2, n_prompts: int
     return {"save_dir": str(out), "rm": str(tmp / "rm"), "data": str(tmp / "prompts.jsonl"), "hidden": hidden, "layers": layers}
 
 
+def own_save_dir(world: dict, tmp: Path) -> str:
+    """<tmp>/out with the world's starting weights linked in: each test's runs export their own policy (a new run
+    refuses to write over another run's exported policy)."""
+    out = Path(tmp) / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(world["save_dir"]).glob("full_sft_*.pth"):
+        if not (out / f.name).exists():
+            (out / f.name).symlink_to(f)
+    return str(out)
+
+
 def tiny_flags(world: dict, tmp: Path, **over) -> list[str]:
     flags = {
-        "save_dir": world["save_dir"], "reward_model_path": world["rm"], "data_path": world["data"],
+        "save_dir": over.get("save_dir") or own_save_dir(world, tmp), "reward_model_path": world["rm"], "data_path": world["data"],
         "hidden_size": world["hidden"], "num_hidden_layers": world["layers"], "checkpoint_dir": str(tmp / "ckpt"),
         "run_dir": str(tmp / "run"), "batch_size": 4, "mini_batch_size": 2, "max_gen_len": 8, "max_seq_len": 64,
         "max_steps": 3, "save_interval": 1, "swanlab_mode": "disabled", "dtype": "float32", "num_threads": 1,

@@ -406,6 +406,40 @@ def test_save_resume_keeps_newest_k_and_cleans_partial_writes(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [_name(5)]
 
 
+def test_a_corrupt_newest_file_never_costs_the_good_ones(tmp_path):
+    """A corrupt newest file (here step 10, skipped at resume) must not count among the files kept: with
+    --keep_checkpoints 1 the run resumed from step 8 would otherwise delete step 8 and then each save it
+    writes, leaving only the corrupt file."""
+    for step in (8, 10):
+        ckpt.save_resume({"step": step}, tmp_path, PREFIX, step, keep=5)
+    newest = tmp_path / _name(10)
+    newest.write_bytes(newest.read_bytes()[:100])
+    state, path = ckpt.load_latest_resume(tmp_path, PREFIX, info=lambda msg: None)
+    assert path.name == _name(8)
+    ckpt.save_resume({"step": 9}, tmp_path, PREFIX, 9, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [_name(9), _name(10)]
+    state, path = ckpt.load_latest_resume(tmp_path, PREFIX, info=lambda msg: None)
+    assert path.name == _name(9) and state["step"] == 9  # the good file survives, and is what resume finds
+    ckpt.save_resume({"step": 10}, tmp_path, PREFIX, 10, keep=1)  # the run's own step 10 replaces the corrupt one
+    assert [p.name for p in tmp_path.iterdir()] == [_name(10)] and ckpt.read_resume(tmp_path / _name(10))["step"] == 10
+
+
+def test_a_save_weight_with_glob_characters_is_a_name_not_a_pattern(tmp_path):
+    """--save_weight 'exp[lr3e-6]': listing (resume, the fresh-run guard), keep-K and clean-up all see its files."""
+    prefix = ckpt.resume_prefix("exp[lr3e-6]", 64, False)
+    (tmp_path / f"{prefix}_step00000003.pth.dead.tmp").write_bytes(b"partial")
+    (tmp_path / f"{prefix}_step00000002.dcp.tmp").mkdir()
+    for step in (1, 2, 3):
+        ckpt.save_resume({"step": step}, tmp_path, prefix, step, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{prefix}_step00000002.pth", f"{prefix}_step00000003.pth"]
+    assert [p.name for p in ckpt.list_resume_files(tmp_path, prefix)] == [f"{prefix}_step00000003.pth",
+                                                                          f"{prefix}_step00000002.pth"]
+    assert ckpt.load_latest_resume(tmp_path, prefix)[0]["step"] == 3
+    other = ckpt.resume_prefix("exp[lr3e-6]", 96, False)
+    (tmp_path / f"{other}_step00000001.pth").write_bytes(b"")
+    assert [p.name for p in ckpt.other_shape_resume_files(tmp_path, "exp[lr3e-6]", prefix)] == [f"{other}_step00000001.pth"]
+
+
 def test_read_resume_rejects_foreign_and_truncated_files(tmp_path):
     torch.save({"actor": {}}, tmp_path / "foreign.pth")
     with pytest.raises(ckpt.ResumeError, match="not a minippo resume file"):

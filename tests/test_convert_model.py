@@ -209,7 +209,7 @@ def test_exports_actor_and_critic_of_a_real_run(tmp_path):
     world = make_tiny_world(tmp_path / "w", n_prompts=8)
     run_train(tiny_flags(world, tmp_path, max_steps=1, batch_size=2, mini_batch_size=2, save_weight="conv",
                          reward_model_path="none", rm_weight=0), cwd=tmp_path)
-    actor = Path(world["save_dir"]) / "conv_64.pth"
+    actor = tmp_path / "out" / "conv_64.pth"
     resume = sorted((tmp_path / "ckpt").glob("conv_64_resume_step*.pth"))[-1]
     _to_hf(actor, tmp_path / "hf", "qwen3", "--critic_resume", str(resume))
     state = torch.load(resume, weights_only=True)

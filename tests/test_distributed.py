@@ -376,7 +376,7 @@ def test_torchrun_two_processes_completes_rank0_writes(two_procs, world):
     last = _load(files[-1])
     assert last["world_size"] == 2 and len(last["rng"]) == 2  # every rank's RNG, gathered to rank 0
     assert (last["step"], last["epoch"], last["consumed"]) == (3, 0, 3 * GLOBAL_BATCH)
-    assert (Path(world["save_dir"]) / f"ddp_{world['hidden']}.pth").is_file()
+    assert (tmp / "out" / f"ddp_{world['hidden']}.pth").is_file()
 
 
 @pytest.mark.slow
@@ -434,7 +434,7 @@ def test_fsdp2_equals_ddp_and_one_process(fsdp2_procs, two_procs, one_proc, worl
         for key in ("reward/total", "kl_ref", "ppo/approx_kl", "value/explained_var", "grad_norm/actor", "grad_norm/critic",
                     "loss/policy", "loss/value"):
             assert rf[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-6), (rf["step"], key)
-    exported = torch.load(Path(world["save_dir"]) / "fsdp2_64.pth", weights_only=True)  # MiniMind's format: fp16
+    exported = torch.load(fsdp2_procs["tmp"] / "out" / "fsdp2_64.pth", weights_only=True)  # MiniMind's format: fp16
     assert set(exported) == set(start)
     key = "model.layers.0.mlp.up_proj.weight"
     assert torch.allclose(exported[key].float(), f["actor"][key], atol=1e-3)
@@ -490,7 +490,7 @@ def test_fsdp2_with_whole_frozen_models_old_actor_and_evaluation(world, tmp_path
     assert rows[-1]["kl_ref"] > 0  # the actor moved away from its whole-on-every-rank reference
     state = final_weights(tmp_path / "ckpt")
     assert state["shards"] and "old_actor" in state and set(state["old_actor"]) == set(state["actor"])
-    exported = torch.load(Path(world["save_dir"]) / "whole_frozen_64.pth", weights_only=True)
+    exported = torch.load(tmp_path / "out" / "whole_frozen_64.pth", weights_only=True)
     assert set(exported) == set(torch.load(Path(world["save_dir"]) / "full_sft_64.pth", weights_only=True))
 
 

@@ -56,7 +56,7 @@ def test_fresh_run_refuses_a_folder_with_another_runs_resume_files(world, tmp_pa
     metrics_before = (tmp_path / "run" / "metrics.jsonl").read_text()
     code, out = run_main(tiny_flags(world, tmp_path, max_steps=1))
     assert isinstance(code, str) and code.startswith("error:") and "\n" not in code
-    assert "holds resume files of an earlier run" in code and "--from_resume 1" in code and "--checkpoint_dir" in code
+    assert "holds resume files of an earlier run" in code and "--from_resume 1" in code and "another --save_weight" in code
     # Nothing of the first run was touched: files, logs, run.json.
     assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").glob("*.pth")} == before
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics_before
@@ -113,6 +113,174 @@ def test_second_run_in_a_busy_folder_is_refused_at_start(world, tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before touching anything
 
 
+def _save_dir(flags: list[str]) -> Path:
+    """The --save_dir `flags` give (where the run's policy is exported)."""
+    return Path(flags[flags.index("--save_dir") + 1])
+
+
+def _one_line(code) -> str:
+    assert isinstance(code, str) and code.startswith("error: ") and "\n" not in code, code
+    return code
+
+
+def test_a_new_run_over_another_runs_logs_or_policy_is_refused_and_touches_nothing(world, tmp_path):
+    """Following the old advice ("another --checkpoint_dir") would have wiped the first run's metrics and samples
+    and overwritten its policy; so would a sweep of runs with their own folders but one --save_weight."""
+    flags = dict(max_steps=1, save_weight="twin")
+    first = tiny_flags(world, tmp_path, **flags)
+    code, out = run_main(first)
+    assert code is None, out[-2000:]
+    export, run = _save_dir(first) / "twin_64.pth", tmp_path / "run"
+    kept = [export, run / "run.json", run / "metrics.jsonl", run / "samples.jsonl"]
+    before = {p: p.read_bytes() for p in kept}
+    code, _ = run_main(tiny_flags(world, tmp_path, **flags, checkpoint_dir=str(tmp_path / "ckpt2")))
+    assert all(str(p) in _one_line(code) for p in kept) and "another --save_weight and --run_dir" in code
+    code, _ = run_main(tiny_flags(world, tmp_path / "b", **flags, save_dir=str(_save_dir(first))))
+    assert f"overwrite an earlier run's {export} " in _one_line(code) and "metrics" not in code
+    assert {p: p.read_bytes() for p in kept} == before
+    assert not list((tmp_path / "ckpt2").glob("*.pth")) and not (tmp_path / "b" / "run" / "run.json").exists()
+
+
+@pytest.mark.slow
+def test_a_save_weight_with_brackets_is_guarded_resumed_and_pruned(world, tmp_path):
+    """--save_weight 'exp[lr3e-6]' was a glob pattern to the guard, resume and keep-K: a second fresh run started
+    over, --from_resume 2 silently started over and no file was ever pruned."""
+    name = "exp[lr3e-6]"
+    prefix = ckpt.resume_prefix(name, world["hidden"], False)
+    files = lambda: sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.suffix == ".pth")  # noqa: E731
+    code, out = run_main(tiny_flags(world, tmp_path, max_steps=2, save_weight=name, keep_checkpoints=1))
+    assert code is None, out[-2000:]
+    assert files() == [f"{prefix}_step00000002.pth"]
+    code, _ = run_main(tiny_flags(world, tmp_path, max_steps=3, save_weight=name, keep_checkpoints=1))
+    assert "holds resume files of an earlier run" in _one_line(code)
+    code, out = run_main(tiny_flags(world, tmp_path, max_steps=3, save_weight=name, keep_checkpoints=1, from_resume=2))
+    assert code is None and "resumed from" in out and " at step 2 " in out, out[-2000:]
+    assert files() == [f"{prefix}_step00000003.pth"]
+    # The run's own earlier start (its run.json names these folders) that never saved may start over.
+    for p in (tmp_path / "ckpt").iterdir():
+        p.unlink()
+    code, out = run_main(tiny_flags(world, tmp_path, max_steps=1, save_weight=name, keep_checkpoints=1))
+    assert code is None, out[-2000:]
+
+
+def test_a_filesystem_without_flock_warns_and_runs(world, tmp_path):
+    """Lustre's default mount answers flock with ENOLCK / ENOSYS: a warning each folder, not a traceback."""
+    with mock.patch("trainer.run.lock.fcntl.flock", side_effect=OSError(errno.ENOLCK, "No locks available")):
+        code, out = run_main(tiny_flags(world, tmp_path, max_steps=1, save_weight="nolock"))
+    assert code is None, out[-2000:]
+    warnings = [line for line in out.splitlines() if "without flock" in line]
+    assert len(warnings) == 2 and "ENOLCK" in warnings[0] and "--checkpoint_dir" in warnings[0] and "--run_dir" in warnings[1]
+    with mock.patch.object(FolderLock, "acquire", side_effect=PermissionError(errno.EACCES, "Permission denied")):
+        code, _ = run_main(tiny_flags(world, tmp_path / "b", max_steps=1, save_weight="nolock"))
+    want = f"error: --checkpoint_dir {tmp_path / 'b' / 'ckpt'}: cannot create its lock file .minippo.lock: Permission denied"
+    assert _one_line(code) == want
+
+
+# ------------------------------------------------------------------ exports: whole or not at all
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _killed_in(fn) -> None:
+    """`fn` in a forked child that dies inside it (os._exit(9), as SIGKILL would leave things)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            fn()
+        finally:
+            os._exit(0)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 9
+
+
+def _die(*args, **kwargs):
+    os._exit(9)
+
+
+def test_a_kill_inside_the_hf_export_leaves_the_previous_export_whole(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from model.loader import load_tokenizer
+    from trainer.config import Config
+    from trainer.run.lifecycle import export_policy
+
+    tok = load_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    cfg = Config().replace(actor_path=str(tmp_path / "start"))
+    out = tmp_path / "out" / "ppo_actor_hf"
+    export_policy(cfg, model, tok, out)
+    before = _tree(out)
+
+    def partial(self, path, **kwargs):  # the first bytes of the weights, then the kill
+        (Path(path) / "model.safetensors").write_bytes(before["model.safetensors"][:100])
+        _die()
+
+    with mock.patch.object(LlamaForCausalLM, "save_pretrained", partial):
+        _killed_in(lambda: export_policy(cfg, model, tok, out))
+    assert _tree(out) == before
+
+    def whole(self, path, **kwargs):  # a complete new export, no torch work in the forked child
+        for name, data in before.items():
+            (Path(path) / name).write_bytes(b"new " + data if name == "model.safetensors" else data)
+
+    real_rename = os.rename
+    renames: list[str] = []
+
+    def rename_then_die(src, dst):  # killed between moving the old export aside and renaming the new one in
+        renames.append(str(dst))
+        if len(renames) == 2:
+            _die()
+        real_rename(src, dst)
+
+    with mock.patch.object(LlamaForCausalLM, "save_pretrained", whole), mock.patch("os.rename", rename_then_die):
+        _killed_in(lambda: export_policy(cfg, model, tok, out))
+    aside = [p for p in out.parent.iterdir() if p.name != out.name]
+    assert not out.exists() and len(aside) == 2 and {p.suffix for p in aside} == {".old", ".tmp"}
+    assert _tree(next(p for p in aside if p.suffix == ".old")) == before  # the previous export, whole beside it
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    export_policy(cfg, model, tok, out)  # the next save puts things right and writes whole
+    assert [p.name for p in out.parent.iterdir()] == [out.name]
+    after = _tree(out)
+    assert set(after) == set(before) and after["model.safetensors"] != before["model.safetensors"]
+
+
+def test_an_error_inside_the_lora_export_leaves_the_previous_adapters_whole(tmp_path):
+    from peft import PeftModelForCausalLM
+
+    from model.loader import build_minimind, load_tokenizer
+    from model.lora import add_lora
+    from trainer.config import Config
+    from trainer.run.lifecycle import adapter_dir, save_lora_outputs
+
+    torch.manual_seed(0)
+    policy, tok = add_lora(build_minimind(64, 2), 4, 8, 0.0, "all-linear"), load_tokenizer()
+    cfg = Config().replace(lora_r=4, save_merged=1)
+    out = tmp_path / "ppo_actor_64.pth"
+    adapters = adapter_dir(out)
+    save_lora_outputs(cfg, policy, tok, out)
+    before = _tree(adapters)
+    assert "base/config.json" in before and "adapter_model.safetensors" in before
+
+    def partial(self, path, **kwargs):
+        (Path(path) / "adapter_model.safetensors").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with mock.patch.object(PeftModelForCausalLM, "save_pretrained", partial), pytest.raises(OSError):
+        save_lora_outputs(cfg, policy, tok, out)
+    assert _tree(adapters) == before and sorted(p.name for p in tmp_path.iterdir()) == [out.name, adapters.name]
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            if "lora_B" in n:
+                p.add_(0.5)
+    save_lora_outputs(cfg, policy, tok, out)  # a new adapter folder; the base carried over as hard links
+    after = _tree(adapters)
+    assert after["adapter_model.safetensors"] != before["adapter_model.safetensors"]
+    assert {k: v for k, v in after.items() if k.startswith("base/")} == {k: v for k, v in before.items() if k.startswith("base/")}
+    assert json.loads((adapters / "adapter_config.json").read_text())["base_model_name_or_path"] == str((adapters / "base").resolve())
+
+
 # ------------------------------------------------------------------ never save diverged weights
 def test_nonfinite_gradient_with_finite_loss_skips_the_step():
     """A NaN gradient under a finite loss (what --learning_rate 1e4 leads to): no optimizer moves, counted."""
@@ -128,8 +296,8 @@ def test_nonfinite_gradient_with_finite_loss_skips_the_step():
 
 @pytest.mark.slow
 def test_diverged_run_never_saves_nonfinite_weights(world, tmp_path):
-    code, out = run_main(tiny_flags(world, tmp_path, max_steps=6, max_nonfinite=3, learning_rate=1e4,
-                                    critic_learning_rate=1e4))
+    flags = tiny_flags(world, tmp_path, max_steps=6, max_nonfinite=3, learning_rate=1e4, critic_learning_rate=1e4)
+    code, out = run_main(flags)
     rows = read_metrics(tmp_path / "run")
     assert any(r["nonfinite"] for r in rows), out[-2000:]  # the huge LR made some gradients non-finite
     files = ckpt.list_resume_files(tmp_path / "ckpt", PREFIX)
@@ -138,7 +306,7 @@ def test_diverged_run_never_saves_nonfinite_weights(world, tmp_path):
         state = ckpt.read_resume(f)
         for key in ("actor", "critic"):
             assert all(torch.isfinite(t).all() for t in state[key].values()), f"{f.name}: non-finite {key} saved"
-    saved = torch.load(Path(world["save_dir"]) / f"ppo_actor_{world['hidden']}.pth", weights_only=True)
+    saved = torch.load(_save_dir(flags) / f"ppo_actor_{world['hidden']}.pth", weights_only=True)
     assert all(torch.isfinite(t.float()).all() for t in saved.values())
     code, out = run_main(tiny_flags(world, tmp_path, max_steps=7, max_nonfinite=3, learning_rate=1e4,
                                     critic_learning_rate=1e4, from_resume=1))

@@ -195,7 +195,7 @@ def test_native_outputs_give_the_trained_policys_logits(world, tmp_path):
     flags = tiny_flags(world, tmp_path, max_steps=2, lora_r=4, lora_alpha=8, learning_rate=1e-2)
     code, out = run_main([*flags, "--save_weight", "lo"])
     assert code is None, out[-3000:]
-    adapters, pth = Path(world["save_dir"]) / "lo_64_lora", Path(world["save_dir"]) / "lo_64.pth"
+    adapters, pth = tmp_path / "out" / "lo_64_lora", tmp_path / "out" / "lo_64.pth"
     assert (adapters / "adapter_model.safetensors").is_file() and (adapters / "base" / "config.json").is_file()
     # The trained policy: the start weights plus the adapters of the last resume file.
     policy, _ = load_policy(weights=Path(world["save_dir"]) / "full_sft_64.pth", hidden_size=64, num_hidden_layers=2)

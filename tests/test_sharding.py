@@ -80,6 +80,71 @@ def test_dcp_metadata_that_would_run_code_is_refused(tmp_path):
                  storage_reader=sharding.SafeReader(folder))
 
 
+def _global_call(module: str, name: str, arg: str) -> bytes:
+    """A protocol-4 pickle that calls `module`'s `name` (protocol 4 walks a dotted name attribute by attribute) with
+    one string: what a crafted .metadata file holds."""
+    text = lambda x: b"\x8c" + bytes([len(x.encode())]) + x.encode()  # noqa: E731 - SHORT_BINUNICODE
+    return b"\x80\x04" + text(module) + text(name) + b"\x93" + text(arg) + b"\x85R."  # STACK_GLOBAL, TUPLE1, REDUCE
+
+
+@pytest.mark.parametrize("module, name", [
+    ("torch.distributed.checkpoint.filesystem", "os.system"),  # a dotted name under DCP's own modules
+    ("torch.distributed.checkpoint.metadata", "os.system"),
+    ("os", "system"),
+])
+def test_dcp_metadata_reaching_os_system_is_refused_and_runs_nothing(tmp_path, module, name):
+    model, opt = _stepped(1)
+    folder = tmp_path / "p_step00000001.dcp"
+    sharding.save_shards({"actor": model}, {"actor": opt}, folder, DistInfo())
+    marker = tmp_path / "pwned"
+    (folder / ".metadata").write_bytes(_global_call(module, name, f"touch {marker}"))
+    with pytest.raises(sharding.UnsafeShardsError) as e:
+        sharding.load_shards({"actor": build_minimind(64, 2)}, {"actor": torch.optim.AdamW(build_minimind(64, 2).parameters())},
+                             folder)
+    msg = str(e.value)
+    assert "\n" not in msg and f"refused: its DCP metadata carries a pickled {module}.{name}" in msg and str(folder) in msg
+    assert not marker.exists()
+
+
+class _Touch:
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_dcp_bytes_entry_carrying_code_is_refused_and_runs_nothing(tmp_path):
+    """DCP stores the optimizer's param_groups (lr, betas, ...) as pickled bytes entries, which its own planner
+    reads with torch.load(weights_only=False): an entry swapped for a pickle that creates a file is refused in
+    one line, and the file is never created."""
+    import io
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    model, opt = _stepped(2)
+    folder = tmp_path / "p_step00000001.dcp"
+    sharding.save_shards({"actor": model}, {"actor": opt}, folder, DistInfo())
+    meta = pickle.loads((folder / ".metadata").read_bytes())  # the test's own file: trusted here
+    fqn = next(k for k, v in meta.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata) and k.endswith(".lr"))
+    index = next(i for i in meta.storage_data if i.fqn == fqn)
+    info = meta.storage_data[index]
+    marker = tmp_path / "pwned"
+    blob = io.BytesIO()
+    torch.save(_Touch(marker), blob)
+    data = folder / info.relative_path
+    info.offset, info.length = data.stat().st_size, len(blob.getvalue())
+    with data.open("ab") as f:
+        f.write(blob.getvalue())
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    fresh = build_minimind(64, 2)
+    with pytest.raises(sharding.UnsafeShardsError) as e:
+        sharding.load_shards({"actor": fresh}, {"actor": torch.optim.AdamW(fresh.parameters())}, folder)
+    msg = str(e.value)
+    assert "\n" not in msg and f"refused: its DCP entry {fqn} is not plain data" in msg
+    assert not marker.exists()
+
+
 def test_a_save_killed_midway_leaves_the_last_committed_checkpoint_and_is_cleaned_up(tmp_path):
     """A sharded step counts once its .pth exists (written after the .dcp folder is complete): a kill while the
     shards were written (a .dcp.tmp folder) or before the .pth (a .dcp folder nobody names) leaves the previous

@@ -970,7 +970,7 @@ def test_filter_groups_ending_where_the_data_runs_out_saves_evaluates_and_says_s
     assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 3]  # the start, and where it ended
     state = torch.load(tmp_path / "ckpt" / "short_64_resume_step00000003.pth", weights_only=True)
     assert (state["step"], state["epoch"], state["consumed"]) == (3, 1, 0)  # every prompt drawn
-    assert (Path(world["save_dir"]) / "short_64.pth").is_file()
+    assert (tmp_path / "out" / "short_64.pth").is_file()
 
 
 def test_evaluation_runs_before_the_first_step_every_interval_and_at_the_end(grpo_run):
@@ -1081,7 +1081,7 @@ def test_a_minimind_grpo_command_line_runs_end_to_end(world, tmp_path):
                        beta=0.05, epsilon_high=4.0, reward_fn=[TOY], rm_weight=0)
     code, out = run_main([*flags, "--use_wandb", "--swanlab_mode", "disabled"])
     assert code is None, out[-3000:]
-    assert (Path(world["save_dir"]) / "grpo_64.pth").is_file()
+    assert (tmp_path / "out" / "grpo_64.pth").is_file()
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss/policy"]) for r in rows)
     run = json.loads((tmp_path / "run" / "run.json").read_text())

@@ -15,6 +15,7 @@ refused, never skipped.
 from __future__ import annotations
 
 import errno
+import glob
 import pickle
 import re
 import shutil
@@ -68,13 +69,13 @@ def resume_prefix(save_weight: str, hidden_size: int, use_moe: bool) -> str:
 def list_resume_files(checkpoint_dir: str | Path, prefix: str) -> list[Path]:
     """Resume files for this run name, newest (highest step) first."""
     pat = re.compile(re.escape(prefix) + r"_step(\d+)\.pth$")
-    found = [(int(m.group(1)), p) for p in Path(checkpoint_dir).glob(f"{prefix}_step*.pth") if (m := pat.match(p.name))]
+    found = [(int(m.group(1)), p) for p in Path(checkpoint_dir).glob(f"{glob.escape(prefix)}_step*.pth") if (m := pat.match(p.name))]
     return [p for _, p in sorted(found, reverse=True)]
 
 
 def stray_temp_files(checkpoint_dir: str | Path, prefix: str) -> list[Path]:
     """Partial writes (`<resume file>.<random>.tmp`) left by a save that was killed."""
-    return sorted(Path(checkpoint_dir).glob(f"{prefix}_step*.pth.*.tmp"))
+    return sorted(Path(checkpoint_dir).glob(f"{glob.escape(prefix)}_step*.pth.*.tmp"))
 
 
 def other_shape_resume_files(checkpoint_dir: str | Path, save_weight: str, prefix: str) -> list[Path]:
@@ -83,7 +84,7 @@ def other_shape_resume_files(checkpoint_dir: str | Path, save_weight: str, prefi
     They have another file name, so without this a changed --hidden_size would silently start a
     new run instead of saying which flag differs."""
     pat = re.compile(re.escape(save_weight) + r"_\d+(_moe)?_resume_step\d+\.pth$")
-    found = [p for p in Path(checkpoint_dir).glob(f"{save_weight}_*_resume_step*.pth")
+    found = [p for p in Path(checkpoint_dir).glob(f"{glob.escape(save_weight)}_*_resume_step*.pth")
              if pat.match(p.name) and not p.name.startswith(prefix + "_step")]
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
@@ -92,14 +93,24 @@ def resume_path(checkpoint_dir: str | Path, prefix: str, step: int) -> Path:
     return Path(checkpoint_dir) / f"{prefix}_step{step:08d}.pth"
 
 
-def save_resume(state: dict, checkpoint_dir: str | Path, prefix: str, step: int, keep: int) -> Path:
-    """Atomically write the resume file for `step`, then prune to the newest `keep` files (and the DCP
-    folders of a sharded run that no kept file names).
+def step_of(path: Path) -> int:
+    """The step a resume file's name gives."""
+    return int(path.name.removesuffix(".pth").rsplit("_step", 1)[1])
 
-    Pruning runs only after the rename, so a kill at any moment leaves a complete older file."""
+
+def save_resume(state: dict, checkpoint_dir: str | Path, prefix: str, step: int, keep: int) -> Path:
+    """Atomically write the resume file for `step`, then prune to `keep` files: this one and the newest
+    `keep - 1` of the older ones (and the DCP folders of a sharded run that no kept file names).
+
+    Pruning runs only after the rename, so a kill at any moment leaves a complete older file. Files of
+    later steps are never pruned nor counted: a run only saves below a file it found there when resume
+    skipped that file as unreadable, so the one just written is the newest good one, and counting the
+    unreadable file instead would prune each new save (with --keep_checkpoints 1). The run's own save
+    of that step replaces it."""
     path = resume_path(checkpoint_dir, prefix, step)
     atomic_torch_save({"format_version": FORMAT_VERSION, **state}, path)
-    for old in list_resume_files(checkpoint_dir, prefix)[max(keep, 1):]:
+    older = [p for p in list_resume_files(checkpoint_dir, prefix) if step_of(p) < step]
+    for old in older[max(keep, 1) - 1:]:
         old.unlink(missing_ok=True)
     for tmp in stray_temp_files(checkpoint_dir, prefix):  # only rank 0 saves: no writer is live
         tmp.unlink(missing_ok=True)

@@ -9,8 +9,9 @@ saving, and one way out (finished, stopped, or failed), on every rank.
 
 A run owns its folders: a lock on --checkpoint_dir and --run_dir keeps a second run out, a run id
 (run.json, every resume file) names it, a fresh run refuses a folder holding another run's resume
-files, and --from_resume 1 refuses a folder with nothing to resume. SIGTERM / SIGUSR1 / SIGINT stop
-the run after the current step, saved; non-finite weights are never saved.
+files or to start over another run's logs or exported policy, and --from_resume 1 refuses a folder
+with nothing to resume. SIGTERM / SIGUSR1 / SIGINT stop the run after the current step, saved;
+non-finite weights are never saved, and the policy is exported whole or not at all (`export_policy`).
 Only rank 0 writes (weights, resume files, run.json, logs); every rank takes part in the
 collectives a save needs (the RNG states are gathered from all ranks).
 """
@@ -18,6 +19,8 @@ collectives a save needs (the RNG states are gathered from all ranks).
 from __future__ import annotations
 
 import errno
+import os
+import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,13 +32,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dataset.rlaif import collate_left_pad
 from model.lora import export_base_hf, is_lora, merged_state_dict, save_adapter
-from model.weights import native_weight_path, save_native_weights
+from model.weights import atomic_dir, native_weight_path, save_native_weights
 from trainer import dist as D
 from trainer.config import Config
 from trainer.run import checkpoint as ckpt
 from trainer.run import distributed, seeding, sharding
-from trainer.run.lock import FolderBusy, FolderLock
-from trainer.run.provenance import append_resume_record, mark_run_end, rehash_inputs, write_run_json
+from trainer.run.engine_sync import remove_push_folders
+from trainer.run.lock import LOCK_NAME, FolderBusy, FolderLock
+from trainer.run.provenance import append_resume_record, mark_run_end, read_run_json, rehash_inputs, write_run_json
 from trainer.run.run_logger import RunLogger
 from trainer.run.setup import Setup, actor_weights_path
 from trainer.run.signals import StopRequest
@@ -100,19 +104,54 @@ class Run:
         """Rank 0: one run per folder. Lock the checkpoint and run folders (a second run at once is
         refused, naming the holder); a fresh run refuses a folder that holds another run's resume files
         (its saves would be pruned by the old run's higher steps, and --from_resume would continue the
-        old run)."""
+        old run), and refuses to start over another run's logs or exported policy (`_earlier_outputs`)."""
         cfg = self.cfg
-        try:
-            self._locks.append(FolderLock(cfg.checkpoint_dir, "--checkpoint_dir").acquire())
-            if self.run_dir.resolve() != Path(cfg.checkpoint_dir).resolve():
-                self._locks.append(FolderLock(self.run_dir, "--run_dir").acquire())
-        except FolderBusy as e:
-            raise SystemExit(f"error: {e}") from None
+        self._lock(cfg.checkpoint_dir, "--checkpoint_dir")
+        if self.run_dir.resolve() != Path(cfg.checkpoint_dir).resolve():
+            self._lock(self.run_dir, "--run_dir")
         existing = ckpt.list_resume_files(cfg.checkpoint_dir, self.prefix)
         if existing and not cfg.from_resume:
             raise SystemExit(f"error: {cfg.checkpoint_dir}/ holds resume files of an earlier run ({existing[0].name}): "
-                             f"continue it with --from_resume 1, or start a new run with another --checkpoint_dir or "
-                             f"--save_weight (or move those files away)")
+                             f"continue it with --from_resume 1, or start a new run with another --save_weight "
+                             f"(or move those files away)")
+        if not existing and cfg.from_resume != 1:  # a new run (--from_resume 1 with nothing to resume stops anyway)
+            earlier = self._earlier_outputs()
+            if earlier:
+                also = " and --run_dir" if cfg.run_dir else ""
+                raise SystemExit(f"error: a new run would overwrite an earlier run's {', '.join(map(str, earlier))} "
+                                 f"(no resume file of it in --checkpoint_dir {cfg.checkpoint_dir}): continue that run with "
+                                 f"its own --checkpoint_dir and --from_resume 1, or give this one another --save_weight{also} "
+                                 f"(or move those away)")
+
+    def _lock(self, folder: str | Path, flag: str) -> None:
+        """flock `folder` for this run; a filesystem without flock (Lustre's default mount, some NFS) gets a
+        warning and no lock: the fresh-run checks still keep a later run off this one's files."""
+        try:
+            self._locks.append(FolderLock(folder, flag).acquire())
+        except FolderBusy as e:
+            raise SystemExit(f"error: {e}") from None
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise SystemExit(f"error: {flag} {folder}: cannot create its lock file {LOCK_NAME}: "
+                                 f"{e.strerror or e}") from None
+            print(f"warning: {flag} {folder} is on a filesystem without flock ({errno.errorcode.get(e.errno or 0, e)}): "
+                  f"running without the lock that refuses a second run in it at the same time; start one run per "
+                  f"folder, or use a folder on a filesystem with flock (Lustre: mount with -o flock)")
+
+    def _earlier_outputs(self) -> list[Path]:
+        """What a new run would write over: the run folder's logs and the exported policy (the .pth or _hf
+        folder, the LoRA adapter folder). Not when run.json there is this run's own earlier start, which
+        never saved: the same --checkpoint_dir, --save_dir and resume file names, and no resume file."""
+        cfg = self.cfg
+        lora = bool(cfg.lora_r)
+        outputs = [self.run_dir / name for name in ("run.json", "metrics.jsonl", "samples.jsonl")]
+        outputs += ([adapter_dir(self.out_path)] if lora else []) + ([self.out_path] if not lora or cfg.save_merged else [])
+        found = [p for p in outputs if p.exists()]
+        args = read_run_json(self.run_dir).get("args") or {}
+        same = lambda flag: args.get(flag) is not None and Path(args[flag]).resolve() == Path(getattr(cfg, flag)).resolve()  # noqa: E731
+        own = (same("checkpoint_dir") and same("save_dir") and self.prefix == ckpt.resume_prefix(
+            str(args.get("save_weight")), args.get("hidden_size", -1), bool(args.get("use_moe"))))
+        return [] if own else found
 
     def _resume(self) -> ckpt.Resumed | None:
         cfg, m, o, info = self.cfg, self.built.models, self.built.optim, self.rt.info
@@ -268,13 +307,7 @@ class Run:
                      run=self.provenance or {}, run_id=self.run_id)
         try:
             ckpt.check_free_space(cfg.checkpoint_dir, self.prefix, state)
-            if is_lora(m.actor):
-                save_lora_outputs(self.cfg, m.actor, m.tok, self.out_path)
-            elif cfg.actor_path:
-                m.actor.save_pretrained(self.out_path, state_dict=full)
-                m.tok.save_pretrained(self.out_path)
-            else:
-                save_native_weights(m.actor if full is None else full, self.out_path)
+            export_policy(cfg, m.actor, m.tok, self.out_path, full)
             ckpt.save_resume(state, cfg.checkpoint_dir, self.prefix, self.pos.step, cfg.keep_checkpoints)
         except OSError as e:
             raise SystemExit(f"error: {_io_error(e, cfg.checkpoint_dir, f'saving step {self.pos.step}')}; "
@@ -311,6 +344,7 @@ class Run:
             self.logger.finish(plots=plots, state=state, error=error)
         finally:
             self._release_locks()
+            remove_push_folders()  # the default engine push folder (ranks leave by os._exit: no atexit)
             if state == "success":
                 distributed.cleanup(self.rt.info)  # waits for every rank: rank 0 may still be writing
             elif dist.is_initialized():
@@ -343,20 +377,55 @@ def adapter_dir(out_path: Path) -> Path:
     return out_path.with_name(f"{stem}_lora")
 
 
+def export_policy(cfg: Config, actor: torch.nn.Module, tok, out_path: Path, full: dict | None = None) -> None:
+    """The policy where the run's users look for it (`full`: its whole weights under --strategy fsdp2): a
+    LoRA run's outputs, an --actor_path run's save_pretrained folder, or a native .pth. Each is replaced
+    whole (a temporary sibling renamed into place), so a kill at any moment leaves the previous export or
+    the new one, never half of one."""
+    if is_lora(actor):
+        save_lora_outputs(cfg, actor, tok, out_path)
+    elif cfg.actor_path:
+        with atomic_dir(out_path) as tmp:
+            actor.save_pretrained(tmp, state_dict=full)
+            tok.save_pretrained(tmp)
+    else:
+        save_native_weights(actor if full is None else full, out_path)
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """`src` copied to `dst` as hard links (no second copy of the bytes), plain copies where links fail."""
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+    shutil.copytree(src, dst, copy_function=link)
+
+
 def save_lora_outputs(cfg: Config, actor: torch.nn.Module, tok, out_path: Path) -> None:
     """A LoRA run's policy: the adapter directory (AutoPeftModelForCausalLM loads it: its base is the
     --actor_path directory, or for native weights the start weights exported once into <adapters>/base)
-    and, with --save_merged (default for native weights), the merged weights where a full run writes them."""
+    and, with --save_merged (default for native weights), the merged weights where a full run writes them.
+    Each folder is replaced whole (`atomic_dir`); the base moves into each new adapter folder as hard links."""
     adapters = adapter_dir(out_path)
-    base = Path(cfg.actor_path) if cfg.actor_path else export_base_hf(actor, tok, adapters / "base")
-    save_adapter(actor, tok, adapters, base)
+    with atomic_dir(adapters) as tmp:
+        if cfg.actor_path:
+            base = Path(cfg.actor_path)
+        else:
+            base = adapters / "base"  # where it will be: the adapter config names it
+            if (base / "config.json").is_file():
+                _link_tree(base, tmp / "base")
+            else:
+                export_base_hf(actor, tok, tmp / "base")
+        save_adapter(actor, tok, tmp, base)
     if not cfg.save_merged:  # resolved: on for native weights, off for --actor_path unless asked
         return
     merged = merged_state_dict(actor)
     if cfg.actor_path:
         base_lm = getattr(actor, "module", actor).get_base_model()
-        base_lm.save_pretrained(out_path, state_dict=merged)
-        tok.save_pretrained(out_path)
+        with atomic_dir(out_path) as tmp:
+            base_lm.save_pretrained(tmp, state_dict=merged)
+            tok.save_pretrained(tmp)
     else:
         save_native_weights(merged, out_path)
 

@@ -12,19 +12,26 @@ A sharded resume checkpoint is the usual `<prefix>_stepNNNNNNNN.pth` (step, RNG 
 own part of (model and AdamW state). The folder is written under a temporary name and renamed once every
 rank has finished; the .pth is written after it and is what makes the step count, so a kill at any moment
 leaves the previous checkpoint whole. DCP reads the shards into any world size (resharding on load).
+Loading runs nothing from the folder: DCP's metadata pickle is read with an exact allow-list of DCP's record
+classes, and its pickled entries (the optimizers' param_groups) with torch.load(weights_only=True).
 """
 
 from __future__ import annotations
 
+import glob
+import io
 import pickle
 import shutil
 import warnings
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -34,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.futures import Future
 
 from trainer.config import Config
 from trainer.dist import DistInfo, fsdp_modules
@@ -176,7 +184,13 @@ def load_shards(models: dict[str, nn.Module | None], optims: dict, folder: Path)
     somewhere to load it). A collective."""
     SafeReader(folder).read_metadata()  # an unsafe file refused as such (inside dcp.load it is one failure among others)
     state = sharded_state(models, optims)
-    dcp.load(state, checkpoint_id=str(folder), storage_reader=SafeReader(folder))
+    try:
+        dcp.load(state, checkpoint_id=str(folder), storage_reader=SafeReader(folder))
+    except CheckpointException as e:  # a refused bytes entry on any rank: refused as such, not as damage
+        unsafe = [exc for exc, _ in e.failures.values() if isinstance(exc, UnsafeShardsError)]
+        if unsafe:
+            raise unsafe[0] from None
+        raise
     for name, model in models.items():
         if model is not None:
             set_model_state_dict(model, state[name])
@@ -185,28 +199,65 @@ def load_shards(models: dict[str, nn.Module | None], optims: dict, folder: Path)
 
 
 class UnsafeShardsError(RuntimeError):
-    """DCP metadata that names something other than DCP's own records: refused, never loaded."""
+    """DCP files that carry something other than DCP's own records and plain values: refused, never loaded."""
+
+
+_DCP = "torch.distributed.checkpoint"
+# Exactly what DCP's metadata pickle names (torch 2.x: torch/distributed/checkpoint/metadata.py and filesystem.py), by
+# (module, name) pair: no prefix match and no dotted name (protocol 4 would walk `module.os.system`-style paths).
+_METADATA_GLOBALS = frozenset(
+    {(f"{_DCP}.metadata", n) for n in ("Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata",
+                                        "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+                                        "_MEM_FORMAT_ENCODING")}
+    | {(f"{_DCP}.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+       ("pathlib", "PosixPath"), ("pathlib._local", "PosixPath"),  # the checkpoint id (pathlib._local: Python 3.13+)
+       ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")}
+    | {("torch", n) for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)})
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's metadata file is a pickle, which plain pickle.load would let run code; this one builds only
-    DCP's own record classes, torch's dtype / Size / layout / memory-format values, paths and plain containers."""
+    """DCP's metadata file is a pickle, which plain pickle.load would let run code; this one builds only the
+    (module, name) pairs of `_METADATA_GLOBALS`: DCP's record classes, torch dtypes / Size / layout, paths and
+    plain containers."""
 
     def find_class(self, module: str, name: str):  # noqa: ANN201 - pickle's signature
-        if module.startswith("torch.distributed.checkpoint."):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
-        if (module, name) in {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                              ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-                              ("builtins", "slice")}:
+        if (module, name) in _METADATA_GLOBALS:
             return super().find_class(module, name)
         raise UnsafeShardsError(f"{module}.{name}")
 
 
+class _SafeBytes:
+    """The load planner DCP hands `read_data`, with its bytes entries (the optimizers' param_groups: lr, betas, ...,
+    which DCP stores pickled) read by torch.load(weights_only=True): DCP's own planner reads them with
+    weights_only=False, which would run whatever a crafted entry carries. What passes is handed on re-pickled from
+    the plain values read, so the planner's own load never sees the file's bytes."""
+
+    def __init__(self, planner: LoadPlanner, folder: object) -> None:
+        self._planner, self._folder = planner, folder
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, map_location="cpu", weights_only=True)
+        except Exception as e:
+            if not (isinstance(e, pickle.UnpicklingError) or "weights only load failed" in str(e).lower()):
+                raise  # damage, not content: DCP reports it as an unreadable folder
+            detail = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()
+                           or "global" in line.lower()), type(e).__name__)
+            raise UnsafeShardsError(
+                f"{self._folder}: refused: its DCP entry {read_item.dest_index.fqn} is not plain data ({detail}); "
+                f"do not use checkpoints from untrusted sources") from None
+        clean = io.BytesIO()
+        torch.save(obj, clean)
+        clean.seek(0)
+        self._planner.load_bytes(read_item, clean)
+
+
 class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with its metadata read by `_MetadataUnpickler` (the tensors themselves DCP reads with
-    torch.load(weights_only=True))."""
+    """DCP's file reader with its metadata read by `_MetadataUnpickler` and its bytes entries by `_SafeBytes` (the
+    tensors themselves DCP reads with torch.load(weights_only=True))."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
@@ -217,15 +268,21 @@ class SafeReader(dcp.FileSystemReader):
                 raise UnsafeShardsError(
                     f"{self.path}: refused: its DCP metadata carries a pickled {e} that would run code when loaded; "
                     f"do not use checkpoints from untrusted sources") from None
+        if not isinstance(metadata, Metadata):
+            raise UnsafeShardsError(f"{self.path}: refused: its DCP metadata is a {type(metadata).__name__}, "
+                                    f"not DCP's Metadata record")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        return super().read_data(plan, cast(LoadPlanner, _SafeBytes(planner, self.path)))
 
 
 def stray_shards(checkpoint_dir: str | Path, prefix: str, keep: list[Path]) -> list[Path]:
     """DCP folders of this run that no kept resume file names: the temporary folders of killed saves and the
     shards of pruned or never-committed steps."""
     wanted = {shards_path(p).name for p in keep}
-    return sorted(p for p in Path(checkpoint_dir).glob(f"{prefix}_step*{SHARDS_SUFFIX}*")
+    return sorted(p for p in Path(checkpoint_dir).glob(f"{glob.escape(prefix)}_step*{SHARDS_SUFFIX}*")
                   if p.is_dir() and p.name not in wanted)
