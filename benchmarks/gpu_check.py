@@ -357,11 +357,19 @@ def cuda_graphs_figures(r: dict) -> tuple[str, str]:
     same = r["graph_identical"] and r["graphs_captured"] == 2
     if not r["graphs_captured"]:
         return "FAIL", f"{shape}: the decode step was not captured (it ran eagerly; the run's warning says why)"
+    # A steady run: graphs kept per shape bucket (none captured in its second half) and no reserved memory growth.
+    before, after = r["steady_reserved_mb"]
+    late = r["steady_captures"] - r["steady_captures_first_half"]
+    steady = late == 0 and after <= before
     figures = (f"{shape}: graph replay {'bit-identical to' if same else 'DIFFERS from'} the eager step (tokens, "
                f"log-probs, entropies; greedy and seeded); {r['graph_ms_per_token']:.2f} ms per decode token with graphs, "
                f"{r['eager_ms_per_token']:.2f} eager ({r['eager_ms_per_token'] / r['graph_ms_per_token']:.1f}x; the "
-               f"prefill and the capture included, target <= 1.0 at 768x8); {loop}")
-    return ("PASS" if same else "FAIL"), figures
+               f"prefill included, the graph kept from an earlier run, target <= 1.0 at 768x8); steady run of "
+               f"{r['steady_runs']} rollouts over {r['steady_buckets']} shape buckets: {r['steady_captures']} captures "
+               f"({r['steady_captures'] / r['steady_runs']:.2f} per run), {late} in its second half; reserved "
+               f"{before:.0f} MB after {r['steady_runs'] // 2} rollouts and {after:.0f} MB after all"
+               f"{'' if after <= before else ' (GROWS)'}; {loop}")
+    return ("PASS" if same and steady else "FAIL"), figures
 
 
 def check_minimind(c: Context) -> tuple[str, str]:
@@ -391,7 +399,10 @@ CHECKS: list[tuple[str, Callable[[Context], tuple[str, str]]]] = [
 def child_cuda_graphs(o: argparse.Namespace) -> None:
     """sample() at the peers' PPO shape (random-init 768x8, bf16 autocast, batch 8, 64 random prompt tokens, 64 new
     tokens, EOS suppressed) with the decode step replayed from a CUDA graph, launched eagerly, and by the CPU's loop;
-    on a CPU (smoke) 64x2 fp32, 8 + 8 tokens, the static step eager against the loop. Seeded sampling and greedy."""
+    on a CPU (smoke) 64x2 fp32, 8 + 8 tokens, the static step eager against the loop. Seeded sampling and greedy.
+    On CUDA then a steady run (20 rollouts, prompts of 64/40/100/150 tokens in turn): the graphs it captures (once
+    per shape bucket, and again where a larger bucket's K/V buffer replaced the one a graph read) and the memory
+    torch reserves after 10 rollouts and after all 20."""
     import torch
 
     from model.generation import sample
@@ -436,11 +447,31 @@ def child_cuda_graphs(o: argparse.Namespace) -> None:
     rows_same = [bool(torch.equal(a.sequences[i], c.sequences[i])) for i in range(ids.shape[0])]
     common = (a.sequences[:, P:] == c.sequences[:, P:]).long().cumprod(1).bool()
     d = (a.logprobs - c.logprobs).abs()[common]
+    graph_ms = ms_per_token(**graph_mode) if cuda else None
+    steady: dict = {}
+    if cuda:  # PPO's shape over 20 rollouts, prompts of 4 lengths (3 buckets): captures and reserved memory
+        from model.decode_graphs import graph_shape, graph_stats
+
+        lengths, runs, reserved, half = (P, 40, 100, 150), 20, [], 0
+        start = graph_stats(device)["captures"]
+        for i in range(runs):
+            p = torch.randint(3, model.config.vocab_size, (8, lengths[i % 4]), generator=torch.Generator().manual_seed(i))
+            with cast():
+                sample(model, p.to(device), torch.ones_like(p).to(device), **kw)
+            sync()
+            if i in (runs // 2 - 1, runs - 1):
+                reserved.append(torch.cuda.memory_reserved(device) / 2**20)
+            if i == runs // 2 - 1:
+                half = graph_stats(device)["captures"] - start
+        steady = {"steady_runs": runs, "steady_captures": graph_stats(device)["captures"] - start,
+                  "steady_captures_first_half": half, "steady_buckets": len({graph_shape(8, n + R) for n in lengths}),
+                  "steady_reserved_mb": reserved}
     Path(o.json).write_text(json.dumps({
         "cuda": cuda, "size": f"{h}x{l}", "dtype": "bf16" if cuda else "fp32", "batch": ids.shape[0], "prompt_len": P,
         "gen_len": R, "graph_identical": same if cuda else None, "graphs_captured": captured,
-        "graph_ms_per_token": ms_per_token(**graph_mode) if cuda else None, "eager_ms_per_token": ms_per_token(**eager_mode),
-        "loop_identical_rows": sum(rows_same), "loop_max_abs_dlogprob": d.max().item() if d.numel() else float("nan")}))
+        "graph_ms_per_token": graph_ms, "eager_ms_per_token": ms_per_token(**eager_mode),
+        "loop_identical_rows": sum(rows_same), "loop_max_abs_dlogprob": d.max().item() if d.numel() else float("nan"),
+        **steady}))
 
 
 # ------------------------------------------------------------------------------------ peers (--peers)

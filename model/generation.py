@@ -16,15 +16,20 @@ generate(); sampled tokens follow a different random stream than generate()'s.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
+from . import decode_graphs as graphs
 from .fast_decode import SharedPrefix, fast_decoder
 from .lora import base_of
 from .modeling import kv_cache_of
@@ -276,44 +281,80 @@ class StaticDecode:
     """The decode loop of `sample()` with the fast decoder as one fixed-shape step: decode the previous token
     (FastDecoder.step's static form: full-length K/V written with index_copy_, one mask), then sample the next
     token inside the same step (EOS suppression, filters, inverse-CDF draw, log-probs, the finished rows), its
-    outputs written into [B, max_new_tokens] buffers at a device-side column. No value reaches the host and every
-    tensor keeps its address, so on CUDA the step is captured once per sample() call (one graph per batch shape:
-    the decoder's weights, and so their addresses, change with every update) and replayed for every token; eager
+    outputs written into [rows, capacity] buffers at a device-side column. No value reaches the host and every
+    tensor keeps its address, so on CUDA the step is captured in a CUDA graph and replayed for every token; eager
     otherwise. The operations are sample()'s own eager loop's, in its order, with the same random draws (one
-    torch.rand per sampled token, from `generator` or torch's default stream; CUDA graphs advance the generator's
-    Philox offset on every replay as eager calls do: register_generator_state / the default generator).
+    torch.rand per sampled token; a graph draws from its device's own generator, which takes the caller's state
+    before and hands it back after: model/decode_graphs.py DeviceGraphs.drawing_from).
+
+    Its buffers outlive a rollout: on CUDA `rows` and `capacity` are the batch and cache length rounded up to a
+    bucket (model/decode_graphs.py graph_shape), and `load` fills them with each rollout's prompts, so one graph
+    serves every rollout of its bucket. Rows past the batch attend only to the tokens they decode themselves and
+    count as finished from the start; positions past a row's prompt and decoded tokens are masked: neither changes
+    a real row's tokens (tests/test_decode_graphs.py).
 
     Why: a decode step of a small model launches ~500 kernels of a few microseconds each; launched one by one from
     Python the GPU waits for the launches (~8 ms per token at 512x8), replayed from a graph it does not."""
 
-    captured = 0  # graphs captured in this process (tests and benchmarks/gpu_check.py check that one was)
+    captured = 0  # graphs captured in this process (tests and benchmarks/gpu_check.py count them)
 
-    def __init__(self, fast, cache: Cache, prompt_mask: torch.Tensor, position: torch.Tensor, max_new_tokens: int, *,  # noqa: ANN001
-                 eos_t: torch.Tensor, pad_token_id: int, temperature: float, top_k: int, top_p: float, greedy: bool,
-                 suppress_eos: bool, return_logprobs: bool, score_temp: float, generator: torch.Generator | None):
-        B, P = prompt_mask.shape
-        device = prompt_mask.device
-        self.fast, self.cache, self.P, self.generator = fast, cache, P, generator
-        self.opts = dict(eos_t=eos_t, pad=pad_token_id, temperature=temperature, top_k=top_k, top_p=top_p,
+    def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]], rows: int, capacity: int, *, eos_t: torch.Tensor,
+                 pad_token_id: int, temperature: float, top_k: int, top_p: float, greedy: bool, suppress_eos: bool,
+                 return_logprobs: bool, score_temp: float, generator: torch.Generator | None):
+        """kv: each layer's (keys, values) buffers [rows, Hkv, capacity, D], filled by `load`."""
+        device = eos_t.device
+        self.kv, self.rows, self.capacity, self.generator = kv, rows, capacity, generator
+        self.cache = SimpleNamespace(layers=[SimpleNamespace(_k=k, _v=v) for k, v in kv])  # what FastDecoder.step reads
+        self.fast: Any = None  # the decoder of the rollout under way (set by load; a cached one drops it after)
+        self.opts = dict(eos_t=eos_t.clone(), pad=pad_token_id, temperature=temperature, top_k=top_k, top_p=top_p,
                          greedy=greedy, suppress_eos=suppress_eos, return_logprobs=return_logprobs, score_temp=score_temp)
-        cap = P + max_new_tokens
-        for layer in cache.layers:  # the slots not yet decoded: finite (masked keys weigh 0; 0 x NaN is not 0)
-            layer._k[:, :, P:].zero_()
-            layer._v[:, :, P:].zero_()
-        self.prompt_mask = torch.cat([prompt_mask.bool(), prompt_mask.new_ones(B, max_new_tokens, dtype=torch.bool)], 1)
-        self.arange = torch.arange(cap, device=device)
-        self.position = position.clone()  # [B, 1]: the last token's
+        self.prompt_mask = torch.zeros(rows, capacity, dtype=torch.bool, device=device)  # slots a row may attend to
+        self.arange = torch.arange(capacity, device=device)
+        self.base = torch.zeros(1, dtype=torch.long, device=device)  # P - 1: the cache slot of the prompt's last token
+        self.position = torch.zeros(rows, 1, dtype=torch.long, device=device)  # [rows, 1]: the last token's
         self.col = torch.zeros(1, dtype=torch.long, device=device)  # the response column sampled next
-        self.prev = torch.zeros(B, dtype=torch.long, device=device)  # the token sampled last
-        self.finished = torch.zeros(B, dtype=torch.bool, device=device)
+        self.prev = torch.zeros(rows, dtype=torch.long, device=device)  # the token sampled last
+        self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
         self.finite = torch.ones((), dtype=torch.bool, device=device)
-        self.tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-        self.logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
-        self.entropy = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.tokens = torch.full((rows, capacity), pad_token_id, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(rows, capacity, dtype=torch.float32, device=device)
+        self.entropy = torch.zeros(rows, capacity, dtype=torch.float32, device=device)
+
+    def state(self) -> list[torch.Tensor]:
+        """What a step changes besides the K/V slot it writes."""
+        return [self.position, self.col, self.prev, self.finished, self.finite, self.tokens, self.logprobs, self.entropy]
+
+    def load(self, fast, cache: Cache, prompt_mask: torch.Tensor, position: torch.Tensor) -> None:  # noqa: ANN001
+        """A rollout's batch into the buffers: the prefill's K/V [B, Hkv, >= P, D] (`cache`), its mask [B, P] and last
+        positions [B, 1]. Everything else is reset: slots not yet decoded and padded rows hold zeros (finite: masked
+        keys weigh 0, and 0 x NaN would not be 0), padded rows attend only to their own decoded slots."""
+        B, P = prompt_mask.shape
+        self.fast = fast
+        for (k, v), layer in zip(self.kv, cache.layers, strict=True):
+            for dst, src in ((k, layer._k), (v, layer._v)):
+                if dst.data_ptr() != src.data_ptr():  # not the prefill's own buffers (a CPU's exact shapes)
+                    dst[:B, :, :P].copy_(src[:, :, :P])
+                    dst[B:, :, :P].zero_()
+                dst[:, :, P:].zero_()
+        self.prompt_mask[:B, :P].copy_(prompt_mask.bool())
+        self.prompt_mask[B:, :P] = False
+        self.prompt_mask[:, P:] = True  # decoded slots; those not yet decoded are cut by `arange <= slot`
+        self.base.fill_(P - 1)
+        self.position.zero_()
+        self.position[:B].copy_(position)
+        self.col.zero_()
+        self.prev.zero_()
+        self.finished.zero_()
+        self.finished[B:] = True
+        self.finite.fill_(True)
+        self.tokens.fill_(self.opts["pad"])
+        self.logprobs.zero_()
+        self.entropy.zero_()
 
     def take(self, last: torch.Tensor) -> None:
-        """Sample column `col` from logits `last` [B, V] (sample()'s loop body), then advance the column."""
+        """Sample column `col` from logits `last` [B <= rows, V] (sample()'s loop body), then advance the column."""
+        if last.shape[0] < self.rows:  # padded rows: any finite logits (they are finished: they sample pads)
+            last = torch.cat([last, last.new_zeros(self.rows - last.shape[0], last.shape[1])])
         o = self.opts
         nxt, lp, ent = choose_tokens(last.float(), finished=self.finished, pad_token_id=o["pad"], eos_t=o["eos_t"],
                                      temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"], greedy=o["greedy"],
@@ -331,57 +372,55 @@ class StaticDecode:
     def step(self) -> None:
         """Decode the token sampled last (it goes to cache slot P + col - 1), then sample the next column."""
         self.position.add_(1)
-        slot = self.col + (self.P - 1)
-        mask = self.prompt_mask & (self.arange <= slot)  # [B, capacity]: the prompt's tokens and those decoded
+        slot = self.col + self.base
+        mask = self.prompt_mask & (self.arange <= slot)  # [rows, capacity]: the prompt's tokens and those decoded
         self.take(self.fast.step(self.prev, self.position, mask, self.cache, slot=slot))
 
-    def capture(self) -> None:
-        """Record `step` in a CUDA graph. A warm-up step runs first on a side stream (as torch.cuda.graph asks), its
-        effects undone: the small state and the random stream are put back, and the K/V it wrote are those the
-        first replay writes again. Capturing runs nothing. Where capture fails (an op that syncs with the host,
-        e.g. a rotary embedding that checks its length), the step runs eagerly, with one warning."""
-        state = [self.position, self.col, self.prev, self.finished, self.finite, self.tokens, self.logprobs, self.entropy]
-        saved = [t.clone() for t in state]
-        gen = self.generator if self.generator is not None else torch.cuda.default_generators[
-            self.col.device.index if self.col.device.index is not None else torch.cuda.current_device()]
-        rng = gen.get_state()
-        side = torch.cuda.Stream(self.col.device)
-        side.wait_stream(torch.cuda.current_stream(self.col.device))
-        with torch.cuda.device(self.col.device), torch.cuda.stream(side):
-            self.step()
-        torch.cuda.current_stream(self.col.device).wait_stream(side)
+
+def _capture(dec: StaticDecode, dev: graphs.DeviceGraphs, key: tuple) -> Any:
+    """`dec.step` as a CUDA graph of `dev`, or None (the step then runs eagerly, with one warning, and its bucket
+    is not asked again). A warm-up step runs first on the capture stream (as torch.cuda.graph asks) with host syncs
+    made errors: a step that would wait for the GPU (e.g. a rotary embedding that checks its length on the host)
+    raises there and no capture is started. The warm-up's effects are undone (the small state and the random
+    stream; the K/V it wrote are those the first replay writes again). Where a capture fails all the same, what it
+    leaves in torch is cleaned up (Backend.clean_up) so the eager steps after it draw and sample as they would."""
+    backend = dev.backend
+    state = dec.state()
+    saved = [t.clone() for t in state]
+    assert dec.generator is not None
+    rng = dec.generator.get_state()
+
+    def undo() -> None:
         for t, v in zip(state, saved):
             t.copy_(v)
-        # The warm-up's draws undone before the generator is registered with the graph: capturing records offsets
-        # relative to the generator's (it advances nothing), and each replay reads the generator's seed and offset
-        # and advances the offset by what one step draws, as an eager step does.
-        gen.set_state(rng)
-        graph = torch.cuda.CUDAGraph()
-        if self.generator is not None:  # torch's default generator is registered by capture itself
-            graph.register_generator_state(self.generator)
-        # torch.cuda.graph(graph) without its synchronize + gc.collect() + empty_cache() (once per rollout here)
-        side.wait_stream(torch.cuda.current_stream(self.col.device))
-        try:  # on the tensors' device: capture registers that device's default generator (a rank on cuda:1)
-            with torch.cuda.device(self.col.device), torch.cuda.stream(side):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    self.step()
-                finally:
-                    graph.capture_end()
-            self.graph = graph
-            StaticDecode.captured += 1
-        except RuntimeError as e:  # an op that cannot be captured here: the same step, launched eagerly
-            _warn_once(f"sampling: the decode step could not be captured in a CUDA graph ({str(e).splitlines()[0][:200]}); "
-                       "it runs eagerly (same tokens, slower; --cuda_graphs 0 silences this)")
-            for t, v in zip(state, saved):
-                t.copy_(v)
-        torch.cuda.current_stream(self.col.device).wait_stream(side)
+        dec.generator.set_state(rng)
 
-    def run_step(self) -> None:
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self.step()
+    try:
+        with backend.side_stream(dev.stream, dev.device), backend.no_host_syncs():
+            dec.step()
+    except RuntimeError as e:
+        undo()
+        dev.refused.add(key)
+        _warn_once(f"sampling: the decode step waits for the GPU inside ({str(e).splitlines()[0][:200]}), so it cannot be "
+                   "captured in a CUDA graph; it runs eagerly (same tokens, slower; --cuda_graphs 0 silences this)")
+        return None
+    undo()
+    try:
+        graph = backend.capture(dec.step, dev.stream, dev.pool, dev.device, dec.generator)
+    except graphs.CaptureFailed as e:
+        graphs.FAILED_GRAPHS.append(e.graph)
+        dev.failures += 1
+        if backend.clean_up(e.graph, dev.device, dev.pool, [dec.generator, backend.default_generator(dev.device)]):
+            dev.entries.clear()  # their graphs were registered with a generator state that was replaced
+        dev.pool = backend.pool(dev.device)  # the old one may still be routed to (Backend.clean_up): captures go on in a new one
+        undo()
+        dev.refused.add(key)
+        _warn_once(f"sampling: the decode step could not be captured in a CUDA graph ({str(e)[:200]}); "
+                   "it runs eagerly (same tokens, slower; --cuda_graphs 0 silences this)")
+        return None
+    dev.captures += 1
+    StaticDecode.captured += 1
+    return graph
 
 
 def _accepts(model: nn.Module, name: str) -> bool:
@@ -428,10 +467,12 @@ def sample(
     Qwen3/Llama trunk (same math, fewer ops); otherwise, or with False, transformers' forward.
 
     On CUDA the fast decoder's steps run as `StaticDecode` (attention over the full-length K/V buffers, sampling
-    inside the step): with cuda_graphs captured in one CUDA graph for the call and replayed per token, without it
+    inside the step) in shapes rounded up to a bucket: with cuda_graphs replayed per token from the bucket's CUDA
+    graph (captured on the bucket's first rollout, kept across rollouts: model/decode_graphs.py), without it
     launched op by op; the two give the same tokens and log-probs bit for bit (the same kernels on the same
-    shapes). static_step: None = that rule; True = StaticDecode on a CPU too, run eagerly (the CPU tests compare it
-    with the loop below: equal up to the rounding of attention's sums over more, masked, slots); False = never.
+    shapes). static_step: None = that rule; True = StaticDecode on a CPU too, run eagerly in the exact shapes (the
+    CPU tests compare it with the loop below: equal up to the rounding of attention's sums over more, masked,
+    slots); False = never.
 
     sync_interval: tokens between host checks of "every row stopped" and "logits finite" (None =
     `host_sync_interval` of the device: 1 on CPU, 8 on CUDA). With k > 1 up to k-1 steps may run after
@@ -503,11 +544,10 @@ def sample(
             kv_mask = torch.cat([mask.bool(), mask.new_ones(B, max_new_tokens, dtype=torch.bool)], dim=1)
         position = position[:, -1:]
         if static:
-            dec = StaticDecode(fast, cache, mask, position, max_new_tokens, eos_t=eos_t, pad_token_id=pad_token_id,
-                               temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy, suppress_eos=suppress_eos,
-                               return_logprobs=return_logprobs, score_temp=score_temp, generator=generator)
-            return _static_samples(dec, last, input_ids, max_new_tokens, eos_ids, pad_token_id, interval, suppress_eos,
-                                   return_logprobs, capture=device_type == "cuda" and cuda_graphs)
+            opts = dict(eos_t=eos_t, pad_token_id=pad_token_id, temperature=temperature, top_k=top_k, top_p=top_p,
+                        greedy=greedy, suppress_eos=suppress_eos, return_logprobs=return_logprobs, score_temp=score_temp)
+            return _static_decode(model, fast, cache, mask, position, last, input_ids, max_new_tokens, eos_ids, interval,
+                                  cuda_graphs, generator, opts)
         finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
         # interval 1 checks finiteness per token inside the draw (a sync), as it always has.
         finite = torch.ones((), dtype=torch.bool, device=input_ids.device) if interval > 1 else None
@@ -567,29 +607,94 @@ def sample(
     return _finish(input_ids, responses, logprobs, entropy, eos_ids, pad_token_id, interval, suppress_eos)
 
 
-def _static_samples(dec: StaticDecode, last: torch.Tensor, input_ids: torch.Tensor, max_new_tokens: int,
-                    eos_ids: list[int], pad_token_id: int, interval: int, suppress_eos: bool,
-                    return_logprobs: bool, capture: bool) -> Samples:
-    """sample()'s loop with StaticDecode: the first token from the prefill's logits, then one step (a graph replay
-    with `capture`) per token, the host checks every `interval` tokens as in the loop."""
+def _static_decode(lm: nn.Module, fast, cache: Cache, mask: torch.Tensor, position: torch.Tensor,  # noqa: ANN001
+                   last: torch.Tensor, input_ids: torch.Tensor, max_new_tokens: int, eos_ids: list[int], interval: int,
+                   cuda_graphs: bool, generator: torch.Generator | None, opts: dict) -> Samples:
+    """sample()'s decode with StaticDecode. A CPU: the exact shapes, in the prefill's own cache buffers, eager. CUDA:
+    the bucket's shapes (graph_shape), graphs or not, so a graph and the eager step (--cuda_graphs 0, or a bucket
+    that cannot be captured) run the same kernels on the same shapes: the same bits. With cuda_graphs the bucket's
+    graph is taken from the device's cache (model/decode_graphs.py), captured on first use."""
+    B, P = mask.shape
+    device = input_ids.device
+    samples = functools.partial(_static_samples, last=last, input_ids=input_ids, max_new_tokens=max_new_tokens,
+                                eos_ids=eos_ids, pad_token_id=opts["pad_token_id"], interval=interval,
+                                suppress_eos=opts["suppress_eos"], return_logprobs=opts["return_logprobs"])
+    if not graphs.BACKEND.applies(device):
+        dec = StaticDecode([(layer._k, layer._v) for layer in cache.layers], B, P + max_new_tokens, generator=generator, **opts)
+        dec.load(fast, cache, mask, position)
+        return samples(dec)
+    rows, capacity = graphs.graph_shape(B, P + max_new_tokens)
+    layout = [((rows, t.shape[1], capacity, t.shape[-1]), t.dtype) for layer in cache.layers for t in (layer._k, layer._v)]
+    dev = graphs.device_graphs(device) if cuda_graphs and max_new_tokens > 1 else None
+    key: tuple = ()
+    signature: tuple = ()
+    if dev is not None:
+        dev.bind(lm)
+        signature = dev.signature(fast)
+        key = (rows, capacity, tuple(layout), signature, tuple(eos_ids),
+               tuple(v for k, v in opts.items() if k != "eos_t"), torch.is_autocast_enabled(device.type),
+               torch.get_autocast_dtype(device.type), torch.are_deterministic_algorithms_enabled())
+    if dev is None or key in dev.refused:  # eager: buffers of this call's own
+        kv = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in layout]
+        dec = StaticDecode(list(zip(kv[0::2], kv[1::2])), rows, capacity, generator=generator, **opts)
+        dec.load(fast, cache, mask, position)
+        _free_kv(cache)
+        return samples(dec)
+    static_fast = dev.decoder(fast, signature)
+    entry = dev.get(key)
+    if entry is None:
+        kv = dev.kv(layout)
+        entry = graphs.Entry(StaticDecode(list(zip(kv[0::2], kv[1::2])), rows, capacity, generator=dev.generator, **opts))
+    dec = entry.dec
+    dec.load(static_fast, cache, mask, position)
+    _free_kv(cache)
+
+    def graphed() -> Callable[[], None] | None:
+        if entry.graph is None:
+            entry.graph = _capture(dec, dev, key)
+            if entry.graph is None:
+                return None
+            dev.keep(key, entry)
+        return functools.partial(dev.backend.replay, entry.graph)
+
+    try:
+        with dev.drawing_from(generator if generator is not None else dev.backend.default_generator(device)):
+            return samples(dec, graphed=graphed)
+    finally:
+        dec.fast = None  # the cache keeps no reference to the model
+
+
+def _free_kv(cache: Cache) -> None:
+    """The prefill's K/V freed once StaticDecode.load copied them into its buffers (sample() reads them no more):
+    one copy of the K/V alive while decoding, not two."""
+    for layer in cache.layers:
+        layer._k = layer._v = layer.keys = layer.values = None
+
+
+def _static_samples(dec: StaticDecode, *, last: torch.Tensor, input_ids: torch.Tensor, max_new_tokens: int,
+                    eos_ids: list[int], pad_token_id: int, interval: int, suppress_eos: bool, return_logprobs: bool,
+                    graphed: Callable[[], Callable[[], None] | None] | None = None) -> Samples:
+    """sample()'s loop with StaticDecode: the first token from the prefill's logits, then one step per token, the
+    host checks every `interval` tokens as in the loop. `graphed` (after the first token) gives the graph replay to
+    run as each step, or None: the step runs eagerly."""
+    B = input_ids.shape[0]
     dec.take(last)
     steps = 1
-    if capture and max_new_tokens > 1:
-        dec.capture()
+    run = (graphed() if graphed is not None and max_new_tokens > 1 else None) or dec.step
     while steps < max_new_tokens:
         if steps % interval == 0:  # the host syncs, at the loop's points
             if not bool(dec.finite):
                 raise RuntimeError(_NONFINITE)
             if not suppress_eos and bool(dec.finished.all()):
                 break
-        dec.run_step()
+        run()
         steps += 1
-    dec.graph = None  # its memory pool goes with it
     if not bool(dec.finite):
         raise RuntimeError(_NONFINITE)
-    lp = dec.logprobs[:, :steps] if return_logprobs else None
-    ent = dec.entropy[:, :steps] if return_logprobs else None
-    return _finish(input_ids, dec.tokens[:, :steps], lp, ent, eos_ids, pad_token_id, interval, suppress_eos)
+    # Slices of buffers a cached graph writes again next rollout: _finish returns new tensors made from them.
+    lp = dec.logprobs[:B, :steps] if return_logprobs else None
+    ent = dec.entropy[:B, :steps] if return_logprobs else None
+    return _finish(input_ids, dec.tokens[:B, :steps], lp, ent, eos_ids, pad_token_id, interval, suppress_eos)
 
 
 def _finish(input_ids: torch.Tensor, responses: torch.Tensor, logprobs: torch.Tensor | None, entropy: torch.Tensor | None,

@@ -729,50 +729,92 @@ def test_cpu_sampling_keeps_its_decode_loop(lm8, monkeypatch):
     sample(lm8, ids, mask, max_new_tokens=4, eos_token_id=EOS, pad_token_id=PAD, cuda_graphs=True)
 
 
-def test_a_failed_capture_undoes_its_warm_up_and_runs_the_step_eagerly(lm8, monkeypatch, capsys):
-    """StaticDecode.capture's bookkeeping on stand-ins for torch.cuda's streams and graphs, where capture fails (as an
-    op that syncs with the host makes it): the warm-up step it ran first is undone (the small state and the random
-    stream), so the samples are the eager static step's bit for bit, with one warning."""
-    import contextlib
-
+@pytest.fixture
+def graph_standin(monkeypatch):
+    """CUDA graphs on the CPU through tests/test_decode_graphs.py's StandIn, in a cache of this test's own."""
+    import model.decode_graphs as graphs
     import model.generation as G
+    from tests.test_decode_graphs import StandIn
 
-    class Stream:
-        def wait_stream(self, other):
-            pass
-
-    class Graph:
-        def register_generator_state(self, gen):
-            pass
-
-        def capture_begin(self, capture_error_mode="global"):
-            raise RuntimeError("operation not permitted when stream is capturing")
-
-        def capture_end(self):
-            pass
-
-    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: Stream())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: Stream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch.cuda, "default_generators", (torch.default_generator,))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    real = G._static_samples
-    monkeypatch.setattr(G, "_static_samples", lambda *a, **k: real(*a, **{**k, "capture": True}))
+    b = StandIn()
+    monkeypatch.setattr(graphs, "BACKEND", b)
+    monkeypatch.setattr(graphs, "_DEVICES", {})
+    monkeypatch.setattr(graphs, "FAILED_GRAPHS", [])
     monkeypatch.setattr(G, "_WARNED", set())
+    return b
+
+
+_GRAPH_KW = dict(max_new_tokens=16, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, return_logprobs=True,
+                 static_step=True)
+
+
+def _graphed_and_eager(m, ids, mask, own: bool) -> tuple[Samples, Samples]:
+    """sample() with graphs, then with the step launched eagerly (--cuda_graphs 0), from the same seed."""
+    out = []
+    for graphed in (True, False):
+        torch.manual_seed(5)
+        gen = torch.Generator().manual_seed(5) if own else None
+        out.append(sample(m, ids, mask, generator=gen, cuda_graphs=graphed, **_GRAPH_KW))
+    return out[0], out[1]
+
+
+def test_a_failed_capture_is_cleaned_up_and_samples_as_the_eager_step(lm8, graph_standin, capsys):
+    """A capture that fails (as an op that cannot be captured makes it): what it left in torch is cleaned up
+    (Backend.clean_up, with the device's generator and torch's default one: a generator left in capture mode would
+    make the next eager draw raise), its warm-up undone, and the rollout runs the step eagerly with the eager step's
+    samples bit for bit, under torch's default stream and a caller's generator. Its bucket is not tried again, and
+    the warning is said once."""
+    import model.decode_graphs as graphs
+
+    graph_standin.fail = True
     ids, mask = _left_pad([[5, 6, 7], [3, 4, 5, 6, 7, 3]])
-    kw = dict(max_new_tokens=16, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, return_logprobs=True, static_step=True)
-    for own in (False, True):  # torch's default stream, or a generator of the caller's
-        gen = (lambda: torch.Generator().manual_seed(5)) if own else (lambda: None)
-        torch.manual_seed(5)
-        got = sample(lm8, ids, mask, generator=gen(), **kw)
-        monkeypatch.setattr(G, "_static_samples", real)
-        torch.manual_seed(5)
-        want = sample(lm8, ids, mask, generator=gen(), **kw)
-        monkeypatch.setattr(G, "_static_samples", lambda *a, **k: real(*a, **{**k, "capture": True}))
+    for own in (False, True):
+        got, want = _graphed_and_eager(lm8, ids, mask, own)
         _assert_same_samples(got, want)
-    assert capsys.readouterr().err.count("could not be captured in a CUDA graph") == 1  # said once
+    assert graph_standin.calls.count("capture") == 1 and graph_standin.calls.count("clean_up") == 1
+    dev = graphs.device_graphs(torch.device("cpu"))
+    graph, generators = graph_standin.cleaned[0]
+    assert generators == [dev.generator, torch.default_generator] and graphs.FAILED_GRAPHS[-1] is graph
+    assert graph_standin.calls.count("pool") == 2  # later captures go to a new pool (the failed one may still be routed)
+    assert graphs.graph_stats(torch.device("cpu")) == {"captures": 0, "failures": 1, "refused": 1, "graphs": 0,
+                                                       "kv_bytes": dev.arena.numel()}
+    assert capsys.readouterr().err.count("could not be captured in a CUDA graph") == 1
+
+
+def test_a_generator_state_replaced_after_a_failed_capture_drops_the_graphs_registered_with_it(lm8, graph_standin):
+    import model.decode_graphs as graphs
+
+    short, long = _left_pad([[5, 6, 7]]), _left_pad([[5, 6, 7] * 8])
+    sample(lm8, *long, **_GRAPH_KW)  # captured (the larger K/V first: it holds both)
+    assert graphs.graph_stats(torch.device("cpu"))["graphs"] == 1
+    graph_standin.fail = graph_standin.replaced = True
+    got, want = _graphed_and_eager(lm8, *short, own=False)
+    _assert_same_samples(got, want)
+    assert graphs.graph_stats(torch.device("cpu"))["graphs"] == 0
+    graph_standin.fail = False
+    sample(lm8, *long, **_GRAPH_KW)
+    assert graphs.graph_stats(torch.device("cpu"))["captures"] == 2  # captured again, registered with the new state
+
+
+def test_a_step_that_waits_for_the_host_is_never_captured(lm8, graph_standin, monkeypatch, capsys):
+    """The warm-up step runs with host syncs made errors (torch.cuda.set_sync_debug_mode("error") on a GPU): a step
+    that would wait for the GPU raises there, no capture is started, and the rollout runs eagerly with the eager
+    step's samples."""
+    from model.fast_decode import FastDecoder
+
+    real = FastDecoder.step
+
+    def syncing(self, *a, **k):
+        if graph_standin.probing:
+            raise RuntimeError("called a synchronizing CUDA operation")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(FastDecoder, "step", syncing)
+    ids, mask = _left_pad([[5, 6, 7], [3, 4, 5, 6, 7, 3]])
+    got, want = _graphed_and_eager(lm8, ids, mask, own=True)
+    _assert_same_samples(got, want)
+    assert "capture" not in graph_standin.calls and graph_standin.calls.count("probe") == 1
+    assert "waits for the GPU inside (called a synchronizing CUDA operation)" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- shared prefill of repeated prompts

@@ -3,8 +3,9 @@
     python -m pytest -q -m gpu          # on a GPU machine; benchmarks/gpu_check.py runs them too
 
 They run what the CPU suite can only stand in for: the fast decode path's CUDA layout under bf16 autocast,
-train_ppo.py end to end on a GPU in bf16, --deterministic 1 repeating bit for bit on CUDA, and the sampler's
-log-probs against the scoring forward in bf16.
+train_ppo.py end to end on a GPU in bf16, --deterministic 1 repeating bit for bit on CUDA, the sampler's
+log-probs against the scoring forward in bf16, and the decode step's CUDA graphs (bit for bit against the eager
+step, kept across rollouts without growing memory, a step that cannot be captured).
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def test_train_ppo_on_cuda_bf16_completes_and_writes_its_policy(tmp_path):
     run_train(_cuda_flags(world, tmp_path, "gpu"), cwd=tmp_path)
     rows = read_metrics(tmp_path / "run_gpu")
     assert [r["step"] for r in rows] == [1, 2]
-    policy = _load(Path(world["save_dir"]) / f"gpu_{world['hidden']}.pth")
+    policy = _load(tmp_path / "out" / f"gpu_{world['hidden']}.pth")
     start = _load(Path(world["save_dir"]) / f"full_sft_{world['hidden']}.pth")
     assert policy.keys() == start.keys()
     assert all(torch.isfinite(t.float()).all() for t in policy.values())
@@ -138,7 +139,7 @@ def test_deterministic_twice_on_cuda_gives_identical_weights(tmp_path):
     world = make_tiny_world(tmp_path)
     for name in ("det_a", "det_b"):
         run_train(_cuda_flags(world, tmp_path, name, deterministic=1), cwd=tmp_path)
-    a, b = (_load(Path(world["save_dir"]) / f"{n}_{world['hidden']}.pth") for n in ("det_a", "det_b"))
+    a, b = (_load(tmp_path / "out" / f"{n}_{world['hidden']}.pth") for n in ("det_a", "det_b"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     states = []
     for name in ("det_a", "det_b"):
@@ -194,28 +195,111 @@ def test_cuda_graph_decode_equals_its_eager_step_bit_for_bit(greedy, own_generat
     autocast, greedy and seeded sampling, drawing from torch's default CUDA generator or from one of its own (the
     graph advances the generator's Philox offset on every replay as an eager step does). Rows stop at EOS at
     different steps (vocabulary 8), so the host checks every 8 tokens and the cut after them are exercised."""
-    m = scramble(build_minimind(64, 2, vocab_size=8, num_attention_heads=4, num_key_value_heads=2), seed=2).eval().to(CUDA)
-    ids, mask = _left_pad(PROMPTS)
-    kw = dict(max_new_tokens=24, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, greedy=greedy, return_logprobs=True)
+    from model.decode_graphs import release_cuda_graphs
     from model.generation import StaticDecode
 
+    release_cuda_graphs()  # a cache of this test's own: the first graph run captures
+    m = _graph_model()
+    ids, mask = _left_pad(PROMPTS)
+    kw = dict(max_new_tokens=24, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, greedy=greedy, return_logprobs=True)
     runs, captured = [], StaticDecode.captured
     for graphs in (True, False, True):
         gen = torch.Generator(CUDA).manual_seed(7) if own_generator else None
         torch.manual_seed(7)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             runs.append(sample(m, ids, mask, cuda_graphs=graphs, generator=gen, **kw))
-    assert StaticDecode.captured == captured + 2  # both graph runs replayed a graph (no eager fallback)
+    assert StaticDecode.captured == captured + 1  # captured once, replayed by both graph runs (no eager fallback)
     for got in (runs[0], runs[2]):
         want = runs[1]
         assert torch.equal(got.sequences, want.sequences) and torch.equal(got.response_mask, want.response_mask)
         assert torch.equal(got.logprobs, want.logprobs) and torch.equal(got.entropy, want.entropy)
 
 
+def _graph_model() -> torch.nn.Module:
+    """Vocabulary 8: rows stop at EOS at different steps."""
+    return scramble(build_minimind(64, 2, vocab_size=8, num_attention_heads=4, num_key_value_heads=2), seed=2).eval().to(CUDA)
+
+
+def _prompts(rows: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return _left_pad([torch.randint(3, 8, (length - (i % 3),), generator=g).tolist() for i in range(rows)])
+
+
+def test_cuda_graphs_hold_no_growing_memory_over_20_rollouts():
+    """20 rollouts cycling through 4 batch shapes in 3 buckets, bf16, as a PPO run's varying prompt lengths do: the
+    graphs are captured in the first cycle only (one stream, one pool, one K/V buffer for all of them), and the
+    memory torch reserves after the first cycle does not grow over the next 16 rollouts (before: a new pool and a
+    new graph per rollout)."""
+    from model.decode_graphs import graph_stats, release_cuda_graphs
+
+    release_cuda_graphs()
+    m = _graph_model()
+    shapes = [(4, 70), (3, 12), (4, 20), (2, 80)]  # buckets (4, 96), (4, 64), (4, 64), (2, 128) with 24 new tokens
+    # EOS suppressed: every rollout of a shape allocates the same, so only the graphs' memory could make it grow
+    kw = dict(max_new_tokens=24, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, return_logprobs=True, suppress_eos=True)
+    reserved, captures = [], []
+    for i in range(20):
+        ids, mask = _prompts(*shapes[i % 4], seed=i)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            s = sample(m, ids.to(CUDA), mask.to(CUDA), cuda_graphs=True, **kw)
+        assert torch.isfinite(s.logprobs).all()
+        torch.cuda.synchronize()
+        if i in (3, 19):
+            reserved.append(torch.cuda.memory_reserved(CUDA))
+            captures.append(graph_stats(CUDA)["captures"])
+    assert captures == [3, 3], captures
+    assert reserved[1] <= reserved[0], reserved
+    assert graph_stats(CUDA)["failures"] == 0
+
+
+@pytest.mark.parametrize("probe", [True, False])
+def test_a_decode_step_that_syncs_is_not_captured_and_samples_as_eager(probe, monkeypatch):
+    """A decode step that reads a device value on the host (as a rotary embedding that checks its length does).
+    probe: the warm-up under torch.cuda.set_sync_debug_mode("error") raises and no capture is started. Without the
+    probe (switched off here) the capture really fails: what it left in torch is cleaned up. Either way the rollout
+    samples what the eager step samples, bit for bit, torch's default generator still draws, and a later capture
+    of another bucket works and replays the eager step's bits."""
+    import contextlib
+
+    import model.decode_graphs as graphs
+    from model.fast_decode import FastDecoder
+
+    graphs.release_cuda_graphs()
+    m = _graph_model()
+    kw = dict(max_new_tokens=24, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, return_logprobs=True)
+
+    def both(ids: torch.Tensor, mask: torch.Tensor) -> None:
+        runs = []
+        for graphed in (True, False):
+            torch.manual_seed(7)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                runs.append(sample(m, ids.to(CUDA), mask.to(CUDA), cuda_graphs=graphed, **kw))
+        a, b = runs
+        assert torch.equal(a.sequences, b.sequences) and torch.equal(a.logprobs, b.logprobs)
+        assert torch.equal(a.entropy, b.entropy)
+
+    real = FastDecoder.step
+
+    def syncing(self, tokens, position, *a, **k):
+        int(position.max())  # a host read of a device value
+        return real(self, tokens, position, *a, **k)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(FastDecoder, "step", syncing)
+        if not probe:
+            patch.setattr(graphs.Backend, "no_host_syncs", lambda self: contextlib.nullcontext())
+        both(*_left_pad(PROMPTS))
+        stats = graphs.graph_stats(CUDA)
+        assert stats["captures"] == 0 and stats["refused"] == 1 and stats["failures"] == (0 if probe else 1), stats
+    assert torch.isfinite(torch.rand(4, device=CUDA)).all()  # an eager draw from torch's default generator
+    both(*_prompts(4, 60, seed=1))  # another bucket, a step that does not sync
+    assert graphs.graph_stats(CUDA)["captures"] == 1
+
+
 def test_cuda_graph_decode_gives_the_loop_samples_up_to_rounding():
     """The static step (what the graph replays) against the decode loop the CPU runs, on CUDA in fp32: the same
     tokens, log-probs within fp32 rounding of attention over more (masked) slots."""
-    m = scramble(build_minimind(64, 2, vocab_size=8, num_attention_heads=4, num_key_value_heads=2), seed=2).eval().to(CUDA)
+    m = _graph_model()
     ids, mask = _left_pad(PROMPTS)
     kw = dict(max_new_tokens=24, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, return_logprobs=True)
     torch.manual_seed(3)

@@ -155,3 +155,28 @@ def test_a_failed_row_names_the_exception_not_a_progress_bar_after_it():
     assert gc.last_line(trl_stderr).startswith("RuntimeError: index_copy_()")
     assert gc.last_line("RuntimeError: x\nerror: --steps must be >= 1\n") == "error: --steps must be >= 1"
     assert gc.last_line("step 1\nstep 2\n") == "step 2"
+
+
+def _cuda_graphs_json(**over) -> dict:
+    """The cuda graphs child's JSON as a GPU run writes it."""
+    r = {"cuda": True, "size": "768x8", "dtype": "bf16", "batch": 8, "prompt_len": 64, "gen_len": 64,
+         "graph_identical": True, "graphs_captured": 2, "graph_ms_per_token": 0.5, "eager_ms_per_token": 6.0,
+         "loop_identical_rows": 8, "loop_max_abs_dlogprob": 1e-3, "steady_runs": 20, "steady_captures": 4,
+         "steady_captures_first_half": 4, "steady_buckets": 3, "steady_reserved_mb": [900.0, 900.0]}
+    return {**r, **over}
+
+
+def test_cuda_graphs_row_prints_captures_per_run_and_reserved_memory():
+    """The graph row on a GPU: captures per rollout of a steady run and reserved MB; FAIL where graphs are captured
+    again late in the run (one per rollout, as before they were kept) or reserved memory grows."""
+    gc = _gpu_check_module()
+    result, text = gc.cuda_graphs_figures(_cuda_graphs_json())
+    assert result == "PASS", text
+    assert "steady run of 20 rollouts over 3 shape buckets: 4 captures (0.20 per run), 0 in its second half" in text
+    assert "reserved 900 MB after 10 rollouts and 900 MB after all" in text and "bit-identical to the eager step" in text
+    result, text = gc.cuda_graphs_figures(_cuda_graphs_json(steady_captures=20, steady_captures_first_half=10))
+    assert result == "FAIL" and "20 captures (1.00 per run), 10 in its second half" in text
+    result, text = gc.cuda_graphs_figures(_cuda_graphs_json(steady_reserved_mb=[900.0, 1200.0]))
+    assert result == "FAIL" and "1200 MB after all (GROWS)" in text
+    result, text = gc.cuda_graphs_figures(_cuda_graphs_json(graph_identical=False))
+    assert result == "FAIL" and "DIFFERS from" in text

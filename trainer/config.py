@@ -118,8 +118,9 @@ class RolloutArgs:
     fast_decode: Flag = 1
     """Decode steps of dense Qwen3/Llama policies by model/fast_decode.py (same math, fewer ops); 0 = transformers' forward."""
     cuda_graphs: Flag = 1
-    """On a GPU, replay --fast_decode's decode step (sampling included) from one CUDA graph per batch shape instead of
-    launching its ~500 kernels per token (model/fast_decode.py StaticDecoder); 0 = launch them. No effect on a CPU."""
+    """On a GPU, replay --fast_decode's decode step (sampling included) from a CUDA graph per shape bucket, kept across
+    rollouts, instead of launching its ~500 kernels per token (model/generation.py StaticDecode); 0 = launch them and
+    hold no graph memory between rollouts. No effect on a CPU."""
     rollout_logprobs: Flag = 1
     """With no old-actor copy, old_logprobs come from the sampling pass itself instead of a second forward
     (the same numbers in fp32; under bf16 slightly apart, see docs/speed-and-memory.md). 0 = score the samples again
