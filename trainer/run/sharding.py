@@ -228,8 +228,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 class _SafeBytes:
     """The load planner DCP hands `read_data`, with its bytes entries (the optimizers' param_groups: lr, betas, ...,
-    which DCP stores pickled) read by torch.load(weights_only=True): DCP's own planner reads them with
-    weights_only=False, which would run whatever a crafted entry carries. What passes is handed on re-pickled from
+    which DCP stores pickled) read by torch.load(weights_only=True): DCP's own planner reads them with the
+    unrestricted unpickler, which would run whatever a crafted entry carries. What passes is handed on re-pickled from
     the plain values read, so the planner's own load never sees the file's bytes."""
 
     def __init__(self, planner: LoadPlanner, folder: object) -> None:
