@@ -18,6 +18,11 @@
                                                          # each config under torchrun: what each rank holds
     python benchmarks/bench_ppo.py --sizes 512x8 --dtypes bfloat16 --minimind_s_per_step 8.8
                                                          # our speed-up against MiniMind measured beside it
+    python benchmarks/bench_ppo.py --sizes 896x2 --vocab_size 151936 --dtypes float32 --update_old_actor_freq 0 \
+        --batch_size 1 --prompt_len 64 --gen_len 1024 --reward_model none --steps 2 --num_threads 1 \
+        --logprob_chunk_size 0,-1 --extra "--advantage_estimator grpo --num_generations 4"
+                                                         # Qwen2.5-0.5B's width and vocabulary: the [rows, tokens,
+                                                         # vocab] logits path (0) against model/logprobs.py's chunks
 
 What is measured. Every configuration (with --interleave 1: every group of one size) runs in a fresh subprocess
 (so peak RSS is per config), builds
@@ -461,6 +466,15 @@ class ConfigRun:
         hidden, layers = cfg["hidden"], cfg["layers"]
         model = (["--actor_path", cfg["actor_path"]] if cfg.get("actor_path") else
                  ["--hidden_size", str(hidden), "--num_hidden_layers", str(layers), "--from_weight", "none"])
+        if cfg.get("vocab_size"):  # a random MiniMind of that vocabulary, read as --from_weight (which sets the vocab)
+            self._weights = tempfile.TemporaryDirectory()
+            from model.loader import build_minimind
+
+            torch.manual_seed(cfg["seed"])
+            torch.save(build_minimind(hidden, layers, vocab_size=cfg["vocab_size"]).state_dict(),
+                       Path(self._weights.name) / f"bench_{hidden}.pth")
+            model = ["--hidden_size", str(hidden), "--num_hidden_layers", str(layers), "--save_dir", self._weights.name,
+                     "--from_weight", "bench"]
         argv = [*model, "--batch_size", str(cfg["batch_size"]), "--mini_batch_size", str(cfg["batch_size"]),
                 "--ppo_update_iters", "1", "--max_gen_len", str(cfg["gen_len"]), "--max_seq_len", str(cfg["prompt_len"]),
                 "--dtype", cfg["dtype"], "--update_old_actor_freq", str(cfg["update_old_actor_freq"]),
@@ -503,6 +517,9 @@ class ConfigRun:
             return
         T, cfg, args, b = self.T, self.cfg, self.args, self.built
         s, m, opt, kl_ctl = b.runtime, b.models, b.optim, b.kl_ctl
+        from model import logprobs
+
+        logprobs.CHUNK_SIZE = cfg.get("logprob_chunk_size", -1)  # the log-prob path of this config (0: plain logits)
         try:
             counting = (step == 0 < cfg["warmup"] and cfg["count_flops"] and not args.use_compile
                         and self.flops_unavailable is None)
@@ -700,6 +717,12 @@ def build_parser() -> argparse.ArgumentParser:
       help="comma list of 1/0: with one epoch of one minibatch (the bench's shape) the critic's scoring forward is the "
            "update's (1, the trainer's rule) or the update runs its own (0)")
     a("--padding_free", default="1", help="comma list of 0/1: score and update on rows packed without pad tokens")
+    a("--vocab_size", type=int, default=0,
+      help="with --sizes: the models' vocabulary (0 = the tokenizer's 6,400; 151936 = Qwen2.5's). Ids past the "
+           "tokenizer's decode to nothing: use --reward_model none")
+    a("--logprob_chunk_size", default="-1",
+      help="comma list: tokens per chunk of model/logprobs.py's log-prob path (-1 = its default, 0 = the plain "
+           "[rows, tokens, vocab] logits path)")
     a("--lora_r", default="0", help="comma list of LoRA ranks of the actor (0 = full fine-tuning; --extra sets --lora_alpha etc.)")
     a("--procs", type=int, default=1,
       help="processes per config: > 1 runs each config under torchrun (gloo on CPU, NCCL on GPUs), every rank the same "
@@ -735,6 +758,8 @@ def build_parser() -> argparse.ArgumentParser:
 def expand_configs(o: argparse.Namespace) -> list[dict]:
     if o.actor_path and o.sizes:
         raise SystemExit("error: give --sizes (MiniMind models of those shapes) or --actor_path (one HF model), not both")
+    if o.vocab_size and (o.actor_path or o.reward_model != "none"):
+        raise SystemExit("error: --vocab_size needs --sizes and --reward_model none (the tiny RM reads the tokenizer's ids)")
     sizes = [(0, 0)] if o.actor_path else [parse_size(s) for s in (o.sizes or ("128x4" if o.quick else "128x4,512x8")).split(",")]
     ints = lambda s: [int(x) for x in str(s).split(",")]
     dtypes = (o.dtypes or ("bfloat16" if o.quick else "float32,bfloat16")).split(",")
@@ -753,16 +778,17 @@ def expand_configs(o: argparse.Namespace) -> list[dict]:
         raise SystemExit("error: --procs must be >= 1, and --interleave 1 needs --procs 1 (one torchrun per config)")
     matrix = itertools.product(sizes, ints(o.num_threads), ints(o.use_compile), ints(o.frozen_low_precision),
                                dtypes, old_modes, ints(o.parallel_update), ints(o.lora_r), ints(o.reuse_values), strategies,
-                               ints(o.padding_free))
+                               ints(o.padding_free), ints(o.logprob_chunk_size))
     return [{
-        "name": Path(o.actor_path).name if o.actor_path else f"{h}x{l}", "hidden": h, "layers": l, "actor_path": o.actor_path,
+        "name": Path(o.actor_path).name if o.actor_path else f"{h}x{l}" + (f"v{o.vocab_size}" if o.vocab_size else ""),
+        "hidden": h, "vocab_size": o.vocab_size, "logprob_chunk_size": lpc, "layers": l, "actor_path": o.actor_path,
         "dtype": d, "update_old_actor_freq": old,
         "frozen_low_precision": flp, "use_compile": comp, "num_threads": threads, "parallel_update": par,
         "batch_size": o.batch_size, "prompt_len": o.prompt_len, "gen_len": o.gen_len,
         "prompts": o.prompts, "steps": steps, "warmup": o.warmup, "count_flops": o.count_flops,
         "seed": o.seed, "reward_model": None, "extra_args": o.extra.split() if o.extra else [], "lora_r": lora,
         "reuse_values": reuse, "device": o.device, "strategy": strategy, "procs": o.procs, "padding_free": pf,
-    } for (h, l), threads, comp, flp, d, old, par, lora, reuse, strategy, pf in matrix]
+    } for (h, l), threads, comp, flp, d, old, par, lora, reuse, strategy, pf, lpc in matrix]
 
 
 def run_child(cfgs: list[dict], timeout: int) -> list[dict]:
@@ -862,6 +888,7 @@ def fmt_row(r: dict) -> str:
     label = (f"{c['name']:>6} {c['dtype'][:4]:>4} old={c['update_old_actor_freq']} flp={c['frozen_low_precision']} "
              f"cmp={c['use_compile']} thr={c['num_threads'] or 'def'} par={c.get('parallel_update', -1)} lora={c.get('lora_r', 0)}"
              f"{'' if c.get('reuse_values', 1) else ' 2pass'}{'' if c.get('padding_free', 1) else ' padded'}"
+             f"{'' if c.get('logprob_chunk_size', -1) == -1 else ' lpc=' + str(c['logprob_chunk_size'])}"
              f"{' ' + c.get('strategy', 'ddp') + 'x' + str(c['procs']) if c.get('procs', 1) > 1 else ''}")
     if not r.get("ok"):
         return f"{label} | FAILED: {r.get('error')}"

@@ -384,6 +384,10 @@ class SystemArgs:
     forward_batch_size: int = 0
     """Rows per scoring forward (old/ref log-probs, values); 0 = all rows at once. Lower it when the
     [rows, response_len, vocab] logits do not fit in memory."""
+    logprob_chunk_size: int = -1
+    """Tokens per chunk of the log-prob path that never holds the [rows, tokens, vocab] logits (model/logprobs.py: the LM
+    head projects, reduces and drops each chunk; the backward projects it again): -1 = auto (chunks of 16M logits; in
+    scoring and with a frozen head always, for a trained head only past 1 GiB of fp32 logits), 0 = off, N = N tokens."""
     padding_free: Flag = 1
     """Score (old/ref log-probs, values) and update on rows packed without pad tokens (TRL's padding_free, verl's
     remove-padding): whole rows first-fit into packed rows of the width a cost model picks (attention over wider

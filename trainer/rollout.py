@@ -4,7 +4,8 @@ Positions: a batch is `sequences [B, P+R]` = left-padded prompt [B, P] + respons
 The token at position P+t is predicted by the logits at position P+t-1, so the response's
 log-probs come from the last R+1 logit positions minus the final one. Only those positions
 are projected onto the vocabulary (`logits_to_keep`), and the log-softmax runs in fp32 chunks
-of rows so no fp32 [B, T, vocab] tensor is ever materialised.
+of rows so no fp32 [B, T, vocab] tensor is ever materialised. Where the response tokens outnumber one chunk of
+model/logprobs.py, the LM head itself yields their log-probs chunk by chunk: no [B, R, vocab] logits at all.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from model.generation import Samples, distinct_prompts, sample, token_logprobs
+from model.logprobs import fused_chunk, scoring_head, split_scores
 from model.shared_attention import NAME as SHARED_ATTENTION
 from model.shared_attention import SharedLayout
 from trainer.engine import Engine, exits_on_engine_error
@@ -395,6 +397,12 @@ def _packed_policy_forward(model: nn.Module, head: nn.Module, sequences: torch.T
     R = pk.at.shape[1]
     tokens = sequences[:, -R:][pk.at]  # [N]
     N = tokens.numel()
+    chunk = fused_chunk(model, head, N)
+    if chunk and isinstance(head, nn.Linear):  # model/logprobs.py: the N positions by chunks, no [M, R, vocab] logits
+        with _head_reads(head, pk.before.view(1, N)), scoring_head(head, tokens.view(1, N), temperature, chunk, with_entropy):
+            out = _packed_call(model, pk, use_cache=False, logits_to_keep=0)
+        lp, ent = split_scores(out.logits[0], with_entropy)
+        return unpack(lp, pk.at), (unpack(ent, pk.at) if ent is not None else None)
     M = max(1, -(-N // R))  # the needed positions in rows of R, as the padded path's [B, R] logits (its memory)
     rows = torch.nn.functional.pad(pk.before, (0, M * R - N)).view(M, R)  # the fill reads position 0, unused
     with _head_reads(head, rows):
@@ -416,20 +424,21 @@ def policy_forward(
     """Per-token log-probs [B, R] (and entropy) of the last `response_len` tokens of `sequences`. `padding_free`:
     on the rows packed without pad tokens (pack_rows) where that removes any; the same values to rounding at
     every real response token, 0 at the response region's pads (the padded forward leaves unused values there)."""
-    head = _output_head(model) if padding_free else None
+    head = _output_head(model)
     pk = pack_rows(sequences, attention_mask, response_len, attention_break_even(model),
-                   shares_prompts(model)) if head is not None else None
+                   shares_prompts(model)) if head is not None and padding_free else None
     if head is not None and pk is not None:
         return _packed_policy_forward(model, head, sequences, pk, temperature, with_entropy)
-    out = model(
-        input_ids=sequences,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-        logits_to_keep=response_len + 1,
-    )
+    tokens = sequences[:, -response_len:]
+    chunk = fused_chunk(model, head, tokens.numel())
+    kw = dict(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
+              use_cache=False, logits_to_keep=response_len + 1)
+    if chunk and isinstance(head, nn.Linear):  # model/logprobs.py: by chunks of tokens, no [B, R, vocab] logits
+        with scoring_head(head, tokens, temperature, chunk, with_entropy, drop_last=True):
+            return split_scores(model(**kw).logits, with_entropy)
+    out = model(**kw)
     logits = out.logits[:, :-1, :]  # [B, R, V]: position P+t-1 predicts response token t
-    return logprobs_from_logits(logits, sequences[:, -response_len:], temperature, with_entropy=with_entropy)
+    return logprobs_from_logits(logits, tokens, temperature, with_entropy=with_entropy)
 
 
 def critic_forward(critic: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,

@@ -528,6 +528,7 @@ def validate(cfg: Config) -> None:
          f"--max_total_len {cfg.max_total_len} must exceed --max_seq_len {cfg.max_seq_len} (the prompt) to leave room for turns"),
         (math.isfinite(cfg.tool_timeout) and cfg.tool_timeout > 0, f"--tool_timeout {cfg.tool_timeout} must be a number of seconds > 0"),
         (cfg.max_tool_calls >= 1, f"--max_tool_calls {cfg.max_tool_calls} must be at least 1"),
+        (cfg.logprob_chunk_size >= -1, f"--logprob_chunk_size {cfg.logprob_chunk_size}: give -1 (auto), 0 (off) or tokens"),
         (not cfg.tools or Path(cfg.tools).is_file(), f"--tools {cfg.tools}: file not found; give a .py module of tool functions"),
         (cfg.tools_system_prompt is None or bool(cfg.tools), "--tools_system_prompt lists the --tools: give --tools MODULE.py"),
         (cfg.tools_system_prompt is None or TOOLS_PLACEHOLDER in cfg.tools_system_prompt,

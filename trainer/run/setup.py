@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 
 from dataset import rgym
 from dataset.rlaif import TOOLS_UNSEEN, DataError, PromptRecord, RLAIFDataset, read_rlaif_jsonl, template_renders_tools, tool_name
+from model import logprobs
 from model.critic import CriticModel
 from model.loader import eos_token_ids, load_policy, load_reward_model
 from model.lora import AdapterSnapshot, AdaptersOff, add_lora
@@ -369,6 +370,7 @@ def _build(raw: Config, info: DistInfo) -> Setup:
                          "supported: use --dtype bfloat16 on GPUs that have it, float32 otherwise, or --strategy ddp")
     if cfg.num_threads > 0:
         torch.set_num_threads(cfg.num_threads)
+    logprobs.CHUNK_SIZE = cfg.logprob_chunk_size  # process-wide, like the thread count
     allow_tf32(info.device)
     set_deterministic(bool(cfg.deterministic), info.device)
     seed_everything(cfg.seed)  # the same random-init models (--from_weight none, value head) on every rank
