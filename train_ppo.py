@@ -10,15 +10,14 @@ For each batch of prompts:
   1. rollout     sample responses from the actor (temperature / top-k / top-p, stop at EOS)
   2. reward      format + tags + reward model + accuracy + EOS + custom, clipped to --reward_max_abs
                  (--filter_groups: drop groups with equal rewards, sample more prompts; DAPO)
-  3. score       old log-probs (the policy that sampled), reference log-probs, critic values
+  3. score       old log-probs (the policy that sampled), reference log-probs, critic values, the teacher's (trainer/distill.py)
   4. advantages  the registered estimator (--advantage_estimator: GAE over the critic's values, or a
                  critic-free group / batch baseline), with the KL in the reward or in the loss
   5. update      epochs x minibatches of the registered policy loss + clipped value loss (+ KL, entropy)
   6. log, evaluate on held-out prompts, checkpoint
-Where things live: settings in trainer/config.py; the math in trainer/ppo.py, trainer/estimators.py and
-trainer/losses.py (registered by name, trainer/registry.py); sampling and scoring forwards in
-trainer/rollout.py; reward components in trainer/rewards.py; the whole update in trainer/update.py; how a
-run is built, resumed, saved, logged and spread over ranks in trainer/run/.
+Where things live: settings in trainer/config.py; the math in trainer/ppo.py, trainer/estimators.py and trainer/losses.py (registered by
+name, trainer/registry.py); sampling and scoring forwards in trainer/rollout.py; reward components in trainer/rewards.py; the whole update
+in trainer/update.py; how a run is built, resumed, saved, logged and spread over ranks in trainer/run/.
 """
 
 from __future__ import annotations
@@ -38,9 +37,10 @@ sys.path.insert(0, str(ROOT))
 from model.fast_decode import reuse_decoder
 from trainer import dist as D
 from trainer.config import Config
+from trainer.distill import reward_penalty, teacher_scored
 from trainer.evaluate import EvalSettings, evaluate_policy, training_metrics
 from trainer.multiturn import Episode, episode_components, generate_episodes
-from trainer.ppo import RewardNormalizer, kl_penalty, masked_whiten, rollout_is_weights
+from trainer.ppo import RewardNormalizer, masked_whiten, rollout_is_weights
 from trainer.registry import estimator_spec
 from trainer.reward_server import exits_on_reward_error
 from trainer.rewards import clip_to_range, compute_rewards, overlong_penalty
@@ -107,12 +107,13 @@ def make_experience(cfg: Config, batch: dict, m: Models, rt: Runtime, kl_coef: f
     sc = score(cfg, ro, m, rt, phase)  # 3
     ro = dataclasses.replace(ro, old_logprobs=sc.old_logprobs, ref_logprobs=sc.ref_logprobs, values=sc.values, is_weights=sc.is_weights,
                              values_with_grad=sc.values_with_grad, rewards_finite=bool(torch.isfinite(ro.rewards).all()))
+    ro, distill = teacher_scored(cfg, ro, m, rt, phase)  # --teacher_*: the teacher's log-probs of the samples
     scores, baseline, norm_stats = shape_scores(cfg, ro.rewards, baseline, reward_norm, rt)
     advantages, returns = compute_advantages(cfg, ro, kl_coef, rt, scores, baseline)  # 4
     ro = dataclasses.replace(ro, advantages=advantages, returns=returns)
     metrics, weights = rollout_metrics(ro, sampled.comps, sc.entropy, kl_coef, cfg.num_generations)
-    metrics.update({**filter_stats, **norm_stats, **{f"rollout/{k}": v.item() for k, v in sc.is_stats.items()}})
-    weights.update({f"rollout/{k}": weights["ppo/entropy"] for k in sc.is_stats})  # token means, as the entropy's
+    metrics.update({**filter_stats, **norm_stats, **distill, **{f"rollout/{k}": v.item() for k, v in sc.is_stats.items()}})
+    weights.update({k: weights["ppo/entropy"] for k in [*(f"rollout/{k}" for k in sc.is_stats), *distill]})  # token means
     if baseline is not None:
         metrics["reward/greedy_baseline"] = baseline.float().mean().item()
     if cfg.mask_truncated:  # DAPO: a response cut off without EOS takes no part in the update
@@ -277,10 +278,10 @@ def compute_advantages(cfg: Config, ro: Rollout, kl_coef: float, rt: Runtime, sc
                        baseline: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """4. (advantages, returns) [B, R] by the registered --advantage_estimator from the scores [B] (on each
     response's last token; default: the rewards, a non-finite one as 0), the critic's values, ReMax's
-    baseline, and with the KL in the reward a per-token KL penalty; whitened over every rank's tokens where
-    the estimator says (GAE: --whiten_advantages)."""
+    baseline, and a per-token penalty (the KL where it is in the reward, the distillation term); whitened over
+    every rank's tokens where the estimator says (GAE: --whiten_advantages)."""
     spec = estimator_spec(cfg.advantage_estimator)
-    kl = kl_penalty(ro.old_logprobs, ro.ref_logprobs, cfg.kl_estimator) if cfg.kl_placement == "reward" else None
+    kl, kl_coef = reward_penalty(cfg, ro, kl_coef)  # KL to the reference in the reward; + --distill_coef x k1 to the teacher
     if scores is None:
         scores = torch.nan_to_num(ro.rewards, nan=0.0, posinf=0.0, neginf=0.0)
     advantages, returns = spec.fn(scores, kl, ro.values, ro.response_mask, kl_coef, cfg, baseline=baseline)
@@ -291,9 +292,8 @@ def compute_advantages(cfg: Config, ro: Rollout, kl_coef: float, rt: Runtime, sc
 
 # --------------------------------------------------------------------------------------- evaluation
 def evaluate(cfg: Config, m: Models, rt: Runtime, records: list, tools: ToolRunner | None = None) -> dict[str, float]:
-    """Greedy replies to held-out prompts, scored as in training (format, accuracy, reward model; with --tools,
-    multi-turn episodes and how often they call a tool). Runs on rank 0 only, in its own random stream: training's
-    samples are the same with or without it."""
+    """Greedy replies to held-out prompts, scored as in training (format, accuracy, reward model; with --tools, multi-turn episodes and how
+    often they call a tool). Runs on rank 0 only, in its own random stream: training's samples are the same with or without it."""
     with rt.autocast(), exits_on_reward_error():  # a --reward_model_url server gone: one line, as in training
         ev = evaluate_policy(m.actor, m.tok, records, EvalSettings.for_training(cfg), rm_scorer=m.rm_scorer, tools=tools)
     return training_metrics(ev, tools=tools is not None)

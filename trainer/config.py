@@ -72,6 +72,13 @@ class ModelArgs:
     save_merged: Literal[-1, 0, 1] = -1
     """With LoRA, also write the merged weights where a full run writes its policy; -1 = on for native MiniMind
     weights, off for --actor_path. The adapter directory is always written."""
+    teacher_model_path: str | None = None
+    """On-policy distillation (--distill_coef): the teacher, a local Hugging Face causal-LM directory or a native MiniMind
+    .pth (its shape read off the file), loaded and held like the reference (frozen, --ref_device, sharded under
+    --shard_frozen); its tokenizer must be the actor's (docs/distillation.md)."""
+    teacher_url: str | None = None
+    """Instead: a vLLM server of the teacher, asked for the prompt log-probs of each sampled sequence (/v1/completions,
+    prompt_logprobs; raw log-softmax, so --temperature 1); key in MINIPPO_TEACHER_API_KEY; comma-separated for several."""
 
 
 @dataclass(frozen=True)
@@ -241,6 +248,10 @@ class RewardArgs:
     {"rewards": [one number per reply]} (docs/reward_servers.md); the "url" component (reward/url)."""
     reward_url_weight: float = 1.0
     """Weight of the --reward_url reward."""
+    distill_coef: float = 0.0
+    """On-policy distillation (Agarwal et al. 2024, GKD with lambda = 1; Thinking Machines 2025): each sampled token's
+    reward gets -this x (log pi(y_t) - log p_teacher(y_t)), the per-token reverse KL to --teacher_model_path /
+    --teacher_url, beside the hybrid reward, under any estimator (0 = off; alone: every other reward weight 0)."""
     reward_timeout: float = 300.0
     """Seconds one request to --reward_model_url / --reward_url may take before the run stops (below --ddp_timeout)."""
 

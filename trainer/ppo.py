@@ -35,6 +35,7 @@ __all__ = [
     "masked_mean",
     "masked_whiten",
     "kl_penalty",
+    "distill_penalty",
     "compute_token_rewards",
     "compute_gae",
     "discounted_returns",
@@ -136,6 +137,18 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor
     raise ValueError(
         f"unknown KL estimator {estimator!r}: --kl_estimator must be one of {', '.join(KL_ESTIMATORS)}"
     )
+
+
+def distill_penalty(kl: Tensor | None, kl_coef: float, logprobs: Tensor, teacher_logprobs: Tensor | None,
+                    distill_coef: float) -> tuple[Tensor | None, float]:
+    """The per-token penalty and its coefficient for compute_token_rewards (r_t = -coef x penalty_t), with on-policy
+    distillation's term added: kl_coef x KL_t (kl None: the KL is in the loss) + distill_coef x k1 of the reverse
+    KL(pi || teacher) at the sampled token, log pi(y_t) - log p_teacher(y_t) (Agarwal et al. 2024, GKD with lambda = 1,
+    beta = 1; trainer/distill.py), clamped as kl_penalty's. Without a teacher: (kl, kl_coef) unchanged."""
+    if teacher_logprobs is None or distill_coef == 0:
+        return kl, kl_coef
+    reverse_kl = distill_coef * kl_penalty(logprobs, teacher_logprobs, "k1")
+    return (reverse_kl if kl is None else kl_coef * kl.float() + reverse_kl), 1.0
 
 
 def _last_token_index(response_mask: Tensor) -> Tensor:

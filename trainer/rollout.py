@@ -488,6 +488,7 @@ class Rollout:
     prompt_len: int
     old_logprobs: torch.Tensor | None = None  # [B, R] policy that sampled (temperature-scaled)
     ref_logprobs: torch.Tensor | None = None  # [B, R]
+    teacher_logprobs: torch.Tensor | None = None  # [B, R] the distillation teacher's (--teacher_model_path / --teacher_url)
     values: torch.Tensor | None = None  # [B, R] critic at rollout time (old_values in the loss)
     values_with_grad: torch.Tensor | None = None  # [B, R] the same values with their graph (--reuse_values)
     rewards: torch.Tensor | None = None  # [B] scalar reward per response

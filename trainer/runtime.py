@@ -35,6 +35,7 @@ class Models:
     critic_train: nn.Module | None = None
     engine: Any = None  # trainer.engine.Engine: the rollout engine that samples for this rank (None: the actor itself)
     reward_url: Any = None  # trainer.reward_server.RewardFunctionServer (--reward_url; None: off)
+    teacher: Any = None  # --teacher_model_path: a frozen nn.Module like ref; --teacher_url: trainer.distill.TeacherServer
 
     @property
     def rm_module(self) -> nn.Module | None:

@@ -449,6 +449,32 @@ def reward_server_checks(cfg: Config) -> list[tuple[bool, str]]:
     ]
 
 
+def distill_checks(cfg: Config) -> list[tuple[bool, str]]:
+    """On-policy distillation (--distill_coef, --teacher_model_path / --teacher_url; trainer/distill.py), as validate's
+    (ok, message) pairs."""
+    teacher = cfg.teacher_model_path or cfg.teacher_url
+    urls = [u.strip() for u in (cfg.teacher_url or "").split(",") if u.strip()]
+    loss = POLICY_LOSSES.get(cfg.policy_loss)
+    return [
+        (math.isfinite(cfg.distill_coef) and cfg.distill_coef >= 0, f"--distill_coef {cfg.distill_coef} must be a finite number >= 0"),
+        (not (cfg.teacher_model_path and cfg.teacher_url), "--teacher_model_path and --teacher_url name one teacher two ways: give one"),
+        (bool(teacher) or not cfg.distill_coef,
+         f"--distill_coef {cfg.distill_coef} distills from a teacher: give --teacher_model_path (an HF directory or a MiniMind "
+         f".pth) or --teacher_url (a vLLM server of it)"),
+        (not teacher or cfg.distill_coef != 0,
+         f"--{'teacher_model_path' if cfg.teacher_model_path else 'teacher_url'} is scored only for --distill_coef, which is "
+         f"0: give --distill_coef (e.g. 1), or drop the teacher"),
+        (cfg.teacher_url is None or (bool(urls) and all(URL.fullmatch(u) for u in urls)),
+         f"--teacher_url {cfg.teacher_url}: expected http://HOST:PORT (comma-separated for several)"),
+        (cfg.teacher_url is None or cfg.sample_temperature == 1,
+         f"--teacher_url scores at temperature 1 (vLLM's prompt log-probs are the raw log-softmax) and the actor samples at "
+         f"--temperature {cfg.temperature}: use --temperature 1, or a local teacher (--teacher_model_path)"),
+        (not cfg.distill_coef or loss is None or not loss.seq_advantages,
+         f"--policy_loss {cfg.policy_loss} needs one advantage per response, and --distill_coef puts the reverse KL in the "
+         f"reward per token: use a per-token loss (vanilla, cispo, ...)"),
+    ]
+
+
 def engine_urls(cfg: Config) -> list[str]:
     """The engines' URLs: --engine_url (comma-separated), for sglang --sglang_base_url or MiniMind's default."""
     raw = cfg.engine_url or cfg.sglang_base_url or ("http://localhost:8998" if cfg.rollout_engine == "sglang" else "")
@@ -560,6 +586,7 @@ def validate(cfg: Config) -> None:
         *fsdp2_checks(cfg),
         *engine_checks(cfg),
         *reward_server_checks(cfg),
+        *distill_checks(cfg),
     ]
     # nan compares False with everything, so "x > 0" alone would let it through.
     for flag, lowest in (("beta", ">= 0"), ("epsilon", "> 0"), ("epsilon_high", "> 0"), ("learning_rate", "> 0"),

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoTokenizer
 
@@ -31,6 +32,7 @@ from model.weights import WeightsError, native_weight_path
 from trainer import verifier
 from trainer.config import Config
 from trainer.dist import DistInfo, all_gather_objects
+from trainer.distill import TeacherError, connect_teacher, load_teacher
 from trainer.ppo import AdaptiveKLController, FixedKLController, RewardNormalizer
 from trainer.reward_model import RewardModelScorer
 from trainer.reward_server import RemoteRewardModel, RewardFunctionServer, exits_on_reward_error, server_index
@@ -40,7 +42,7 @@ from trainer.run.distributed import failing_together, gpu_identity, in_turn, ini
 from trainer.run.engine_sync import connect_engine
 from trainer.run.hardware import layer_matmul_params, model_config, resolve_precision
 from trainer.run.seeding import seed_everything
-from trainer.run.sharding import device_mesh, shard_models, use_hsdp
+from trainer.run.sharding import device_mesh, shard, shard_models, use_hsdp
 from trainer.runtime import DTYPES, Models, Optim, Runtime
 from trainer.tools import Toolbox, ToolRunner, load_tools
 
@@ -292,9 +294,26 @@ def setup(raw: Config, info: DistInfo | None = None) -> Setup:
     wrap_for_training(cfg, built.models, info)  # DDP's constructor broadcasts rank 0's weights
     built.models.engine = connect_engine(cfg, info)  # --rollout_engine vllm / sglang: this rank's, reachable
     connect_reward_servers(cfg, built.models, info)  # --reward_model_url / --reward_url: this rank's, checked
+    if cfg.teacher_url:  # --teacher_url: this rank's teacher server, checked against the actor's tokenizer
+        with failing_together(info):
+            try:
+                built.models.teacher = connect_teacher(cfg, built.models.tok, info.rank, info.world_size)
+            except TeacherError as e:
+                raise SystemExit(f"error: {e}") from None
     if info.enabled:
         keep_until_exit(built)  # freed by the process's exit, not by returning from main (a gloo hang)
     return built
+
+
+def shard_teacher(cfg: Config, models: Models, info: DistInfo, mesh: object) -> None:
+    """--strategy fsdp2: the --teacher_model_path teacher sharded as the reference is (--shard_frozen 1), else moved whole
+    to the rank's device."""
+    if not isinstance(models.teacher, nn.Module):
+        return
+    if cfg.shard_frozen:
+        shard(models.teacher, mesh, offload=CPUOffloadPolicy() if cfg.cpu_offload else None)
+    else:
+        models.teacher.to(info.device)
 
 
 def connect_reward_servers(cfg: Config, models: Models, info: DistInfo) -> None:
@@ -330,6 +349,7 @@ def _build_sharded(raw: Config, info: DistInfo) -> Setup:
     def build_and_shard() -> None:
         b = _build(raw, info)
         shard_models(b.cfg, b.models, info, mesh)
+        shard_teacher(b.cfg, b.models, info, mesh)
         built.append(b)
 
     if turns == 1:
@@ -385,6 +405,9 @@ def _build(raw: Config, info: DistInfo) -> Setup:
         build_on = torch.device("cpu") if cfg.strategy == "fsdp2" else info.device
         models = build_models(cfg, build_on, cfg.frozen_dtype, {k: build_on for k in devices} if cfg.strategy == "fsdp2" else devices,
                               frozen_dtypes={k: precisions[d.type][1] for k, d in devices.items()})
+        # --teacher_model_path: held like the reference (frozen, --ref_device, its dtype); fsdp2: in host memory, sharded next
+        models.teacher = load_teacher(cfg, models.tok, build_on if cfg.strategy == "fsdp2" else devices["ref"],
+                                      precisions[devices["ref"].type][1])
         if info.rank > 0:  # then each rank samples differently (rank 0 keeps the single-process stream)
             seed_everything(cfg.seed + info.rank)
         custom_fns = {spec.split(":")[-1]: load_reward_fn(spec) for spec in cfg.reward_fn}
