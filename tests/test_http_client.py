@@ -96,3 +96,68 @@ def test_a_key_a_header_cannot_carry_names_the_variable_not_the_key(monkeypatch)
     assert H.token_from_env("MINIPPO_TEST_KEY") == "key-1"
     monkeypatch.setenv("MINIPPO_TEST_KEY", "")
     assert H.token_from_env("MINIPPO_TEST_KEY") is None
+
+
+# ------------------------------------------------------------------ retries (idempotent requests only)
+@pytest.mark.parametrize("failure", ["reset", "close", 502, 503, 504])
+def test_an_idempotent_request_rides_out_a_dropped_connection_or_a_busy_server(failure, hostile, capsys, monkeypatch):
+    """Two tries fail (a connection reset, one closed before the status line, a gateway or server that says it is
+    busy), the third is answered: with attempts the answer comes back, each retry one line on stderr naming the
+    rank; without (the default: a request that is not idempotent) the first failure is the caller's, tried once."""
+    monkeypatch.setenv("RANK", "3")
+    server = hostile("flaky", fails=2, failure=failure, answer={"ok": 1})
+    t0 = time.monotonic()
+    assert H.request_json(server.url + "/v1/models", timeout=20, attempts=H.RETRY_ATTEMPTS) == {"ok": 1}
+    assert time.monotonic() - t0 < 0.25 + 0.5 + 1.0  # the waits: [0.25, 0.5] then [0.5, 1] s
+    assert len(server.headers) == 3
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith(f"warning: rank 3: GET {server.url}/v1/models: ") for line in lines)
+    assert lines[0].endswith(f"; retry 1 of {H.RETRY_ATTEMPTS - 1} in " + lines[0].rsplit(" in ", 1)[1])
+    once = hostile("flaky", fails=2, failure=failure, answer={"ok": 1})
+    with pytest.raises(H.Refused if isinstance(failure, int) else H.Unreachable) as e:
+        H.request_json(once.url + "/v1/completions", {"prompt": [1]}, timeout=20)
+    assert len(once.headers) == 1 and "tries" not in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_server_that_is_restarting_is_waited_for_within_the_deadline(hostile):
+    """Nothing listens for 0.6 s (connections refused), then the server answers: the retries' backoff (0.25-0.5,
+    0.5-1, 1-2 s) reaches it."""
+    server = hostile("flaky", answer=[1, 2], listen_after=0.6)
+    assert H.request_json(server.url + "/health", timeout=20, attempts=H.RETRY_ATTEMPTS) == [1, 2]
+
+
+def test_retries_end_at_the_requests_deadline_and_say_how_many_tries(hostile, capsys):
+    """A server that is always busy: the tries and waits all fit in the request's one deadline (2 s here), never
+    after it; the failure says how many tries it took, on one line. An error status that is not a busy server's
+    (HTTP 500) is not tried again."""
+    server = hostile("flaky", fails=10**6, failure=503)
+    t0 = time.monotonic()
+    with pytest.raises(H.Refused) as e:
+        H.request_json(server.url + "/reward", {"prompts": []}, timeout=2.0, attempts=50)
+    took = time.monotonic() - t0
+    assert took < 2.2, took
+    tries = len(server.headers)
+    assert 3 <= tries <= 4 and str(e.value) == f"HTTP 503 busy ({tries} tries)", (tries, str(e.value))
+    assert len(capsys.readouterr().err.strip().splitlines()) == tries - 1
+    error = hostile("flaky", fails=10**6, failure=500)
+    with pytest.raises(H.Refused, match=r"^HTTP 500 busy$"):
+        H.request_json(error.url + "/reward", {"prompts": []}, timeout=5, attempts=5)
+    assert len(error.headers) == 1
+
+
+def test_the_backoffs_jitter_draws_nothing_from_the_runs_generators(hostile):
+    """The waits are drawn from the client's own stream: Python's, NumPy's and torch's global generators (the run's
+    draws) are where they were."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+    states = random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state().clone()
+    server = hostile("flaky", fails=2, failure=503, answer={})
+    assert H.request_json(server.url, timeout=20, attempts=3) == {}
+    assert random.getstate() == states[0] and (np.random.get_state()[1] == states[1]).all()
+    assert torch.equal(torch.get_rng_state(), states[2])

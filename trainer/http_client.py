@@ -11,6 +11,12 @@ servers): one request, bounded, whatever the server does.
   by `token_from_env` (never a config field: the config is written to run.json and the resume files).
 - Redirects are refused, not followed: urllib would carry the Authorization header to wherever one points.
 - Every failure is an HTTPFailure whose message is one line; the callers say which server and what to do.
+- Retries, for idempotent requests only (`attempts` > 1: the caller says which are): a connection refused or reset
+  (a server restarting, a proxy dropping a connection) and HTTP 502 / 503 / 504 (a proxy or a server that says it is
+  busy) are tried again, up to `attempts` tries in all, after an exponential backoff with jitter from this module's
+  own random stream (never `random`'s, numpy's or torch's: the run's draws stay the same), all inside the request's
+  total deadline; each retry is one line on stderr naming the rank. Nothing else is retried: another error status, a
+  timeout (the deadline is spent), an answer too large or not JSON.
 
 Only the standard library: the trainer's requirements do not grow for a server. (Not named http.py: a script run
 with trainer/ first on sys.path would then import it for the standard library's http.)
@@ -21,7 +27,9 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import random
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -29,12 +37,17 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["HTTPFailure", "Refused", "Unreachable", "TimedOut", "BadAnswer", "MAX_BYTES", "request_json",
-           "token_from_env", "server_index", "one_line"]
+__all__ = ["HTTPFailure", "Refused", "Unreachable", "TimedOut", "BadAnswer", "MAX_BYTES", "RETRY_ATTEMPTS",
+           "request_json", "token_from_env", "server_index", "one_line"]
 
 MAX_BYTES = 32 << 20  # an answer's default cap: far above any control route's or reward batch's answer
 CHUNK = 1 << 16
 ERROR_BYTES = 1 << 16  # of an error answer's body, only its message is wanted
+RETRY_ATTEMPTS = 5  # tries in all of an idempotent request (OpenRLHF tries a remote reward call 5 times)
+RETRY_BASE_S = 0.5  # the wait before the first retry, doubled before each next one ...
+RETRY_CAP_S = 8.0  # ... up to this; each wait is drawn from [w/2, w] (jitter: ranks that failed together spread out)
+RETRY_STATUSES = frozenset({502, 503, 504})  # a gateway without its upstream, a server busy or not ready yet
+_JITTER = random.Random()  # the backoff's own stream (seeded from os.urandom): no draw from the run's generators
 
 
 def one_line(text: object, limit: int = 300) -> str:
@@ -54,7 +67,10 @@ class Refused(HTTPFailure):
 
 
 class Unreachable(HTTPFailure):
-    """No answer: connection refused, a name that does not resolve, a connection broken before the answer ended."""
+    """No answer: connection refused, a name that does not resolve, a connection broken before the answer ended.
+    `transient`: refused or reset (worth another try for an idempotent request), not a name that does not resolve."""
+
+    transient = False
 
 
 class TimedOut(Unreachable):
@@ -156,17 +172,56 @@ def _server_message(e: urllib.error.HTTPError, deadline: _Deadline) -> str:
 
 
 def request_json(url: str, body: Any = None, *, method: str | None = None, timeout: float,
-                 token: str | None = None, max_bytes: int = MAX_BYTES) -> Any:
+                 token: str | None = None, max_bytes: int = MAX_BYTES, attempts: int = 1) -> Any:
     """`body` (None: a GET, else a POST of it as JSON) to `url`; the answer's JSON (None for an empty body).
     Everything, from connecting to the last byte, within `timeout` seconds; at most `max_bytes` of answer.
+    `attempts` > 1, for an idempotent request only (one whose repeat does no harm): a connection refused or reset and
+    HTTP 502 / 503 / 504 are tried again (module docstring), every try and wait inside the same `timeout`.
     Raises Refused (an error status), TimedOut, Unreachable or BadAnswer, each one line naming `url`."""
     data = None if body is None else json.dumps(body, allow_nan=False).encode()
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    req = urllib.request.Request(url, data=data, method=method or ("POST" if body is not None else "GET"),
-                                 headers=headers)
-    deadline = _Deadline(timeout)
+    verb = method or ("POST" if body is not None else "GET")
+    end = time.monotonic() + timeout
+    attempt = 1
+    while True:
+        try:
+            return _request_once(url, data, verb, headers, timeout, end - time.monotonic(), max_bytes)
+        except (Refused, Unreachable) as e:
+            transient = e.status in RETRY_STATUSES if isinstance(e, Refused) else e.transient
+            if not transient or attempt >= attempts:
+                raise _tried(e, attempt) from None
+            wait = min(RETRY_CAP_S, RETRY_BASE_S * 2 ** (attempt - 1))
+            wait *= 0.5 + 0.5 * _JITTER.random()
+            if time.monotonic() + wait >= end:  # no time left for another try: the deadline holds
+                raise _tried(e, attempt) from None
+            rank = os.environ.get("RANK", "0")
+            print(f"warning: rank {rank}: {verb} {url}: {one_line(e, 160)}; retry {attempt} of {attempts - 1} in "
+                  f"{wait:.1f} s", file=sys.stderr, flush=True)
+            time.sleep(wait)
+            attempt += 1
+
+
+def _tried(e: HTTPFailure, tries: int) -> HTTPFailure:
+    """`e` with the number of tries in its message (one try, or the deadline spent: `e` itself)."""
+    if tries == 1 or isinstance(e, TimedOut):
+        return e
+    if isinstance(e, Refused):
+        return Refused(e.status, f"{e.detail} ({tries} tries)".lstrip())
+    out = Unreachable(f"{e} ({tries} tries)")
+    out.transient = getattr(e, "transient", False)
+    return out
+
+
+def _request_once(url: str, data: bytes | None, method: str, headers: dict[str, str], total: float, seconds: float,
+                  max_bytes: int) -> Any:
+    """One try of request_json within `seconds` (what is left of the request's `total` deadline, which its TimedOut
+    names)."""
+    if seconds <= 0:
+        raise TimedOut(total)
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    deadline = _Deadline(seconds)
     opener = urllib.request.build_opener(_HTTPHandler(deadline), _HTTPSHandler(deadline), _NoRedirect())
     raw = bytearray()
     try:
@@ -178,7 +233,7 @@ def request_json(url: str, body: Any = None, *, method: str | None = None, timeo
                                     f"trainer reads: is it the right server?")
                 while True:
                     if deadline.left() <= 0:
-                        raise TimedOut(timeout)
+                        raise TimedOut(total)
                     deadline.settimeout()
                     chunk = resp.read1(CHUNK)
                     if not chunk:
@@ -198,10 +253,14 @@ def request_json(url: str, body: Any = None, *, method: str | None = None, timeo
         except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
             reason = getattr(e, "reason", e)
             if deadline.fired or deadline.left() <= 0 or isinstance(reason, TimeoutError):
-                raise TimedOut(timeout) from None
-            raise Unreachable(one_line(reason, 120) or type(reason).__name__) from None
+                raise TimedOut(total) from None
+            failure = Unreachable(one_line(reason, 120) or type(reason).__name__)
+            # refused, reset, aborted, a broken pipe, closed before the status line or mid-body: the server or the
+            # path to it dropped this connection; a name that does not resolve or a garbled answer is not transient
+            failure.transient = isinstance(reason, (ConnectionError, http.client.IncompleteRead))
+            raise failure from None
         if deadline.fired:  # shut down mid-body: what came is not the whole answer
-            raise TimedOut(timeout)
+            raise TimedOut(total)
     finally:
         deadline.disarm()
     if not raw.strip():

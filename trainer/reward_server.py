@@ -22,7 +22,9 @@ Both raise RewardServerError, a one-line message naming the server and what to d
 rank together (train_ppo.py score_responses runs inside the rank-local scoring block). Requests go through
 trainer/http_client.py (a total deadline of --reward_timeout, a size cap) and carry the bearer token in
 MINIPPO_REWARD_API_KEY where it is set, to both servers and on every route (vLLM checks its --api-key on /v1 routes
-only: /classify and /tokenize are open to whoever reaches the port; docs/reward_servers.md).
+only: /classify and /tokenize are open to whoever reaches the port; docs/reward_servers.md). Every request is
+idempotent (a score is a function of the request alone: the --reward_url contract says so), so a dropped connection or
+HTTP 502 / 503 / 504 is tried again, up to trainer/http_client.py's RETRY_ATTEMPTS tries, inside the same deadline.
 """
 
 from __future__ import annotations
@@ -93,8 +95,8 @@ class _Client:
         due = D.deadline()  # under torchrun the other ranks wait for this one in a collective, for so long only
         if due is not None and due.left() < wait:
             wait = max(due.left(), 0.001)
-        try:
-            return H.request_json(self.url + path, body, timeout=wait, token=self._token)
+        try:  # every reward request is idempotent: tried again on a dropped connection or a busy server
+            return H.request_json(self.url + path, body, timeout=wait, token=self._token, attempts=H.RETRY_ATTEMPTS)
         except H.Refused as e:
             hint = ""
             if e.status == 401:

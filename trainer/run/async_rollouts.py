@@ -22,21 +22,27 @@ block, bounded by the rank-local deadline under torchrun; the push is push_weigh
 
 Prompts are drawn in the synchronous loop's order (Run.next_batch); each batch's seeds come from its own generator
 (--seed, rank, step), not torch's default stream, so sampling ahead draws nothing the update would otherwise draw.
-Resume: the resume file holds the data position after the last trained batch and, waited for at the save, the
-samples of the batches in flight (this rank's, per rank): a resumed run trains on those same samples, so it equals
-the uninterrupted run (with the same world size; with another one they are sampled again, by the resumed weights).
+Resume: the resume file holds the data position after the last trained batch and the samples of the batches in
+flight that are done (this rank's, per rank): a resumed run trains on those same samples, so it equals the
+uninterrupted run (with the same world size; with another one they are sampled again, by the resumed weights). A save
+waits for them within the rank-local block's deadline; a save at a stop signal (preemption: it must fit in the
+signal's lead time) at most PREEMPT_WAIT_S. A batch not done by then, or failed (the engine may be what failed), is
+left out: the resumed run samples it again from the saved data position, by the resumed weights (its figures then
+differ from an uninterrupted run's; no prompt is repeated or skipped).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import queue
+import sys
 import threading
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +59,7 @@ from trainer.runtime import Models, Phase, Runtime
 # train_ppo.sample_rollout(cfg, batch, m, rt, tools, generator=..., oldest_version=...) -> (the batch's rollout, None)
 Sample = Callable[..., tuple[Rollout, object]]
 _SAVED = ("sequences", "attention_mask", "response_mask", "has_eos", "rollout_logprobs")
+PREEMPT_WAIT_S = 10.0  # the longest a save at a stop signal waits for the batches in flight, all of them together
 
 
 @dataclass
@@ -174,9 +181,23 @@ class SampledAhead:
         return ro
 
     def in_flight(self) -> list[dict]:
-        """For a save: the samples of every batch asked for (waited for, rank-local), as the resume file keeps them."""
-        with failing_together(self.rt.info), exits_on_engine_error():
-            return [_saved(self._wait(p), p.index) for p in self.queue]
+        """For a save: the samples of the batches asked for that are done, as the resume file keeps them. Waited for
+        (rank-local) until the block's deadline, at a stop signal at most PREEMPT_WAIT_S: a preempted run must save
+        within the signal's lead time whatever the engine does. A batch not done by then or failed is left out (the
+        resumed run samples it again; a failure is raised where the step waits for it, `take`)."""
+        with failing_together(self.rt.info):
+            due = D.deadline()
+            bound = None if due is None else max(due.left(), 0.0)
+            if self.run.stopped_by:
+                bound = PREEMPT_WAIT_S if bound is None else min(bound, PREEMPT_WAIT_S)
+            wait_for([p.future for p in self.queue], timeout=bound)
+            kept = [_saved(p.future.result(), p.index) for p in self.queue
+                    if p.future.done() and not p.future.cancelled() and p.future.exception() is None]
+        if len(kept) < len(self.queue):
+            print(f"warning: rank {self.rt.info.rank}: the save after step {self.run.step} keeps {len(kept)} of the "
+                  f"{len(self.queue)} batches sampled ahead (the others were not done in time or failed); a resumed "
+                  f"run samples those again", file=sys.stderr, flush=True)
+        return kept
 
     def _wait(self, p: Pending) -> Rollout:
         due = D.deadline()

@@ -45,7 +45,9 @@ RAW_LIMIT = 0.01
 
 
 def connect_engine(cfg: Config, info: D.DistInfo) -> Engine | None:
-    """This rank's engine, reachable (None: --rollout_engine torch). A rank that cannot reach its engine stops every rank."""
+    """This rank's engine, reachable (None: --rollout_engine torch). A rank that cannot reach its engine stops every rank,
+    and so does one whose engine cannot finish the requests in flight before a reload when --async_rollouts >= 2 has
+    pushes land while batches are sampled (vLLM without a pause that waits would abort or mix them)."""
     if cfg.rollout_engine == "torch":
         return None
     urls = (cfg.engine_url or "").split(",")
@@ -58,6 +60,11 @@ def connect_engine(cfg: Config, info: D.DistInfo) -> Engine | None:
             raise EngineError(f"the {cfg.rollout_engine} engine at {engine.url} serves at most {limit} tokens per "
                               f"sequence; this run needs {need} (prompt + response): start it with "
                               f"{engine.context_flag(need)}")
+        why = engine.unfenced() if cfg.async_rollouts >= 2 else None
+        if why:
+            raise EngineError(f"--async_rollouts {cfg.async_rollouts} has weight pushes land while batches are sampled, "
+                              f"and {why}; start vLLM 0.12 or later with VLLM_SERVER_DEV_MODE=1 (scripts/serve_engine.sh "
+                              f"does), or use --async_rollouts 1 (nothing is in flight during a push)")
     return engine
 
 

@@ -73,7 +73,8 @@ class Run:
         self.evaluated_at = -1  # the step of the last held-out evaluation (-1: none in this process)
         # --async_rollouts (trainer/run/async_rollouts.py) draws batches ahead of the step: a save records the data
         # position after the last trained batch (`trained_pos`; None: `pos`) and the samples of the batches in flight
-        # (`sampled_ahead()`, this rank's, waited for); a resumed run gets its rank's back (`resumed_ahead`).
+        # that are done (`sampled_ahead()`, this rank's, waited for briefly at a stop signal); a resumed run gets its
+        # rank's back (`resumed_ahead`) and samples the others again.
         self.trained_pos: tuple[int, int] | None = None
         self.sampled_ahead: Callable[[], list[dict]] | None = None
         self.resumed_ahead: list[dict] | None = None
@@ -179,7 +180,7 @@ class Run:
             if resumed.changed_inputs:  # accepted with --resume_check_inputs 0: later resumes check the new bytes
                 provenance = rehash_inputs(self.run_dir, resumed.changed_inputs)
         else:
-            inputs = (actor_weights_path(cfg), cfg.actor_path, cfg.reward_model_path)
+            inputs = (actor_weights_path(cfg), cfg.actor_path, cfg.reward_model_path, cfg.teacher_model_path)
             provenance = write_run_json(self.run_dir, args=self.cfg.flat(), world_size=info.world_size, device=str(info.device),
                                         seed=cfg.seed, data_path=None if cfg.reasoning_gym else cfg.data_path,
                                         weight_paths=[str(p) for p in inputs if p and Path(p).exists()],
