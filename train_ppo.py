@@ -236,7 +236,8 @@ def score(cfg: Config, ro: Rollout, m: Models, rt: Runtime, phase: Phase) -> Sco
     """3. log-probs under the sampling distribution (fp32 softmax) of the policy that sampled and of the
     reference, and the critic's values of the sampled tokens."""
     R, temp, rows = ro.response_len, cfg.sample_temperature, cfg.forward_batch_size  # rows per scoring forward (0 = all)
-    old_logprobs, entropy, values, values_with_grad = ro.old_logprobs, ro.entropy, None, None
+    old_logprobs, entropy, values, values_with_grad, kept = ro.old_logprobs, ro.entropy, None, None, []
+    keep = m.engine.kept_tokens(cfg) if m.engine else None  # vLLM's log-probs are over top-k / top-p's tokens: so is --rollout_is's pi_old
     # Each forward is rank-local work (a failure is agreed on after it); a sharded model (--strategy fsdp2) is
     # gathered whole before and freed after, one model at a time.
     with phase("score"):
@@ -244,8 +245,8 @@ def score(cfg: Config, ro: Rollout, m: Models, rt: Runtime, phase: Phase) -> Sco
             scorer = m.old_actor or m.actor  # with the update's attention kernel: the first ratio is then exactly 1
             with D.unsharded(scorer), phase("score_old", autocast=False, rank_local=True), \
                     attention_implementation(cfg.train_attn, scorer):
-                old_logprobs, entropy = forward_in_row_chunks(policy_forward, scorer, ro.sequences, ro.attention_mask,
-                                                              R, temp, with_entropy=True, rows=rows, padding_free=bool(cfg.padding_free))
+                old_logprobs, entropy, *kept = forward_in_row_chunks(policy_forward, scorer, ro.sequences, ro.attention_mask, R,
+                                                                     temp, True, bool(cfg.padding_free), keep=keep, rows=rows)
         with D.unsharded(m.ref), phase("score_ref", device=rt.ref_device, rank_local=True):
             ref_logprobs, _ = forward_in_row_chunks(policy_forward, m.ref, *on(rt.ref_device, ro.sequences, ro.attention_mask),
                                                     R, temp, rows=rows, padding_free=bool(cfg.padding_free))
@@ -256,9 +257,8 @@ def score(cfg: Config, ro: Rollout, m: Models, rt: Runtime, phase: Phase) -> Sco
     if cfg.reuse_values:  # the update's own (DDP) forward, which may talk to the other ranks: outside the rank-local block
         with phase("score"), phase("score_critic", device=rt.critic_device):
             values, values_with_grad = critic_values(cfg, ro, m, rt)
-    if ro.rollout_logprobs is None:
-        return Scores(old_logprobs, ref_logprobs, values, values_with_grad, entropy)
-    is_weights, is_stats = rollout_is_weights(old_logprobs, ro.rollout_logprobs, ro.response_mask, cfg.rollout_is, cfg.rollout_is_cap)
+    is_weights, is_stats = (None, {}) if ro.rollout_logprobs is None else rollout_is_weights(  # the PPO ratio's pi_old: whole vocabulary
+        kept[0] if kept else old_logprobs, ro.rollout_logprobs, ro.response_mask, cfg.rollout_is, cfg.rollout_is_cap)
     return Scores(old_logprobs, ref_logprobs, values, values_with_grad, entropy, is_weights, is_stats)
 
 

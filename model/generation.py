@@ -174,6 +174,17 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0
     return logits
 
 
+def kept_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
+                  top_p: float = 1.0) -> torch.Tensor:
+    """log-prob of each token under the distribution the sampler draws it from: softmax over filter_logits (temperature,
+    then top-k, then top-p), i.e. renormalised over the kept tokens, as vLLM's --logprobs-mode processed_logprobs
+    returns it; -inf for a token the filters cut. logits [..., V], tokens [...] -> [...] fp32. Without top-k / top-p
+    it is token_logprobs' value bit for bit (the same ops). The sampler still records token_logprobs' full-vocabulary
+    value: that is pi_old of the PPO ratio; this one is only the importance weights' (trainer/ppo.py)."""
+    logp = torch.log_softmax(filter_logits(logits.float(), temperature, top_k, top_p), dim=-1)
+    return torch.gather(logp, -1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
 _NONFINITE = "sampling: the model produced non-finite logits (nan/inf); the policy has diverged"
 
 

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .generation import kept_logprobs
+
 # Tokens per chunk: -1 = auto (as many as keep one fp32 [chunk, vocab] temporary within CHUNK_ELEMENTS: 110 tokens at
 # 151,936; for a head that trains, only past TRAINED_HEAD_BYTES of logits, see fused_chunk), 0 = off (the plain
 # [rows, tokens, vocab] logits path), N = N tokens wherever they are more than one chunk. Read at each call
@@ -235,11 +237,29 @@ def _logits_grad(u: torch.Tensor, logp: torch.Tensor, tmp: torch.Tensor, targets
     return g_u.to(cd)  # the plain path's logits gradient is in the logits' dtype
 
 
+@torch.no_grad()
+def head_kept_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                       temperature: float, chunk: int, top_k: int, top_p: float) -> torch.Tensor:
+    """model/generation.py kept_logprobs (the sampler's top-k / top-p distribution, renormalised; -inf where a target
+    was cut) from the head, `chunk` tokens at a time: the filters are per token over its whole vocabulary row, which a
+    chunk of tokens holds. Each chunk is projected again (one more head matmul, in scoring only). hidden [N, H] -> [N].
+    No gradient: it only weighs an engine's samples (trainer/ppo.py rollout_is_weights)."""
+    cd = _compute_dtype(hidden, weight)
+    w, b = weight.to(cd), None if bias is None else bias.to(cd)
+    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    with torch.autocast(hidden.device.type, enabled=False):
+        for s in range(0, hidden.shape[0], chunk):  # the logits in the compute dtype, as nn.Linear's and the plain path's
+            out[s : s + chunk] = kept_logprobs(F.linear(hidden[s : s + chunk].to(cd), w, b), targets[s : s + chunk],
+                                               temperature, top_k, top_p)
+    return out
+
+
 @contextlib.contextmanager
 def scoring_head(head: nn.Linear, targets: torch.Tensor, temperature: float, chunk: int, with_entropy: bool,
-                 drop_last: bool = False) -> Iterator[None]:
+                 drop_last: bool = False, keep: tuple[int, float] | None = None) -> Iterator[None]:
     """Within the block, `head`'s forward returns, in place of logits, the log-prob of `targets` at each of its input
-    positions ([..., 1], fp32) and, with_entropy, the entropy beside it ([..., 2]), by head_logprobs. Its input
+    positions ([..., 1], fp32) and, with_entropy, the entropy beside it ([..., 2]), by head_logprobs; `keep` (top_k,
+    top_p) adds, last, the log-prob under the sampler's filtered distribution (head_kept_logprobs). Its input
     [..., H] must have targets' shape before H (after dropping the last position, `drop_last`: the padded path's
     logits_to_keep = R + 1). Hooks on the head (FSDP2's, the trainer's pre-hooks) run as before."""
     had = "forward" in head.__dict__
@@ -252,7 +272,11 @@ def scoring_head(head: nn.Linear, targets: torch.Tensor, temperature: float, chu
             raise ValueError(f"scoring_head: hidden states {tuple(hidden.shape)} do not match targets {tuple(targets.shape)}")
         lp, ent = head_logprobs(hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias, targets.reshape(-1),
                                 temperature, chunk, with_entropy)
-        out = lp.unsqueeze(-1) if ent is None else torch.stack([lp, ent], dim=-1)
+        cols = [lp] if ent is None else [lp, ent]
+        if keep is not None:
+            cols.append(head_kept_logprobs(hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias,
+                                           targets.reshape(-1), temperature, chunk, *keep))
+        out = torch.stack(cols, dim=-1)
         return out.view(*targets.shape, out.shape[-1])
 
     head.forward = forward  # type: ignore[method-assign]
@@ -266,5 +290,5 @@ def scoring_head(head: nn.Linear, targets: torch.Tensor, temperature: float, chu
 
 
 def split_scores(scores: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """scoring_head's output [..., 1 or 2] -> log-probs [...] and entropy [...] (or None)."""
+    """scoring_head's output [..., 1 or 2 (+ 1 with keep, last)] -> log-probs [...] and entropy [...] (or None)."""
     return scores[..., 0], (scores[..., 1] if with_entropy else None)

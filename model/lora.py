@@ -12,6 +12,8 @@ changes elsewhere, all built here:
               weights are the --from_weight / --actor_path file, whose sha256 run.json checks).
   outputs     `save_adapter` (a `save_pretrained` directory AutoPeftModelForCausalLM loads) and
               `merged_state_dict` (W + B A scale for --save_merged, without touching the model).
+  engines     `adapter_export`: the adapters alone in peft's format, pushed to a rollout engine that
+              serves the base (trainer/run/engine_sync.py; docs/engines.md "Adapter-only pushes").
   sampling    model/fast_decode.py folds each adapter into its weight once per sample() call
               (`effective_weight`), so the fast decode path runs LoRA policies too.
 """
@@ -279,6 +281,23 @@ def save_adapter(model: nn.Module, tok: Any, out_dir: str | os.PathLike, base_pa
     if tok is not None:
         tok.save_pretrained(str(out_dir))
     return out_dir
+
+
+@torch.no_grad()
+def adapter_export(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
+    """The adapters in peft's saved format, what `save_pretrained` writes and vLLM's / SGLang's adapter loaders
+    read: adapter_model.safetensors' tensors (peft's names, e.g. base_model.model.model.layers.0.self_attn.q_proj.
+    lora_A.weight, on the CPU) and adapter_config.json's dict (sets as sorted lists, inference_mode on). Nothing
+    else: no tokenizer, no README, no base weights (the engine serves the base)."""
+    from peft import get_peft_model_state_dict
+
+    model = getattr(model, "module", model)
+    tensors = {k: v.detach().to("cpu").contiguous()
+               for k, v in get_peft_model_state_dict(model, adapter_name=ADAPTER, save_embedding_layers=False).items()}
+    config = model.peft_config[ADAPTER].to_dict()
+    config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+    config["inference_mode"] = True
+    return tensors, config
 
 
 def export_base_hf(model: nn.Module, tok: Any, out_dir: str | os.PathLike) -> Path:

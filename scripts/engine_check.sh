@@ -26,7 +26,7 @@ RC=${PIPESTATUS[0]}
 set -e
 echo
 echo "engine_check: summary"
-grep -E "vLLM server ready|engine greedy|log-prob gap|GRPO steps|killed engine|reward-model server ready|reward model served|as --reward_model_url" "$LOG" | sed 's/^/  /' || true
+grep -E "vLLM server ready|engine greedy|log-prob gap|GRPO steps|killed engine|reward-model server ready|reward model served|as --reward_model_url|mean weight|adapter-only push|LoRA adapters pushed" "$LOG" | sed 's/^/  /' || true
 echo "  $(tail -n 1 "$LOG")"
 echo "  engine venv: $BUILT s (setup_engine.sh); tests: $((SECONDS - START - BUILT)) s; exit status $RC"
 rm -f "$LOG"

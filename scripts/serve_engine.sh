@@ -31,6 +31,11 @@
 #   ENGINE_START_TIMEOUT  seconds to wait for /health (default 600)
 #   ENGINE_UNTIE     CPU: 1 (default) serves a model whose LM head is tied to its embeddings untied (see below), 0 as
 #                    it is; the untied folder: ENGINE_UNTIED_DIR (default /tmp/minippo-engine-PORT-untied)
+#   LORA_RANK        R > 0: serve runtime LoRA adapters for a --lora_r R run, which then pushes its adapters alone
+#                    (docs/engines.md "Adapter-only pushes"): --enable-lora --max-lora-rank R (rounded up to a rank
+#                    vLLM accepts) --max-loras 2 (the adapter requests use and the one before it) and
+#                    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (/v1/load_lora_adapter, /v1/unload_lora_adapter: like the
+#                    dev-mode routes, they load files from any path a client names: keep the port private)
 #   ENGINE_ARGS      more arguments for the server, word-split (e.g. "--tensor-parallel-size 2")
 #
 # --no-wait: start it and return at once. --foreground: run the server in this process (exec; stop it with Ctrl-C
@@ -149,6 +154,16 @@ PYEOF
             ARGS+=(--served-model-name "$MODEL")
         fi
     fi
+fi
+if [[ -n "${LORA_RANK:-}" && "${LORA_RANK}" != 0 ]]; then
+    [[ "$LORA_RANK" =~ ^[0-9]+$ ]] || die "LORA_RANK must be a number (the run's --lora_r), not '$LORA_RANK'"
+    RANK=""
+    for r in 1 8 16 32 64 128 256 320 512; do  # vLLM's --max-lora-rank choices (vllm/config/lora.py MaxLoRARanks)
+        if (( r >= LORA_RANK )); then RANK=$r; break; fi
+    done
+    [[ -n "$RANK" ]] || die "LORA_RANK $LORA_RANK is above vLLM's largest --max-lora-rank (512)"
+    export VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
+    ARGS+=(--enable-lora --max-lora-rank "$RANK" --max-loras 2)
 fi
 # shellcheck disable=SC2206
 ARGS+=(${ENGINE_ARGS:-})

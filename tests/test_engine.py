@@ -137,6 +137,44 @@ def test_engine_logprobs_are_the_trainers_so_the_is_weights_are_one(protocol, st
     assert abs(stats["is_weight"] - 1) < 1e-5 and stats["is_clipped"] == 0
 
 
+@pytest.mark.parametrize("protocol", ["vllm"])
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (20, 1.0), (20, 0.9)])
+def test_vllm_log_probs_under_top_k_top_p_give_on_policy_weights_of_one(protocol, top_k, top_p, standin, demo, tmp_path):
+    """vLLM's processed log-probs under top-k / top-p are renormalised over the kept tokens (log p - log S). The
+    trainer's pi_old for the weights is then renormalised over the tokens its own logits keep (policy_forward keep,
+    what train_ppo.py score asks for on a vLLM engine): every on-policy weight is 1. Its full-vocabulary log-prob,
+    what 5fab971 weighed with, puts every weight at the kept mass S < 1 instead."""
+    actor, tok = demo
+    engine = CLIENTS[protocol](standin.url)
+    push(engine, actor, tmp_path / "push", 0)
+    ids, mask = prompts(tok)
+    s = engine.sample(ids, mask, max_new_tokens=24, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      temperature=0.8, top_k=top_k, top_p=top_p, num_generations=4, generator=torch.Generator().manual_seed(0))
+    rm = s.response_mask
+    assert rm.sum() > 40 and s.logprobs is not None
+    full_mask = torch.cat([mask.repeat_interleave(4, 0), rm.long()], 1)
+    with torch.no_grad():
+        lp, _, kept = policy_forward(actor, s.sequences, full_mask, rm.shape[1], 0.8, keep=(top_k, top_p))
+    weights, stats = rollout_is_weights(kept, s.logprobs, rm, "token", 2.0)
+    assert weights is not None and ((weights - 1).abs() * rm).max() < 1e-4, stats
+    assert abs(stats["engine_kl"]) < 1e-6 and stats["is_clipped"] == 0
+    _, old = rollout_is_weights(lp, s.logprobs, rm, "token", 2.0)  # the full-vocabulary pi_old: off by the kept mass
+    assert old["is_weight"] < 1 - 5e-4 and old["engine_kl"] > 5e-4, old  # the demo policy is peaked: S ~0.99 at top-p 0.9
+
+
+def test_sglang_with_top_k_or_top_p_is_refused_unless_rollout_is_none(tmp_path, quick_retries):
+    """SGLang returns log-probs over the whole vocabulary, not the top-k / top-p distribution it samples from: the
+    weights could not be exact, so such a run is refused in one line (5fab971 ran it, every weight off), unless
+    --rollout_is none (measured, not applied) or --rollout_engine vllm."""
+    url = f"http://127.0.0.1:{free_port()}"
+    for flag, value in (("top_p", 0.9), ("top_k", 20)):
+        code, out = run_main(demo_flags(tmp_path, None, sglang_base_url=url, **{flag: value}))
+        msg = one_line_error(code, out)
+        assert msg.startswith("error: --rollout_engine sglang with --top_k") and "--rollout_is none" in msg, msg
+    code, out = run_main(demo_flags(tmp_path / "none", None, sglang_base_url=url, top_p=0.9, rollout_is="none"))
+    assert "is not reachable" in one_line_error(code, out)  # past the check: on to the (absent) engine
+
+
 @BOTH
 def test_a_version_changed_behind_the_trainers_back_is_refused(protocol, standin, demo, tmp_path):
     actor, tok = demo
@@ -238,6 +276,22 @@ def test_grpo_run_samples_through_the_engine_and_pushes_every_update(protocol, s
         assert abs(r["rollout/engine_kl"]) < 1e-5 and abs(r["rollout/is_weight"] - 1) < 1e-4, r
         assert r["rollout/is_clipped"] == 0 and r["time/engine_sync"] > 0
     assert standin.pushes == ["0", "1", "2", "3"]  # the start, then after each update
+
+
+@pytest.mark.slow
+def test_a_top_p_run_through_vllm_has_on_policy_weights_of_one(tmp_path, hf_dir):
+    """--top_p 0.9 through the vLLM stand-in (processed log-probs, as vLLM's): the logged weights are 1 at every step
+    (the engine samples the weights just pushed), not the kept mass ~0.9 that 5fab971 logged and trained with."""
+    s = start(hf_dir, "vllm")
+    try:
+        code, out = run_main(demo_flags(tmp_path, s.url, "vllm", top_p=0.9, temperature=0.8))
+    finally:
+        s.stop()
+    assert code is None, out[-3000:]
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert abs(r["rollout/is_weight"] - 1) < 1e-4 and abs(r["rollout/engine_kl"]) < 1e-5, r
 
 
 @pytest.mark.slow
@@ -1313,3 +1367,188 @@ def test_a_run_with_an_engine_key_sends_it_everywhere_and_records_it_nowhere(hf_
     assert folder.is_dir() and not list(folder.iterdir())
     remove_push_folders()
     assert not folder.exists()
+
+
+# ------------------------------------------------------------------ adapter-only pushes (a LoRA actor, vLLM)
+def lora_standin(model_dir: Path, max_lora_rank: int = 8, routes: bool = True):
+    """A vLLM stand-in with runtime adapters: VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (`routes`) and --enable-lora
+    --max-lora-rank (0: without --enable-lora)."""
+    s = start(model_dir, "vllm")
+    s.lora_routes, s.max_lora_rank = routes, max_lora_rank
+    return s
+
+
+def lora_world(url: str, *flags: str):
+    """The demo as a LoRA actor (r 4, lora_B drawn so the adapters change the policy) on the vLLM engine at `url`."""
+    world = build_update_world(["--hidden_size", "128", "--num_hidden_layers", "4", "--from_weight", "full_sft",
+                                "--save_dir", str(ROOT / "out"), "--lora_r", "4", "--rollout_engine", "vllm",
+                                "--engine_url", url, *flags])
+    move_adapters(world.actor, seed=0)
+    return world
+
+
+def move_adapters(actor: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in actor.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=g)
+
+
+def greedy_equal(world) -> bool:
+    ids, mask = world.batch["input_ids"], world.batch["attention_mask"]
+    kw = dict(max_new_tokens=16, eos_token_id=world.models.tok.eos_token_id, pad_token_id=world.models.tok.pad_token_id,
+              greedy=True)
+    theirs = world.models.engine.sample(ids, mask, **kw)
+    return torch.equal(theirs.sequences, sample(world.actor, ids, mask, **kw).sequences)
+
+
+def test_a_lora_actor_pushes_its_adapter_alone_and_the_engine_samples_with_it(hf_dir, tmp_path):
+    """--lora_r 4 with a vLLM engine that serves adapters: each push writes peft's two adapter files (no model
+    weights, no /collective_rpc reload), loads them under a new name that the requests name from then on (greedy
+    replies are the LoRA actor's, push after push), unloads the adapter before the previous one (the server holds
+    two at most), and every reply is stamped with its adapter's version."""
+    from trainer.run.engine_sync import push_weights, start_engine
+
+    s = lora_standin(hf_dir)
+    try:
+        world = lora_world(s.url, "--engine_shared_path", str(tmp_path / "push"))
+        line = start_engine(world.cfg, world.models, world.runtime, step=0)
+        assert "samples weight version 0 (adapters pushed" in line, line
+        files = sorted(p.relative_to(tmp_path / "push").as_posix() for p in (tmp_path / "push").rglob("*"))
+        assert files == ["adapter", "adapter/adapter_config.json", "adapter/adapter_model.safetensors"], files
+        assert (tmp_path / "push" / "adapter" / "adapter_model.safetensors").stat().st_mode & 0o777 == 0o600
+        assert not any(p.startswith("/collective_rpc") for p in s.paths) and s.pushes == ["0"]
+        assert greedy_equal(world)
+        for version in (1, 2, 3):
+            move_adapters(world.actor, seed=version)
+            push_weights(world.cfg, world.models, world.runtime, version=version)
+            assert greedy_equal(world), f"the engine does not sample the pushed adapter {version}"
+        names = [n for what, n in s.lora_log if what == "load"]
+        tag = names[0].split("-")[1]
+        assert names == [f"minippo-{tag}-v{v}" for v in range(4)], names
+        assert s.lora_log == [("load", names[0]), ("load", names[1]), ("unload", names[0]), ("load", names[2]),
+                              ("unload", names[1]), ("load", names[3])], s.lora_log
+        assert s.lora_peak == 2 and set(s.loras) == set(names[2:]) and s.pushes == ["0", "1", "2", "3"]
+        asked = {b.get("model") for p, b in s.requests if p == "/v1/completions"}
+        assert names[0] in asked and names[3] in asked and str(hf_dir) not in asked
+        out = world.models.engine.sample(world.batch["input_ids"], world.batch["attention_mask"], max_new_tokens=4,
+                                         eos_token_id=world.models.tok.eos_token_id, pad_token_id=0)
+        assert out.weight_version == 3
+    finally:
+        s.stop()
+
+
+def test_a_reply_from_another_adapter_than_the_pushed_one_is_refused(hf_dir, tmp_path):
+    """Attacker: another client loads its own adapter on the engine and answers for ours (a reply that names an
+    adapter of no push of this run), or sets the version: the next batch is refused in one line, never trained on.
+    The default push folder is emptied once the engine loaded the adapter."""
+    from trainer.engine import VLLMEngine
+    from trainer.run.engine_sync import push_folder, push_weights, remove_push_folders
+
+    s = lora_standin(hf_dir)
+    try:
+        world = lora_world(s.url, "--checkpoint_dir", str(tmp_path / "ckpt"))
+        push_weights(world.cfg, world.models, world.runtime, version=0)
+        folder, default = push_folder(world.cfg)
+        assert default and not list(folder.iterdir()) and s.loras  # the engine holds it, the folder nothing
+        real = s.v_complete
+        s.v_complete = lambda body: (lambda code, out: (code, dict(out, model="minippo-evil-v0")))(*real(body))
+        kw = dict(max_new_tokens=4, eos_token_id=world.models.tok.eos_token_id, pad_token_id=0)
+        with pytest.raises(EngineError) as e:
+            world.models.engine.sample(world.batch["input_ids"], world.batch["attention_mask"], **kw)
+        assert "weight version 'minippo-evil-v0'" in str(e.value) and "\n" not in str(e.value)
+        s.v_complete = real
+        other = VLLMEngine(s.url)  # another run: its first load unloads what this run left on the server
+        other.load_adapter(_adapter_folder(world, tmp_path), 7)
+        with pytest.raises(EngineError) as e:
+            world.models.engine.sample(world.batch["input_ids"], world.batch["attention_mask"], **kw)
+        assert "\n" not in str(e.value), str(e.value)
+    finally:
+        remove_push_folders()
+        s.stop()
+
+
+def _adapter_folder(world, tmp_path: Path) -> Path:
+    from model.lora import adapter_export
+    from trainer.engine import write_adapter
+
+    return write_adapter(*adapter_export(world.actor), tmp_path / "other")
+
+
+def test_an_engine_without_adapter_routes_gets_merged_pushes_and_one_warning(hf_dir, tmp_path, capsys):
+    """A vLLM started without VLLM_ALLOW_RUNTIME_LORA_UPDATING (404 on /v1/load_lora_adapter): the merged weights
+    are pushed as before, with one warning line saying how to start it for adapter-only pushes."""
+    from trainer.run.engine_sync import push_weights
+
+    s = lora_standin(hf_dir, routes=False)
+    try:
+        world = lora_world(s.url, "--engine_shared_path", str(tmp_path / "push"))
+        push_weights(world.cfg, world.models, world.runtime, version=0)
+        push_weights(world.cfg, world.models, world.runtime, version=1)
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: --lora_r")]
+        assert len(err) == 1 and "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True --enable-lora" in err[0], err
+        assert (tmp_path / "push" / "model.safetensors").is_file() and not s.lora_log and s.pushes == ["0", "1"]
+        assert greedy_equal(world)
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("rank, says", [(0, "LoRA is not enabled"), (2, "LoRA rank 4 is greater than max_lora_rank 2")])
+def test_an_engine_that_refuses_the_adapter_stops_the_run_in_one_line(rank, says, hf_dir, tmp_path):
+    """The adapter routes are on but the server was started without --enable-lora, or with a --max-lora-rank below
+    --lora_r: one line with the server's reason and how to start it; the server is not left paused."""
+    from trainer.run.engine_sync import push_weights
+
+    s = lora_standin(hf_dir, max_lora_rank=rank)
+    try:
+        world = lora_world(s.url, "--engine_shared_path", str(tmp_path / "push"))
+        with pytest.raises(SystemExit) as e:
+            push_weights(world.cfg, world.models, world.runtime, version=0)
+        msg = str(e.value.code)
+        assert msg.startswith(f"error: the vllm engine at {s.url} could not load the adapter") and "\n" not in msg, msg
+        assert says in msg and "--enable-lora --max-lora-rank" in msg and not s.paused, msg
+    finally:
+        s.stop()
+
+
+def test_adapter_pushes_need_the_engine_to_serve_the_actors_base(demo, tmp_path):
+    """The engine started on another checkpoint of the same shape (the base is the engine's, only adapters go to it):
+    refused at start in one line naming a tensor that differs, before anything is pushed."""
+    from scripts.convert_model import policy_to_hf
+    from trainer.run.engine_sync import start_engine
+
+    other = copy.deepcopy(demo[0])
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 1e-3)
+    policy_to_hf(other, demo[1], tmp_path / "other_hf")
+    s = lora_standin(tmp_path / "other_hf")
+    try:
+        world = lora_world(s.url, "--engine_shared_path", str(tmp_path / "push"))
+        with pytest.raises(SystemExit) as e:
+            start_engine(world.cfg, world.models, world.runtime, step=0)
+        msg = str(e.value.code)
+        assert "serves another base than the LoRA actor's start weights" in msg and "differs" in msg, msg
+        assert "\n" not in msg and not s.lora_log
+    finally:
+        s.stop()
+
+
+@pytest.mark.slow
+def test_a_lora_grpo_run_pushes_adapters_to_vllm_and_stays_on_policy(hf_dir, tmp_path):
+    """train_ppo --lora_r 4 --rollout_engine vllm: the start adapter and one per update pushed alone, the engine's
+    log-probs the trainer's (fp32), two adapters held at most, nothing reloaded in full."""
+    s = lora_standin(hf_dir)
+    try:
+        code, out = run_main(demo_flags(tmp_path, s.url, "vllm", lora_r=4, learning_rate=1e-3))
+        assert code is None, out[-3000:]
+        assert "adapters pushed" in out, out[-3000:]
+        rows = read_metrics(tmp_path / "run")
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        for r in rows:
+            assert abs(r["rollout/engine_kl"]) < 1e-5 and abs(r["rollout/is_weight"] - 1) < 1e-4, r
+        assert [w for w, _ in s.lora_log].count("load") == 4 and s.lora_peak == 2 and s.pushes == ["0", "1", "2", "3"]
+        assert not any(p.startswith("/collective_rpc") for p in s.paths)
+    finally:
+        s.stop()

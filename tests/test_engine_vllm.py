@@ -78,10 +78,10 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def start_server(model_dir: Path, tmp: Path, name: str) -> SimpleNamespace:
+def start_server(model_dir: Path, tmp: Path, name: str, **env_extra: str) -> SimpleNamespace:
     """scripts/serve_engine.sh --foreground in its own process group (the server and its engine core), ready."""
     env = dict(os.environ, ENGINE_VENV=str(VENV), MAX_MODEL_LEN="512", KV_CACHE_GB="1",
-               ENGINE_UNTIED_DIR=str(tmp / f"{name}-untied"))
+               ENGINE_UNTIED_DIR=str(tmp / f"{name}-untied"), **env_extra)
     return launch("serve_engine.sh", ["vllm", str(model_dir)], env, tmp / f"{name}.log", "vLLM server")
 
 
@@ -233,6 +233,33 @@ def test_engine_logprobs_equal_the_trainers_at_the_temperature(engine, pushed):
     assert gaps[1.0][0] > 100 * gaps[TEMPERATURE][0], "log-probs at T = 1 should not match: is the mode raw?"
 
 
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (20, 0.9)])
+def test_on_policy_weights_are_one_under_top_p(engine, pushed, top_k, top_p):
+    """vLLM's processed log-probs under top-k / top-p are renormalised over the tokens it kept; the trainer's pi_old
+    for --rollout_is is renormalised over the tokens its own logits keep by the same rule (policy_forward keep, as
+    train_ppo.py score asks on a vLLM engine), so each on-policy weight is 1 to fp32 rounding. The full-vocabulary
+    pi_old (5fab971's) puts the weights at the kept mass instead."""
+    from trainer.ppo import rollout_is_weights
+    from trainer.rollout import policy_forward
+
+    ids, mask = _prompts(pushed.tok)
+    s = pushed.client.sample(ids, mask, temperature=TEMPERATURE, top_k=top_k, top_p=top_p, num_generations=4,
+                             generator=torch.Generator().manual_seed(0), **_sample_kwargs(pushed.actor, pushed.tok))
+    rm, R = s.response_mask, s.response_mask.shape[1]
+    full = torch.cat([mask.repeat_interleave(4, dim=0), rm.long()], dim=1)
+    with torch.no_grad():
+        lp, _, kept = policy_forward(pushed.actor, s.sequences, full, R, TEMPERATURE, keep=(top_k, top_p))
+    weights, stats = rollout_is_weights(kept, s.logprobs, rm, "token", 2.0)
+    _, old = rollout_is_weights(lp, s.logprobs, rm, "token", 2.0)
+    n = int(rm.sum())
+    print(f"\ntop_k {top_k} top_p {top_p}, {n} sampled tokens: mean weight {float(stats['is_weight']):.6f} with pi_old over "
+          f"the kept tokens, max |w - 1| {float(((weights - 1).abs() * rm).max()):.2e}; {float(old['is_weight']):.4f} over "
+          f"the whole vocabulary (5fab971)")
+    assert n > 16 and weights is not None
+    assert ((weights - 1).abs() * rm).max() < GAP_LIMIT and stats["logprob_diff"] < GAP_LIMIT, stats
+    assert old["is_weight"] < 0.999 and old["logprob_diff"] > 10 * stats["logprob_diff"], old  # the demo policy: S ~0.99
+
+
 def _train_flags(engine_url: str, tmp: Path, **over) -> list[str]:
     """The demo run (its policy copied to tmp/out, where --save_dir reads the start weights), small and short."""
     (tmp / "out").mkdir(exist_ok=True)
@@ -353,6 +380,108 @@ def test_an_engine_killed_mid_run_stops_every_rank_with_one_line(engine, tmp_pat
     state = read_resume(saved[-1])  # verifies the zip's checksums
     assert state["step"] == 1, sorted(state)
     print(f"\nkilled engine: exit codes {[c for c, _, _ in results]}, {line}")
+
+
+# --------------------------------------------------------------------------------------- adapter-only pushes (LoRA)
+LORA_R = 4
+
+
+@pytest.fixture(scope="module")
+def lora_engine(engine):
+    """A second server on the same base with runtime adapters (LORA_RANK: --enable-lora --max-lora-rank 8 --max-loras 2,
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True). vLLM's CPU platform runs LoRA through its torch punica ops
+    (vllm/lora/punica_wrapper/punica_cpu.py); a build that refuses LoRA on a CPU skips these tests with its reason."""
+    try:
+        server = start_server(engine.model_dir, engine.tmp, "lora", LORA_RANK=str(LORA_R))
+    except pytest.fail.Exception as e:
+        log = (engine.tmp / "lora.log").read_text(errors="replace")
+        refused = [line for line in log.splitlines() if "LoRA" in line and "not supported" in line]
+        if refused:
+            pytest.skip(f"this vLLM build serves no LoRA here: {refused[-1].strip()[:200]}")
+        raise e
+    print(f"\nvLLM server with runtime LoRA ready in {server.started:.1f} s at {server.url}")
+    server.model_dir, server.tmp = engine.model_dir, engine.tmp
+    yield server
+    stop_server(server)
+
+
+def _lora_actor(seed: int):
+    """The demo actor with LoRA r=4 on every linear layer, its lora_B drawn (the adapters move the policy)."""
+    from model.lora import add_lora
+
+    actor, tok = _actor()
+    actor = add_lora(actor, LORA_R, 8.0, 0.0, "all-linear").eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in actor.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=g)
+    return actor, tok
+
+
+def test_adapter_only_pushes_sample_the_lora_actor_and_cost_a_fraction_of_a_full_push(lora_engine):
+    """The adapters alone (peft's files) loaded under a new name per push: the engine's greedy replies are the LoRA
+    actor's and its log-probs the trainer's (fp32), push after push; the adapter before the previous one unloaded; the
+    server's version follows. Prints bytes and seconds per push against a full (merged) push to the same server."""
+    from model.generation import sample
+    from model.lora import adapter_export, merged_state_dict
+    from trainer.engine import VLLMEngine, write_adapter, write_weights
+    from trainer.rollout import policy_forward
+    from trainer.run.engine_sync import _config_json
+
+    client = VLLMEngine(lora_engine.url)
+    assert client.adapter_support() is None
+    ids, mask = _prompts(_actor()[1])
+    timings: dict[str, list[float]] = {"adapter": [], "full": []}
+    sizes: dict[str, int] = {}
+    for version in (1, 2, 3):
+        actor, tok = _lora_actor(seed=version)
+        t0 = time.perf_counter()
+        folder = write_adapter(*adapter_export(actor), lora_engine.tmp / "lora-push")
+        client.load_adapter(folder, version)
+        timings["adapter"].append(time.perf_counter() - t0)
+        sizes["adapter"] = sum(f.stat().st_size for f in folder.iterdir())
+        kw = _sample_kwargs(actor, tok)
+        theirs = client.sample(ids, mask, greedy=True, generator=torch.Generator().manual_seed(0), **kw)
+        with torch.no_grad():
+            ours = sample(actor, ids, mask, greedy=True, **kw)
+        assert torch.equal(theirs.sequences, ours.sequences), f"push {version}: the engine's replies are not the actor's"
+        assert theirs.weight_version == version and client.server_version() == str(version)
+        s = client.sample(ids, mask, temperature=TEMPERATURE, num_generations=4,
+                          generator=torch.Generator().manual_seed(0), **kw)
+        full = torch.cat([mask.repeat_interleave(4, dim=0), s.response_mask.long()], dim=1)
+        with torch.no_grad():
+            lp, _ = policy_forward(actor, s.sequences, full, s.response_mask.shape[1], TEMPERATURE)
+        gap = float(((lp - s.logprobs).abs() * s.response_mask).max())
+        assert gap < GAP_LIMIT, (version, gap)
+    listed = [c["id"] for c in json.loads(urllib.request.urlopen(lora_engine.url + "/v1/models", timeout=30).read())["data"]]
+    assert len([n for n in listed if n.startswith("minippo-")]) == 2, listed  # the two latest: older ones unloaded
+    full_client = VLLMEngine(lora_engine.url)
+    for version in (11, 12):  # the merged weights of the same actor, as a server without adapters gets them
+        t0 = time.perf_counter()
+        folder = write_weights(merged_state_dict(actor), _config_json(actor), lora_engine.tmp / "full-push")
+        full_client.load_weights(folder, version)
+        timings["full"].append(time.perf_counter() - t0)
+        sizes["full"] = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    print(f"\nadapter-only push (r {LORA_R}): {sizes['adapter'] / 1e6:.2f} MB, "
+          f"{[round(t, 3) for t in timings['adapter']]} s; full push: {sizes['full'] / 1e6:.2f} MB, "
+          f"{[round(t, 3) for t in timings['full']]} s (vLLM CPU, fp32 demo model)")
+    assert sizes["adapter"] * 5 < sizes["full"]
+
+
+def test_a_lora_grpo_run_pushes_adapters_alone_to_vllm(lora_engine, tmp_path):
+    """train_ppo --lora_r 4 against the LoRA server: adapters pushed at the start and after each update, the
+    engine/trainer gap float rounding (fp32) every step."""
+    code, out = run_main(_train_flags(lora_engine.url, tmp_path, lora_r=LORA_R, learning_rate=1e-3))
+    assert code in (None, 0), out[-3000:]
+    assert "adapters pushed" in out and "warning: --lora_r" not in out, out[-3000:]
+    rows = [r for r in read_metrics(tmp_path / "runs") if "rollout/engine_kl" in r]
+    assert len(rows) == 3, out[-3000:]
+    for r in rows:
+        assert abs(r["rollout/engine_kl"]) < GAP_LIMIT and r["rollout/logprob_diff"] < GAP_LIMIT, r
+    syncs = [round(r["time/engine_sync"], 3) for r in rows]
+    diffs = [f"{r['rollout/logprob_diff']:.1e}" for r in rows]
+    print(f"\n3 GRPO steps, LoRA adapters pushed alone: time/engine_sync {syncs} s, rollout/logprob_diff {diffs}")
 
 
 # --------------------------------------------------------------------------------------- the reward model, served

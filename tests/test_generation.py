@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from model.generation import Samples, response_mask_from_tokens, sample, token_logprobs
+from model.generation import (
+    Samples,
+    filter_logits,
+    kept_logprobs,
+    response_mask_from_tokens,
+    sample,
+    sample_from_logits,
+    token_logprobs,
+)
 from model.loader import build_minimind
 from tests.helpers import scramble
 
@@ -1062,3 +1070,31 @@ def test_choose_tokens_plain_temperature_scores_as_token_logprobs(suppress_eos):
     assert bool((nxt[finished] == PAD).all())  # finished rows get pads (their log-prob is the pad's, as before)
     if suppress_eos:
         assert not bool(torch.isin(nxt[~finished], eos).any())
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.9), (20, 1.0), (20, 0.9)])
+def test_kept_logprobs_are_the_distribution_the_sampler_draws_from(top_k, top_p):
+    """The local sampler's mu under top-k / top-p: kept_logprobs, softmax over filter_logits renormalised over the kept
+    tokens (vLLM's processed log-probs). It sums to 1 over the kept tokens alone, is log p - log S (S the kept mass),
+    and the sampler's own draws (choose_tokens: sample_from_logits of filter_logits) land on each token at that rate;
+    the full-vocabulary log-prob would be off by S. Without filters it is token_logprobs' value bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    logits, T, V = torch.randn(3, 64, generator=g), 0.8, 64
+    every = torch.arange(V).expand(3, V)
+    lp = kept_logprobs(logits[:, None, :].expand(3, V, V), every, T, top_k, top_p)  # [3, V]: each token's
+    kept = filter_logits(logits, T, top_k, top_p).isfinite()
+    assert torch.equal(lp.isfinite(), kept) and kept.sum(-1).lt(V).all()
+    torch.testing.assert_close(lp.exp().sum(-1), torch.ones(3))
+    full, _ = token_logprobs(logits[:, None, :].expand(3, V, V), every, T)
+    mass = full.exp().where(kept, 0.0).sum(-1, keepdim=True)
+    assert mass.max() < 0.99
+    torch.testing.assert_close(lp[kept], (full - mass.log()).expand(3, V)[kept])
+    n = 20000
+    draws = sample_from_logits(filter_logits(logits.repeat(n, 1), T, top_k, top_p), g).view(n, 3)
+    freq = torch.stack([torch.bincount(draws[:, r], minlength=V) for r in range(3)]).double() / n
+    assert (freq - lp.exp()).abs().max() < 0.015  # a few standard errors of 20,000 draws
+    tv = (freq - full.exp()).abs().sum(-1) / 2  # from the untruncated distribution: 1 - S, less the draws' noise
+    assert (tv > (1 - mass.squeeze(-1)) - 0.02).all()
+    tokens = torch.randint(0, V, (3, 5), generator=g)
+    assert torch.equal(kept_logprobs(logits[:, None].expand(3, 5, V), tokens, T),
+                       token_logprobs(logits[:, None].expand(3, 5, V), tokens, T)[0])

@@ -358,3 +358,30 @@ def test_two_gloo_procs_with_lora_equal_one_proc_with_the_doubled_batch(world, t
     for ra, rb in zip(read_metrics(two / "run"), read_metrics(one / "run")):
         for key in ("reward/total", "kl_ref", "ppo/approx_kl", "value/explained_var"):
             assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), (ra["step"], key)
+
+
+def test_the_adapter_export_an_engine_loads_is_peft_format_and_gives_the_policys_logits(tmp_path):
+    """model/lora.py adapter_export, what an adapter-only push writes (trainer/engine.py write_adapter): the same
+    tensor names as peft's save_pretrained, and the folder loads with PeftModel.from_pretrained on the stock base
+    (as vLLM's and SGLang's loaders read it) giving the LoRA actor's logits; no base weights, no tokenizer in it."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from model.lora import adapter_export, export_base_hf, save_adapter
+    from trainer.engine import write_adapter
+
+    w = build_update_world(LORA)
+    _perturb_adapters(w.actor)
+    w.actor.eval()
+    base_dir = export_base_hf(w.actor, w.models.tok, tmp_path / "base")
+    folder = write_adapter(*adapter_export(w.actor), tmp_path / "push")
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    saved = save_adapter(w.actor, None, tmp_path / "saved", base_dir)
+    ours, peft_own = load_file(str(folder / "adapter_model.safetensors")), load_file(str(saved / "adapter_model.safetensors"))
+    assert ours.keys() == peft_own.keys() and all(torch.equal(ours[k], peft_own[k]) for k in ours)
+    ids = _probe(base_of(w.actor).config.vocab_size)
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base_dir)), str(folder)).eval()
+    with torch.no_grad():
+        want = base_of(w.actor)(input_ids=ids).logits
+        assert (loaded(input_ids=ids).logits - want).abs().max() < 1e-4

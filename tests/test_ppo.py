@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from model.generation import filter_logits, kept_logprobs, sample_from_logits, token_logprobs
 from trainer.ppo import (
     AdaptiveKLController,
     FixedKLController,
@@ -406,3 +407,26 @@ def test_rollout_is_is_one_where_engine_and_trainer_agree_and_none_only_measures
     with pytest.raises(ValueError, match="unknown rollout IS mode"):
         rollout_is_weights(old, old, mask, "tokens", cap=2.0)
 
+
+def test_rollout_is_weights_are_one_only_with_pi_old_over_the_engines_kept_tokens():
+    """An engine sampling with top-p 0.9 from the trainer's own logits reports log p - log S (vLLM's processed
+    log-probs; S the kept mass of each position). Weighed against the trainer's full-vocabulary log p (5fab971's
+    pairing) every on-policy weight is S; against the trainer's kept_logprobs (the same rule on its own logits) it is
+    exactly 1. A sampled token the trainer's filters cut (log pi_old = -inf: its logits put it past the boundary)
+    gets weight 0 and the statistics stay finite."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 6, 32, generator=g) * 2
+    tokens = sample_from_logits(filter_logits(logits.view(-1, 32), 1.0, 0, 0.9), g).view(4, 6)
+    mu = kept_logprobs(logits, tokens, 1.0, 0, 0.9)
+    mask = torch.ones(4, 6)
+    mass = logits.softmax(-1).where(filter_logits(logits, 1.0, 0, 0.9).isfinite(), 0.0).sum(-1)
+    w_full, _ = rollout_is_weights(token_logprobs(logits, tokens)[0], mu, mask, "token", 2.0)
+    assert mass.max() < 0.999 and (w_full - mass).abs().max() < 1e-5  # the bug: off by the kept mass
+    old = kept_logprobs(logits, tokens, 1.0, 0, 0.9)
+    w, stats = rollout_is_weights(old, mu, mask, "token", 2.0)
+    assert w is not None and torch.equal(w, torch.ones_like(w)) and stats["is_weight"] == 1
+    old[1, 2] = float("-inf")
+    for mode in ("token", "sequence"):
+        w, stats = rollout_is_weights(old, mu, mask, mode, 2.0)
+        assert w is not None and w[1, 2] < 1e-8 and (w[1].max() < 1e-8 if mode == "sequence" else w[0].eq(1).all())
+        assert all(bool(torch.isfinite(v)) for v in stats.values()), stats

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from model.critic import CriticModel
-from model.generation import filter_logits, sample_from_logits
+from model.generation import filter_logits, kept_logprobs, sample, sample_from_logits
 from model.loader import build_minimind
 from tests.helpers import scramble
 from trainer.rollout import (
@@ -308,6 +308,37 @@ def test_critic_forward_alignment_equals_plain_values(critic):
     assert got.abs().max() > 1e-3
     assert torch.allclose(got, full[:, P - 1 : P + R - 1], atol=1e-5)
     assert not torch.allclose(got, full[:, P : P + R], atol=1e-3)  # the off-by-one would be visible
+
+
+# ------------------------------------------------------------------ keep: the sampler's top-k / top-p distribution
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+@pytest.mark.parametrize("chunk", [0, 4])
+@pytest.mark.parametrize("keep", [(0, 0.9), (20, 1.0), (20, 0.9)])
+def test_policy_forward_keep_scores_the_samplers_kept_distribution_on_every_path(lm, monkeypatch, keep, chunk, padding_free):
+    """policy_forward(keep=(top_k, top_p)): a third output from the same forward, each response token's log-prob under
+    the sampler's filtered distribution renormalised (kept_logprobs of the full logits), on the plain, the chunked
+    (model/logprobs.py: no [B, R, vocab] logits) and the packed paths alike; the first two outputs are keep=None's bit
+    for bit (the PPO ratio's pi_old does not move). The local sampler's own draws are all inside the kept set, and
+    renormalised they are more likely than under the whole vocabulary (log p - log S >= log p)."""
+    from model import logprobs as L
+
+    monkeypatch.setattr(L, "CHUNK_SIZE", chunk)
+    ids, mask, _ = _batch(PROMPTS, torch.empty(3, 0, dtype=torch.long))
+    with torch.no_grad():
+        s = sample(lm, ids, mask, max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD, temperature=0.8, top_k=keep[0],
+                   top_p=keep[1], generator=torch.Generator().manual_seed(2))
+        seq, full, R, P = s.sequences, torch.cat([mask, s.response_mask.long()], 1), s.response_mask.shape[1], ids.shape[1]
+        lp, ent = policy_forward(lm, seq, full, R, 0.8, with_entropy=True, padding_free=padding_free)
+        lp2, ent2, kept = policy_forward(lm, seq, full, R, 0.8, True, padding_free, keep=keep)
+        logits = lm(input_ids=seq, attention_mask=full, position_ids=position_ids_from_mask(full)).logits[:, P - 1 : -1]
+        want = kept_logprobs(logits, seq[:, P:], 0.8, *keep)
+    assert torch.equal(lp, lp2) and ent is not None and ent2 is not None and torch.equal(ent, ent2)
+    real = s.response_mask.bool()
+    assert real.sum() > 6 and kept[real].isfinite().all()
+    torch.testing.assert_close(kept[real], want[real], rtol=0, atol=2e-5)
+    assert (kept[real] >= lp[real] - 1e-5).all() and (kept[real] - lp[real]).max() > 1e-3
 
 
 # ------------------------------------------------------------------ --forward_batch_size

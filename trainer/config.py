@@ -180,7 +180,8 @@ class EngineArgs:
     also no longer than the other ranks can wait (--ddp_timeout less a margin, for all of a step's requests)."""
     rollout_is: Literal["token", "sequence", "none"] = "token"
     """An engine's samples: truncated importance weights pi_old / pi_engine on the policy loss, per token or per
-    response (none: measured and logged, not applied)."""
+    response (none: measured and logged, not applied). Under --top_k / --top_p pi_old is renormalised over the tokens
+    the trainer's logits keep, as vLLM's processed log-probs are; SGLang is then refused unless none (docs/engines.md)."""
     rollout_is_cap: float = 2.0
     """Upper truncation of --rollout_is weights."""
     sglang_base_url: str | None = None

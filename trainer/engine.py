@@ -10,9 +10,11 @@ engine/trainer gap that trainer/ppo.py's `rollout_is_weights` corrects.
 
 Which log-probs each engine returns (both: after temperature, the distribution the trainer scores):
 - vLLM: with `--logprobs-mode processed_logprobs` (scripts/serve_engine.sh sets it), log softmax(logits / T) after
-  top-k / top-p, i.e. renormalised over the kept tokens: with --top_k / --top_p the weight also corrects the
-  truncation. vLLM's default, raw_logprobs, is before temperature: the start-up probe refuses it.
-- SGLang: log softmax(logits / T) over the whole vocabulary (its default; greedy: T = 1).
+  top-k / top-p, i.e. renormalised over the kept tokens (`truncated_logprobs`): under --top_k / --top_p the trainer's
+  pi_old for the weights is renormalised over the tokens its own logits keep by the same rule, so an on-policy weight
+  is 1, not the kept mass. vLLM's default, raw_logprobs, is before temperature: the start-up probe refuses it.
+- SGLang: log softmax(logits / T) over the whole vocabulary, before top-k / top-p (its default; greedy: T = 1): with
+  --top_k / --top_p it cannot give exact weights, and such a run is refused unless --rollout_is none (run/cli.py).
 
 Weights: the trainer writes the policy as safetensors into a folder both can read (--engine_shared_path; its own,
 checked by `own_folder`: created 0700, files 0600) and the engine reloads it (vLLM: the worker's `reload_weights`
@@ -21,7 +23,9 @@ server has them; SGLang: `/update_weights_from_disk`), then records the weight v
 those weights). Every response is stamped with the version it was sampled with (SGLang: per response; vLLM: the
 server's version read before and after the batch); any other version than the last pushed one stops the run
 (EngineError). Sampled ahead (--async_rollouts, trainer/run/async_rollouts.py), a batch asked for at version v may
-carry any version from v to the last push, and its Samples carry the oldest one.
+carry any version from v to the last push, and its Samples carry the oldest one. A LoRA actor's adapters go alone
+where the engine serves them (vLLM's /v1/load_lora_adapter: `load_adapter`, a new name per push that requests name,
+each reply stamped by the adapter it names; `write_adapter`), the base staying the engine's.
 
 Waits: every request (trainer/http_client.py: a total deadline, a size cap) waits at most `timeout` (--engine_timeout) and,
 inside a rank-local block under torchrun, at most what is left of the block's deadline (trainer.dist.deadline(): the
@@ -46,6 +50,7 @@ import contextvars
 import json
 import os
 import re
+import secrets
 import stat
 import tempfile
 import time
@@ -64,6 +69,10 @@ from trainer.http_client import MAX_BYTES
 from trainer.http_client import server_index as engine_index
 
 WEIGHTS_FILE = "model.safetensors"
+# An adapter-only push (a LoRA actor, an engine that serves adapters): peft's two files in a subfolder of the push
+# folder, loaded under a name of its own per push (ADAPTER_PREFIX + a tag of this client + the version).
+ADAPTER_DIR, ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter", "adapter_model.safetensors", "adapter_config.json"
+ADAPTER_PREFIX = "minippo-"
 ENGINE_KEY_ENV = "MINIPPO_ENGINE_API_KEY"  # the engines' bearer token (their --api-key), read by Engine.__init__
 BYTES_PER_TOKEN = 256  # a sampling answer's cap per token asked for (vLLM's logprobs entries take ~120 B a token)
 FAILED_REASONS = ("abort", "error")  # finish reasons of a request that failed: never a reply to train on
@@ -135,6 +144,9 @@ class Engine:
 
     kind = "engine"
     start_hint = "start it first"
+    # Its log-probs are over the tokens top-k / top-p keep, renormalised (vLLM's processed_logprobs), not the whole
+    # vocabulary: the trainer then scores pi_old for --rollout_is over the same tokens (train_ppo.py score).
+    truncated_logprobs = False
 
     def __init__(self, url: str, timeout: float = 600.0) -> None:
         self.url = url.rstrip("/")
@@ -147,10 +159,18 @@ class Engine:
         # The version a push under way makes the engine serve, set before it starts: a batch sampled ahead
         # (--async_rollouts) may be stamped with it before the push returns.
         self.next_version: int | None = None
+        self.adapter_pushes: bool | None = None  # a LoRA actor's adapters alone (trainer/run/engine_sync.py decides once)
+
+    def kept_tokens(self, cfg: Any) -> tuple[int, float] | None:
+        """(top_k, top_p) where this engine's log-probs are renormalised over the tokens they keep (the run samples
+        with top-k / top-p, not greedily, on an engine with truncated_logprobs); None: over the whole vocabulary."""
+        cut = not cfg.greedy and (cfg.top_k > 0 or cfg.top_p < 1)
+        return (int(cfg.top_k), float(cfg.top_p)) if cut and self.truncated_logprobs else None
 
     # ---- HTTP
     def _request(self, path: str, body: dict | None = None, *, method: str | None = None,
-                 timeout: float | None = None, max_bytes: int = MAX_BYTES, idempotent: bool | None = None) -> Any:
+                 timeout: float | None = None, max_bytes: int = MAX_BYTES, idempotent: bool | None = None,
+                 text_ok: bool = False) -> Any:
         """trainer/http_client.py's request to this engine (the token of MINIPPO_ENGINE_API_KEY on every route), its
         failures as EngineError / EngineUnreachable. `idempotent` (default: a GET is, a POST is not) requests are
         tried again on a dropped connection or HTTP 502 / 503 / 504, inside the same deadline."""
@@ -165,7 +185,7 @@ class Engine:
             idempotent = body is None and method in (None, "GET")
         try:
             return H.request_json(self.url + path, body, method=method, timeout=wait, token=self._token,
-                                  max_bytes=max_bytes, attempts=H.RETRY_ATTEMPTS if idempotent else 1)
+                                  max_bytes=max_bytes, attempts=H.RETRY_ATTEMPTS if idempotent else 1, text_ok=text_ok)
         except H.Refused as e:
             hint = ""
             if e.status == 401:
@@ -242,6 +262,21 @@ class Engine:
         """Make the engine serve the weights in `folder` (written by `write_weights`) as weight version `version`."""
         self._load(Path(folder).resolve(), version)
         self.version = version
+
+    def adapter_support(self) -> str | None:
+        """Why this engine cannot take adapter-only pushes (None: it can): the base stays loaded, each push loads the
+        adapters alone under a new name and requests name it (`load_adapter`)."""
+        return f"the trainer pushes merged weights to {self.kind} engines"
+
+    def load_adapter(self, folder: str | os.PathLike, version: int) -> str:
+        """Make the engine serve the base + the adapter in `folder` (written by `write_adapter`) as weight version
+        `version`, under a new name that this client's requests use from now on; returns the name."""
+        raise EngineError(self.adapter_support() or "adapter-only pushes are not implemented for this engine")
+
+    def use_adapter(self, name: str, version: int) -> None:
+        """Sample with the adapter another client of this engine loaded as `version` (the ranks whose engine rank 0
+        pushed to)."""
+        raise EngineError(self.adapter_support() or "adapter-only pushes are not implemented for this engine")
 
     def check_version(self, seen: Sequence[str | None], oldest: int | None = None) -> None:
         """Stop when a response came from other weights than the last push (a restarted engine, another trainer), or
@@ -333,6 +368,7 @@ class VLLMEngine(Engine):
 
     kind = "vllm"
     start_hint = "start one with scripts/serve_engine.sh vllm MODEL_DIR (docs/engines.md)"
+    truncated_logprobs = True  # --logprobs-mode processed_logprobs: after top-k / top-p (the start-up probe checks T)
 
     def __init__(self, url: str, timeout: float = 600.0, concurrency: int = 64) -> None:
         super().__init__(url, timeout)
@@ -341,6 +377,15 @@ class VLLMEngine(Engine):
         self._max_len: int | None = None
         self._pause: str | None = None  # the /pause query that waits for requests in flight ("": none; None: not asked)
         self._no_fence = ""  # why there is none, for messages
+        # Adapter-only pushes: the name requests use (None: the served model), every name pushed -> its version (a
+        # reply names the adapter that sampled it: its stamp), the ones loaded by this client and not unloaded yet
+        # (oldest first), and a tag of this client's own so that no name is ever used twice on a server (vLLM keys
+        # its prefix cache by adapter name: a name loaded again with other tensors would reuse the old blocks).
+        self._adapter: str | None = None
+        self._adapter_versions: dict[str, int] = {}
+        self._loaded: list[str] = []
+        self._tag = secrets.token_hex(4)
+        self._lora_routes: bool | None = None
 
     def _models(self) -> None:
         data = (self._request("/v1/models", timeout=min(self.timeout, 30.0)) or {}).get("data") or []
@@ -366,7 +411,7 @@ class VLLMEngine(Engine):
         before = self.server_version()
 
         def one(prompt: list[int], seed: int) -> list[Completion]:
-            body = {"model": self._model, "prompt": prompt, "n": n, "max_tokens": params.max_new_tokens,
+            body = {"model": self._adapter or self._model, "prompt": prompt, "n": n, "max_tokens": params.max_new_tokens,
                     "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or -1,
                     "seed": seed, "logprobs": 0, "return_token_ids": True, "stop_token_ids": list(params.stop_ids),
                     "ignore_eos": params.ignore_eos, "skip_special_tokens": False}
@@ -377,7 +422,7 @@ class VLLMEngine(Engine):
                 choices = sorted(out["choices"], key=lambda c: c["index"])
                 return [Completion([int(t) for t in c["token_ids"]],
                                    [float(x) for x in c["logprobs"]["token_logprobs"]], str(c["finish_reason"]),
-                                   before) for c in choices]
+                                   self._stamp(out.get("model"), before)) for c in choices]
             except (KeyError, TypeError, ValueError) as e:
                 raise EngineError(f"the vllm engine at {self.url} answered /v1/completions without token IDs and "
                                   f"log-probs per choice ({type(e).__name__}: {H.one_line(e, 80)}): is it vLLM's "
@@ -388,6 +433,15 @@ class VLLMEngine(Engine):
             # of whatever block the trainer's thread is in while a job sampling ahead waits here
             jobs = [pool.submit(contextvars.copy_context().run, one, prompt, seed) for prompt, seed in zip(prompts, seeds)]
             return [job.result() for job in jobs]
+
+    def _stamp(self, model: object, before: str | None) -> str | None:
+        """A reply's weight version: with adapter pushes the version of the adapter its `model` names (vLLM answers
+        with the adapter's name: a stamp per reply; a name of no push of ours is returned as it is, and refused),
+        else the server's version read before the batch."""
+        if self._adapter is None or model is None or model == self._model:
+            return before
+        version = self._adapter_versions.get(str(model))
+        return str(model) if version is None else str(version)
 
     def _versions_after(self) -> list[str | None]:
         return [self.server_version()]  # the server's version did not change under the batch (ahead: to a push of ours)
@@ -476,6 +530,87 @@ class VLLMEngine(Engine):
         raise EngineError(f"the vllm engine at {self.url} could not reset its prefix cache after a weight reload ({why}): "
                           f"its cached blocks were computed with the old weights; {state}restart the engine, then continue "
                           f"with --from_resume 1")
+
+    # ---- adapter-only pushes (LoRA): vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter
+    def adapter_support(self) -> str | None:
+        """Whether the server has vLLM's runtime adapter routes (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True: POST only, so
+        a GET answers 405 where they exist, 404 where not); asked once. Whether it was started with --enable-lora
+        (and a --max-lora-rank as large as --lora_r) only the first load can tell: its refusal says so."""
+        if self._lora_routes is None:
+            try:
+                self._request("/v1/load_lora_adapter", timeout=min(self.timeout, 30.0))
+                self._lora_routes = True
+            except EngineUnreachable:
+                raise
+            except EngineError as e:
+                self._lora_routes = "HTTP 404" not in str(e)
+        return None if self._lora_routes else (
+            f"the vllm engine at {self.url} has no /v1/load_lora_adapter (start it with "
+            f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True --enable-lora --max-lora-rank R: LORA_RANK=R scripts/serve_engine.sh does)")
+
+    def _lora_call(self, path: str, body: dict) -> None:
+        """POST to a LoRA route. vLLM answers success with a plain-text 200 ("Success: LoRA adapter ..."; an error is
+        an error status): the caller confirms the result on /v1/models."""
+        self._request(path, body, text_ok=True)
+
+    def _adapters_served(self) -> dict[str, str]:
+        """The adapters the server lists on /v1/models: name -> the path it loaded it from."""
+        data = (self._request("/v1/models", timeout=min(self.timeout, 30.0)) or {}).get("data") or []
+        return {str(c.get("id")): str(c.get("root")) for c in data[1:] if isinstance(c, dict) and c.get("parent")}
+
+    def load_adapter(self, folder: str | os.PathLike, version: int) -> str:
+        """Load the adapter in `folder` as weight version `version` under a new name, and sample with it from now on.
+        Fenced as a reload (`_load`): pause (requests in flight finish), unload the adapters of this client but the
+        one requests used until now (a request sent just before the switch may still name it; so the server holds
+        at most two: scripts/serve_engine.sh starts it with --max-loras 2), load the new one (the server reads the
+        files now: the caller may remove them once this returns), set the version, resume. The first load also
+        unloads adapters an earlier run of this trainer left (ADAPTER_PREFIX: one run per engine, as the version
+        stamps require). No prefix-cache reset: vLLM keys its cached blocks by adapter name, and names are new."""
+        if self._model is None:
+            self._models()
+        folder = Path(folder).resolve()
+        name = f"{ADAPTER_PREFIX}{self._tag}-v{version}"
+        while name in self._adapter_versions:  # the same version pushed twice (a restart of the loop): a new name
+            name += "+"
+        stale = list(self._loaded[:-1])
+        if not self._adapter_versions:
+            stale += [n for n in self._adapters_served() if n.startswith(ADAPTER_PREFIX) and n not in self._loaded]
+        pause = self.pause_query()
+        if pause:
+            self._request(f"/pause?{pause}", method="POST")
+        try:
+            for old in stale:
+                self._lora_call("/v1/unload_lora_adapter", {"lora_name": old})
+                if old in self._loaded:
+                    self._loaded.remove(old)
+            self._lora_call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
+            if self._adapters_served().get(name) is None:
+                raise EngineError(f"the vllm engine at {self.url} answered /v1/load_lora_adapter but does not list "
+                                  f"{name!r} on /v1/models")
+            self._loaded.append(name)
+            self._adapter_versions[name] = version
+            self._request("/update_weight_version", {"new_version": str(version)})
+        except EngineUnreachable:
+            raise
+        except EngineError as e:
+            raise EngineError(f"the vllm engine at {self.url} could not load the adapter in {folder}: "
+                              f"{H.one_line(e, 300)} (start it with --enable-lora --max-lora-rank at least --lora_r: "
+                              f"LORA_RANK=R scripts/serve_engine.sh does; or without VLLM_ALLOW_RUNTIME_LORA_UPDATING "
+                              f"for merged pushes)") from None
+        finally:
+            if pause:  # nothing of the base changed, whatever failed: the server serves again
+                with contextlib.suppress(EngineUnreachable):
+                    self._request("/resume", method="POST")
+        self._adapter = name
+        self.version = version
+        return name
+
+    def use_adapter(self, name: str, version: int) -> None:
+        if self._model is None:
+            self._models()
+        self._adapter_versions[name] = version
+        self._adapter = name
+        self.version = version
 
 
 def _pause_query(version: object) -> str:
@@ -678,6 +813,25 @@ def write_weights(state_dict: dict[str, torch.Tensor], config_json: dict, folder
         if f.name not in (WEIGHTS_FILE, "config.json") and f.is_file():
             _write_new(folder / f.name, mode, _write_bytes(f.read_bytes()))
     return folder
+
+
+def write_adapter(tensors: dict[str, torch.Tensor], config: dict, folder: str | os.PathLike,
+                  private: bool = False) -> Path:
+    """An adapter-only push (model/lora.py adapter_export): peft's adapter_model.safetensors and adapter_config.json
+    in ADAPTER_DIR of the push folder (the trainer's own, `own_folder`; the subfolder 0700, checked the same way),
+    each written under a temporary name and renamed into place (`_write_new`). Returns the subfolder: the path the
+    engine loads. A folder's full-push files are left alone, and an engine's full reload never reads the subfolder."""
+    from safetensors.torch import save_file
+
+    mode = own_folder(Path(folder), private)
+    sub = Path(folder) / ADAPTER_DIR
+    own_folder(sub, private=True)
+    for f in sub.iterdir():  # what a push cut short left (ours, safetensors' own temporary files), or a planted link
+        if f.name.startswith(".") or f.is_symlink():
+            f.unlink()
+    _write_new(sub / ADAPTER_WEIGHTS, mode, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    _write_new(sub / ADAPTER_CONFIG, mode, _write_bytes(json.dumps(config, indent=2, sort_keys=True).encode()))
+    return sub
 
 
 def model_mismatch(served: dict, actor: dict) -> str | None:

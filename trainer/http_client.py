@@ -172,11 +172,12 @@ def _server_message(e: urllib.error.HTTPError, deadline: _Deadline) -> str:
 
 
 def request_json(url: str, body: Any = None, *, method: str | None = None, timeout: float,
-                 token: str | None = None, max_bytes: int = MAX_BYTES, attempts: int = 1) -> Any:
+                 token: str | None = None, max_bytes: int = MAX_BYTES, attempts: int = 1, text_ok: bool = False) -> Any:
     """`body` (None: a GET, else a POST of it as JSON) to `url`; the answer's JSON (None for an empty body).
     Everything, from connecting to the last byte, within `timeout` seconds; at most `max_bytes` of answer.
     `attempts` > 1, for an idempotent request only (one whose repeat does no harm): a connection refused or reset and
     HTTP 502 / 503 / 504 are tried again (module docstring), every try and wait inside the same `timeout`.
+    `text_ok`: an answer that is not JSON is returned as its text (vLLM's LoRA routes answer success in plain text).
     Raises Refused (an error status), TimedOut, Unreachable or BadAnswer, each one line naming `url`."""
     data = None if body is None else json.dumps(body, allow_nan=False).encode()
     headers = {"Content-Type": "application/json"}
@@ -187,7 +188,7 @@ def request_json(url: str, body: Any = None, *, method: str | None = None, timeo
     attempt = 1
     while True:
         try:
-            return _request_once(url, data, verb, headers, timeout, end - time.monotonic(), max_bytes)
+            return _request_once(url, data, verb, headers, timeout, end - time.monotonic(), max_bytes, text_ok)
         except (Refused, Unreachable) as e:
             transient = e.status in RETRY_STATUSES if isinstance(e, Refused) else e.transient
             if not transient or attempt >= attempts:
@@ -215,7 +216,7 @@ def _tried(e: HTTPFailure, tries: int) -> HTTPFailure:
 
 
 def _request_once(url: str, data: bytes | None, method: str, headers: dict[str, str], total: float, seconds: float,
-                  max_bytes: int) -> Any:
+                  max_bytes: int, text_ok: bool = False) -> Any:
     """One try of request_json within `seconds` (what is left of the request's `total` deadline, which its TimedOut
     names)."""
     if seconds <= 0:
@@ -268,6 +269,8 @@ def _request_once(url: str, data: bytes | None, method: str, headers: dict[str, 
     try:
         return json.loads(raw)
     except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than the parser goes
+        if text_ok:
+            return bytes(raw).decode("utf-8", errors="replace")
         raise BadAnswer(f"{url} answered with something that is not JSON: {bytes(raw[:80])!r}") from None
 
 

@@ -314,17 +314,21 @@ def rollout_is_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, response_
     vllm_importance_sampling_correction token_truncate / sequence_truncate). Detached; 0 at pads; the log-ratio is
     clamped to +-MAX_LOG_RATIO before exp(). mode "none": no weights (None), the statistics still measured.
 
+    Both log-probs must be over the same tokens: under top-k / top-p, mu is the engine's renormalised over the tokens
+    it kept (vLLM's processed log-probs), so old_logprobs must be pi_old's renormalised over the tokens the trainer's
+    logits keep (model/generation.py kept_logprobs), else every weight is off by the kept mass. A sampled token the
+    trainer's filters cut (its logits put it just past the boundary) has log pi_old = -inf: weight 0, its log-ratio
+    in the statistics clamped like the weights'.
+
     Statistics: engine_kl, mean(log mu - log pi_old) over the tokens (k1 of KL(mu || pi_old) from mu's samples,
     verl's rollout_corr/kl); logprob_diff, mean |log mu - log pi_old|; is_weight, the mean weight before
     truncation; is_clipped, the share of tokens (sequence: of responses' tokens) whose weight the cap cut."""
     m = _as_bool(response_mask)
     with torch.no_grad():
-        log_ratio = _zero_pads(old_logprobs.float() - rollout_logprobs.float(), m)
-        if mode == "sequence":
-            log_ratio = _zero_pads(log_ratio.sum(dim=1, keepdim=True).expand_as(log_ratio), m)
+        diff = _zero_pads((old_logprobs.float() - rollout_logprobs.float()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO), m)
+        log_ratio = _zero_pads(diff.sum(dim=1, keepdim=True).expand_as(diff), m) if mode == "sequence" else diff
         raw = _zero_pads(torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)), m)
-        stats = {"engine_kl": masked_mean(-_zero_pads(old_logprobs.float() - rollout_logprobs.float(), m), m),
-                 "logprob_diff": masked_mean((old_logprobs.float() - rollout_logprobs.float()).abs(), m),
+        stats = {"engine_kl": masked_mean(-diff, m), "logprob_diff": masked_mean(diff.abs(), m),
                  "is_weight": masked_mean(raw, m), "is_clipped": masked_mean((raw > cap).float(), m)}
         if mode == "none":
             return None, stats

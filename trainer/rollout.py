@@ -13,12 +13,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 from torch import nn
 
-from model.generation import Samples, distinct_prompts, sample, token_logprobs
+from model.generation import Samples, distinct_prompts, kept_logprobs, sample, token_logprobs
 from model.logprobs import fused_chunk, scoring_head, split_scores
 from model.shared_attention import NAME as SHARED_ATTENTION
 from model.shared_attention import SharedLayout
@@ -392,26 +392,53 @@ def _head_reads(head: nn.Module, rows: torch.Tensor) -> Iterator[None]:
         handle.remove()
 
 
+Keep = tuple[int, float]  # (top_k, top_p): the sampler's filters (model/generation.py filter_logits)
+Scored = tuple[torch.Tensor, torch.Tensor | None]  # log-probs [B, R] and entropy [B, R] (or None)
+
+
+def _with_kept(scored: Scored, kept: torch.Tensor | None) -> Any:
+    """policy_forward's outputs: (log-probs, entropy), + the kept log-probs where asked for (keep)."""
+    return scored if kept is None else (*scored, kept)
+
+
+def _kept_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, keep: Keep,
+                      chunk_rows: int = 8) -> torch.Tensor:
+    """kept_logprobs [B, R] from logits [B, R, V], `chunk_rows` rows at a time (its fp32 temporaries are [rows, R, V])."""
+    return torch.cat([kept_logprobs(logits[s : s + chunk_rows], tokens[s : s + chunk_rows], temperature, *keep)
+                      for s in range(0, logits.shape[0], chunk_rows)])
+
+
 def _packed_policy_forward(model: nn.Module, head: nn.Module, sequences: torch.Tensor, pk: Packing, temperature: float,
-                           with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           with_entropy: bool, keep: Keep | None) -> Any:
     R = pk.at.shape[1]
     tokens = sequences[:, -R:][pk.at]  # [N]
     N = tokens.numel()
     chunk = fused_chunk(model, head, N)
     if chunk and isinstance(head, nn.Linear):  # model/logprobs.py: the N positions by chunks, no [M, R, vocab] logits
-        with _head_reads(head, pk.before.view(1, N)), scoring_head(head, tokens.view(1, N), temperature, chunk, with_entropy):
+        with _head_reads(head, pk.before.view(1, N)), scoring_head(head, tokens.view(1, N), temperature, chunk,
+                                                                   with_entropy, keep=keep):
             out = _packed_call(model, pk, use_cache=False, logits_to_keep=0)
         lp, ent = split_scores(out.logits[0], with_entropy)
-        return unpack(lp, pk.at), (unpack(ent, pk.at) if ent is not None else None)
+        return _with_kept((unpack(lp, pk.at), (unpack(ent, pk.at) if ent is not None else None)),
+                          None if keep is None else unpack(out.logits[0][..., -1], pk.at))
     M = max(1, -(-N // R))  # the needed positions in rows of R, as the padded path's [B, R] logits (its memory)
     rows = torch.nn.functional.pad(pk.before, (0, M * R - N)).view(M, R)  # the fill reads position 0, unused
     with _head_reads(head, rows):
         out = _packed_call(model, pk, use_cache=False, logits_to_keep=0)
-    lp, ent = logprobs_from_logits(out.logits, torch.nn.functional.pad(tokens, (0, M * R - N)).view(M, R),
-                                   temperature, with_entropy=with_entropy)
-    return unpack(lp.flatten()[:N], pk.at), (unpack(ent.flatten()[:N], pk.at) if ent is not None else None)
+    padded = torch.nn.functional.pad(tokens, (0, M * R - N)).view(M, R)
+    lp, ent = logprobs_from_logits(out.logits, padded, temperature, with_entropy=with_entropy)
+    return _with_kept((unpack(lp.flatten()[:N], pk.at), (unpack(ent.flatten()[:N], pk.at) if ent is not None else None)),
+                      None if keep is None else unpack(_kept_from_logits(out.logits, padded, temperature, keep).flatten()[:N], pk.at))
 
 
+@overload
+def policy_forward(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
+                   temperature: float = ..., with_entropy: bool = ..., padding_free: bool = ...,
+                   keep: None = None) -> Scored: ...
+@overload
+def policy_forward(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
+                   temperature: float = ..., with_entropy: bool = ..., padding_free: bool = ...,
+                   *, keep: Keep) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]: ...
 def policy_forward(
     model: nn.Module,
     sequences: torch.Tensor,
@@ -420,25 +447,32 @@ def policy_forward(
     temperature: float = 1.0,
     with_entropy: bool = False,
     padding_free: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    keep: Keep | None = None,
+) -> Any:
     """Per-token log-probs [B, R] (and entropy) of the last `response_len` tokens of `sequences`. `padding_free`:
     on the rows packed without pad tokens (pack_rows) where that removes any; the same values to rounding at
-    every real response token, 0 at the response region's pads (the padded forward leaves unused values there)."""
+    every real response token, 0 at the response region's pads (the padded forward leaves unused values there).
+
+    `keep` (top_k, top_p; scoring only, no gradient): a third output [B, R] from the same forward, each token's
+    log-prob under the sampler's filtered distribution (model/generation.py kept_logprobs: renormalised over the
+    kept tokens, as vLLM's processed log-probs are): the old log-probs of the rollout-IS weights (train_ppo.py score)."""
     head = _output_head(model)
     pk = pack_rows(sequences, attention_mask, response_len, attention_break_even(model),
                    shares_prompts(model)) if head is not None and padding_free else None
     if head is not None and pk is not None:
-        return _packed_policy_forward(model, head, sequences, pk, temperature, with_entropy)
+        return _packed_policy_forward(model, head, sequences, pk, temperature, with_entropy, keep)
     tokens = sequences[:, -response_len:]
     chunk = fused_chunk(model, head, tokens.numel())
     kw = dict(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
               use_cache=False, logits_to_keep=response_len + 1)
     if chunk and isinstance(head, nn.Linear):  # model/logprobs.py: by chunks of tokens, no [B, R, vocab] logits
-        with scoring_head(head, tokens, temperature, chunk, with_entropy, drop_last=True):
-            return split_scores(model(**kw).logits, with_entropy)
+        with scoring_head(head, tokens, temperature, chunk, with_entropy, drop_last=True, keep=keep):
+            scores = model(**kw).logits
+        return _with_kept(split_scores(scores, with_entropy), None if keep is None else scores[..., -1])
     out = model(**kw)
     logits = out.logits[:, :-1, :]  # [B, R, V]: position P+t-1 predicts response token t
-    return logprobs_from_logits(logits, tokens, temperature, with_entropy=with_entropy)
+    return _with_kept(logprobs_from_logits(logits, tokens, temperature, with_entropy=with_entropy),
+                      None if keep is None else _kept_from_logits(logits, tokens, temperature, keep))
 
 
 def critic_forward(critic: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,

@@ -392,6 +392,10 @@ def engine_checks(cfg: Config) -> list[tuple[bool, str]]:
         (math.isfinite(cfg.engine_timeout) and cfg.engine_timeout > 0, "--engine_timeout must be a number of seconds > 0"),
         (math.isfinite(cfg.rollout_is_cap) and cfg.rollout_is_cap >= 1,
          f"--rollout_is_cap {cfg.rollout_is_cap} must be a finite number >= 1 (an on-policy token's weight is 1)"),
+        (cfg.rollout_engine != "sglang" or cfg.rollout_is == "none" or bool(cfg.greedy) or (cfg.top_k <= 0 and cfg.top_p >= 1),
+         f"{eng} with --top_k {cfg.top_k} / --top_p {cfg.top_p}: SGLang returns log-probs over the whole vocabulary, not "
+         f"over the tokens top-k / top-p keep, so the --rollout_is weights cannot be exact; use --rollout_engine vllm, drop "
+         f"--top_k / --top_p, or pass --rollout_is none (measured, not applied)"),
         (cfg.sglang_model_path is None or any((Path(cfg.sglang_model_path) / f).is_file() for f in TOKENIZER_FILES),
          f"--sglang_model_path {cfg.sglang_model_path}: no tokenizer there (MiniMind's meaning: the tokenizer "
          f"directory, e.g. model/; it goes with every weight push)"),

@@ -9,7 +9,14 @@ them, while the other ranks wait outside the training group (as for a save: a re
 folder must be readable by every engine (one node: /dev/shm; several nodes: a shared filesystem path) and is the
 trainer's own (trainer/engine.py own_folder: this user's, writable by no one else; the default one private, its files
 removed after each push: `push_folder`). Under --strategy fsdp2 every rank takes part in gathering the whole weights to
-rank 0 first; a LoRA actor pushes its merged weights (W + B A scale: the engine serves a plain model).
+rank 0 first.
+
+A LoRA actor (--lora_r > 0) pushes its adapters alone where every engine serves adapters (vLLM started with
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=True --enable-lora: LORA_RANK=R scripts/serve_engine.sh): the engine keeps the base
+(the start weights, checked at start where its model directory is readable) and loads each push's adapter under a
+new name that requests name (trainer/engine.py load_adapter); megabytes a push instead of the whole model. Elsewhere
+(SGLang, a vLLM without the adapter routes, --strategy fsdp2) it pushes its merged weights (W + B A scale: the
+engine serves a plain model), with one warning line saying why.
 """
 
 from __future__ import annotations
@@ -18,19 +25,30 @@ import atexit
 import contextlib
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 
 from model.config import MiniMindConfig, stock_hf_config
 from model.loader import DEFAULT_TOKENIZER_DIR, load_tokenizer
-from model.lora import base_of, is_lora, merged_state_dict
+from model.lora import adapter_export, base_of, is_lora, merged_state_dict
 from trainer import dist as D
 from trainer.config import Config
-from trainer.engine import ENGINES, Engine, EngineError, connect, exits_on_engine_error, model_mismatch, own_folder, write_weights
+from trainer.engine import (
+    ENGINES,
+    Engine,
+    EngineError,
+    connect,
+    exits_on_engine_error,
+    model_mismatch,
+    own_folder,
+    write_adapter,
+    write_weights,
+)
 from trainer.rollout import draw, policy_forward
 from trainer.run.cli import engine_shared_path
-from trainer.run.distributed import failing_together, main_writes
+from trainer.run.distributed import failing_together, main_writes, on_main
 from trainer.run.sharding import full_state_dict, is_sharded
 from trainer.runtime import Models, Runtime
 
@@ -42,6 +60,7 @@ _DEFAULT_FOLDERS: set[Path] = set()  # the default push folders rank 0 checked a
 # gap at T = 1 is less than half of it, the engine's log-probs are before temperature.
 PROBE_LIMIT = 0.5
 RAW_LIMIT = 0.01
+BASE_CHECK_TENSORS = 8  # adapter-only pushes: how many of the served model's tensors are compared with the actor's base
 
 
 def connect_engine(cfg: Config, info: D.DistInfo) -> Engine | None:
@@ -144,13 +163,50 @@ def remove_push_folders() -> None:
 atexit.register(remove_push_folders)
 
 
+def _client(cfg: Config, url: str, engine: Engine) -> Engine:
+    """Rank 0's client of the engine at `url`: this rank's own, or one per other engine for the run (what it learnt
+    of its server, vLLM's fence, its adapters, is asked once)."""
+    if url.rstrip("/") == engine.url:
+        return engine
+    return _CLIENTS.setdefault(url, ENGINES[cfg.rollout_engine](url, cfg.engine_timeout))
+
+
+def _urls(cfg: Config) -> list[str]:
+    return list(dict.fromkeys((cfg.engine_url or "").split(",")))  # every engine once, this rank's too
+
+
+def adapter_pushes(cfg: Config, m: Models, rt: Runtime) -> bool:
+    """Whether this run pushes adapters alone (decided at the first push, the same on every rank): a LoRA actor, not
+    sharded, and every engine serves adapters; else merged weights, with one warning line (a LoRA actor) saying why."""
+    engine = m.engine
+    assert engine is not None
+    if engine.adapter_pushes is None:
+        def decide() -> bool:
+            if not is_lora(m.actor):
+                return False
+            why = "--strategy fsdp2 gathers the merged weights" if is_sharded(m.actor) else None
+            with exits_on_engine_error():
+                for url in _urls(cfg):
+                    why = why or _client(cfg, url, engine).adapter_support()
+            if why:
+                print(f"warning: --lora_r {cfg.lora_r}: pushing the merged weights (the whole model) to the engine, not "
+                      f"the adapters alone: {why}", file=sys.stderr, flush=True)
+            return why is None
+        engine.adapter_pushes = bool(on_main(decide, rt.info))
+    return engine.adapter_pushes
+
+
 def push_weights(cfg: Config, m: Models, rt: Runtime, version: int) -> None:
     """Make every engine serve the actor's current weights as weight version `version` (the number of updates in
     them). Every rank calls this at the same point; a failure on rank 0 (a full disk, an engine that refuses the
-    weights) stops every rank with one line, and nothing else is written."""
+    weights) stops every rank with one line, and nothing else is written. A LoRA actor's adapters alone where the
+    engines serve adapters (`adapter_pushes`)."""
     engine = m.engine
     assert engine is not None
     engine.next_version = version  # a batch sampled ahead may see the new version before this returns
+    if adapter_pushes(cfg, m, rt):
+        _push_adapter(cfg, m, rt, version)
+        return
     if is_sharded(m.actor):
         state = full_state_dict(m.actor)  # a collective: every rank takes part; rank 0 receives the whole weights
     elif rt.info.is_main:
@@ -172,17 +228,93 @@ def push_weights(cfg: Config, m: Models, rt: Runtime, version: int) -> None:
                 except OSError as e:
                     raise SystemExit(f"error: writing the weights for the engine to {folder} failed: "
                                      f"{e.strerror or e}; give --engine_shared_path a folder of yours with room") from None
-                for url in dict.fromkeys((cfg.engine_url or "").split(",")):  # every engine once, this rank's too
-                    if url.rstrip("/") == engine.url:
-                        engine.load_weights(folder, version)
-                    else:  # one client per engine for the run: what it learnt of its server (vLLM's fence) is asked once
-                        _CLIENTS.setdefault(url, ENGINES[cfg.rollout_engine](url, cfg.engine_timeout)).load_weights(folder, version)
+                for url in _urls(cfg):
+                    _client(cfg, url, engine).load_weights(folder, version)
             finally:
                 if default and mine:  # the engines hold the weights now: the memory is freed at once
                     _empty(folder)
 
     main_writes(write_and_reload, rt.info)
     engine.version = version  # every rank expects its engine to sample version `version` from now on
+
+
+def _push_adapter(cfg: Config, m: Models, rt: Runtime, version: int) -> None:
+    """push_weights for adapter-only pushes: rank 0 writes the adapters (peft's format) into the push folder's
+    adapter subfolder and has every engine load them under a new name (trainer/engine.py load_adapter), then removes
+    the files (the default folder); every rank's client names its engine's adapter in its requests from now on."""
+    engine = m.engine
+    assert engine is not None
+    folder, default = push_folder(cfg)
+    names: dict[str, str] = {}
+
+    def write_and_load() -> None:
+        tensors, config = adapter_export(m.actor)
+        mine = False
+        with exits_on_engine_error():
+            try:
+                try:
+                    own_folder(folder, default)
+                    mine = True
+                    if default:
+                        _DEFAULT_FOLDERS.add(folder)
+                    path = write_adapter(tensors, config, folder, private=default)
+                except OSError as e:
+                    raise SystemExit(f"error: writing the adapters for the engine to {folder} failed: "
+                                     f"{e.strerror or e}; give --engine_shared_path a folder of yours with room") from None
+                for url in _urls(cfg):
+                    client = _client(cfg, url, engine)
+                    names[client.url] = client.load_adapter(path, version)
+            finally:
+                if default and mine:  # the engines hold the adapters now
+                    _empty(folder)
+
+    main_writes(write_and_load, rt.info)
+    names = D.broadcast_object(names, rt.info)
+    if not rt.info.is_main:
+        with exits_on_engine_error():
+            engine.use_adapter(names[engine.url], version)
+    engine.version = version
+
+
+def base_mismatch(model_dir: Path, base: dict[str, torch.Tensor]) -> str | None:
+    """What differs between the served model's weights (the *.safetensors of `model_dir`, where readable) and the
+    actor's base, on BASE_CHECK_TENSORS tensors spread over the model (a fine-tune moves them all); None: the same,
+    or nothing to compare. Each pair is compared in the lower of the two precisions (an engine may serve bf16)."""
+    from safetensors import safe_open
+
+    where: dict[str, Path] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with contextlib.suppress(OSError, ValueError), safe_open(str(f), "pt") as g:
+            where.update(dict.fromkeys((k for k in g.keys() if k in base), f))  # noqa: SIM118 - not a dict
+    keys = sorted(where)
+    step = max(1, len(keys) // BASE_CHECK_TENSORS)
+    for k in keys[::step][:BASE_CHECK_TENSORS]:
+        with safe_open(str(where[k]), "pt") as g:
+            theirs = g.get_tensor(k)
+        ours = base[k].detach().to("cpu")
+        if ours.shape != theirs.shape:
+            return f"{k} is {tuple(theirs.shape)} in {where[k].name}, {tuple(ours.shape)} in the actor"
+        low = theirs.dtype if theirs.element_size() < ours.element_size() else ours.dtype
+        if not torch.equal(ours.to(low), theirs.to(low)):
+            gap = float((ours.float() - theirs.float()).abs().max())
+            return f"{k} differs (max |difference| {gap:.3g}) in {where[k]}"
+    return None
+
+
+def check_base(cfg: Config, m: Models) -> None:
+    """Adapter-only pushes: the engine must serve the actor's base (its start weights, which LoRA never changes),
+    since only adapters go to it from now on. Compared where the served model's directory is readable from here;
+    elsewhere only the start-up probe can tell (a mean log-prob gap over PROBE_LIMIT: another model, not a slightly
+    different checkpoint of it)."""
+    path = m.engine.model_path() if m.engine is not None else None
+    if not path or not Path(path).is_dir():
+        return
+    why = base_mismatch(Path(path), merged_state_dict(m.actor, adapters=False))
+    if why:
+        raise SystemExit(f"error: the {cfg.rollout_engine} engine at {m.engine.url} serves another base than the LoRA "
+                         f"actor's start weights ({why}); adapter-only pushes leave the base to the engine: start it on "
+                         f"the actor's base (--actor_path's directory; native weights: scripts/convert_model.py to_hf "
+                         f"of --from_weight's file)")
 
 
 @torch.no_grad()
@@ -227,7 +359,11 @@ def start_engine(cfg: Config, m: Models, rt: Runtime, step: int) -> str:
         if why:
             raise SystemExit(f"error: the {cfg.rollout_engine} engine at {m.engine.url} does not serve the actor: {why}; start it "
                              f"on the actor's model directory (scripts/convert_model.py to_hf writes one for MiniMind weights)")
+    if adapter_pushes(cfg, m, rt):
+        with failing_together(rt.info), exits_on_engine_error():
+            check_base(cfg, m)
     push_weights(cfg, m, rt, version=step)
     gap = probe_engine(cfg, m, rt)
-    return (f"engine: {cfg.rollout_engine} at {cfg.engine_url} samples weight version {step} (pushed to "
+    what = "adapters" if m.engine.adapter_pushes else "weights"
+    return (f"engine: {cfg.rollout_engine} at {cfg.engine_url} samples weight version {step} ({what} pushed to "
             f"{cfg.engine_shared_path}); probe log-prob gap {gap:.2e} per token")
