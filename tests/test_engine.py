@@ -1349,7 +1349,7 @@ def test_the_default_push_folder_is_emptied_after_each_push_and_removed_at_the_e
 @pytest.mark.slow
 def test_a_run_with_an_engine_key_sends_it_everywhere_and_records_it_nowhere(hf_dir, tmp_path, monkeypatch):
     """A whole vLLM run, the key in MINIPPO_ENGINE_API_KEY and the default push folder: every request carries the
-    key, nothing the run writes holds it, and the folder is empty after the run."""
+    key, nothing the run writes holds it, and the folder is gone after the run."""
     from trainer.run.engine_sync import remove_push_folders
 
     s = start(hf_dir, "vllm", api_key="k-run-7f3")
@@ -1364,9 +1364,8 @@ def test_a_run_with_an_engine_key_sends_it_everywhere_and_records_it_nowhere(hf_
     written = [f for d in ("run", "ckpt") for f in (tmp_path / d).rglob("*") if f.is_file()]
     assert written and not [f for f in written if b"k-run-7f3" in f.read_bytes()] and "k-run-7f3" not in out
     folder = Path(f"/dev/shm/minippo_engine_127_0_0_1_{s.url.rsplit(':', 1)[1]}")
-    assert folder.is_dir() and not list(folder.iterdir())
-    remove_push_folders()
-    assert not folder.exists()
+    assert not folder.exists()  # emptied after each push, removed at the run's end (Run._close: ranks skip atexit)
+    remove_push_folders()  # and again is harmless
 
 
 # ------------------------------------------------------------------ adapter-only pushes (a LoRA actor, vLLM)
