@@ -25,7 +25,7 @@ server's version read before and after the batch); any other version than the la
 (EngineError). Sampled ahead (--async_rollouts, trainer/run/async_rollouts.py), a batch asked for at version v may
 carry any version from v to the last push, and its Samples carry the oldest one. A LoRA actor's adapters go alone
 where the engine serves them (vLLM's /v1/load_lora_adapter: `load_adapter`, a new name per push that requests name,
-each reply stamped by the adapter it names; `write_adapter`), the base staying the engine's.
+each reply stamped by the adapter it names; `write_adapter`), the base pushed in full once at start.
 
 Waits: every request (trainer/http_client.py: a total deadline, a size cap) waits at most `timeout` (--engine_timeout) and,
 inside a rank-local block under torchrun, at most what is left of the block's deadline (trainer.dist.deadline(): the

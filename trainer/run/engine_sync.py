@@ -13,7 +13,7 @@ rank 0 first.
 
 A LoRA actor (--lora_r > 0) pushes its adapters alone where every engine serves adapters (vLLM started with
 VLLM_ALLOW_RUNTIME_LORA_UPDATING=True --enable-lora: LORA_RANK=R scripts/serve_engine.sh): the engine keeps the base
-(the start weights, checked at start where its model directory is readable) and loads each push's adapter under a
+(the start weights, pushed in full once at start: `start_engine`) and loads each push's adapter under a
 new name that requests name (trainer/engine.py load_adapter); megabytes a push instead of the whole model. Elsewhere
 (SGLang, a vLLM without the adapter routes, --strategy fsdp2) it pushes its merged weights (W + B A scale: the
 engine serves a plain model), with one warning line saying why.
@@ -60,7 +60,6 @@ _DEFAULT_FOLDERS: set[Path] = set()  # the default push folders rank 0 checked a
 # gap at T = 1 is less than half of it, the engine's log-probs are before temperature.
 PROBE_LIMIT = 0.5
 RAW_LIMIT = 0.01
-BASE_CHECK_TENSORS = 8  # adapter-only pushes: how many of the served model's tensors are compared with the actor's base
 
 
 def connect_engine(cfg: Config, info: D.DistInfo) -> Engine | None:
@@ -196,21 +195,21 @@ def adapter_pushes(cfg: Config, m: Models, rt: Runtime) -> bool:
     return engine.adapter_pushes
 
 
-def push_weights(cfg: Config, m: Models, rt: Runtime, version: int) -> None:
+def push_weights(cfg: Config, m: Models, rt: Runtime, version: int, base: bool = False) -> None:
     """Make every engine serve the actor's current weights as weight version `version` (the number of updates in
     them). Every rank calls this at the same point; a failure on rank 0 (a full disk, an engine that refuses the
     weights) stops every rank with one line, and nothing else is written. A LoRA actor's adapters alone where the
-    engines serve adapters (`adapter_pushes`)."""
+    engines serve adapters (`adapter_pushes`); `base`: its base weights in full instead (see start_engine)."""
     engine = m.engine
     assert engine is not None
     engine.next_version = version  # a batch sampled ahead may see the new version before this returns
-    if adapter_pushes(cfg, m, rt):
+    if adapter_pushes(cfg, m, rt) and not base:
         _push_adapter(cfg, m, rt, version)
         return
     if is_sharded(m.actor):
         state = full_state_dict(m.actor)  # a collective: every rank takes part; rank 0 receives the whole weights
     elif rt.info.is_main:
-        state = merged_state_dict(m.actor) if is_lora(m.actor) else base_of(m.actor).state_dict()
+        state = merged_state_dict(m.actor, adapters=not base) if is_lora(m.actor) else base_of(m.actor).state_dict()
     else:
         state = {}
     folder, default = push_folder(cfg)
@@ -276,47 +275,6 @@ def _push_adapter(cfg: Config, m: Models, rt: Runtime, version: int) -> None:
     engine.version = version
 
 
-def base_mismatch(model_dir: Path, base: dict[str, torch.Tensor]) -> str | None:
-    """What differs between the served model's weights (the *.safetensors of `model_dir`, where readable) and the
-    actor's base, on BASE_CHECK_TENSORS tensors spread over the model (a fine-tune moves them all); None: the same,
-    or nothing to compare. Each pair is compared in the lower of the two precisions (an engine may serve bf16)."""
-    from safetensors import safe_open
-
-    where: dict[str, Path] = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with contextlib.suppress(OSError, ValueError), safe_open(str(f), "pt") as g:
-            where.update(dict.fromkeys((k for k in g.keys() if k in base), f))  # noqa: SIM118 - not a dict
-    keys = sorted(where)
-    step = max(1, len(keys) // BASE_CHECK_TENSORS)
-    for k in keys[::step][:BASE_CHECK_TENSORS]:
-        with safe_open(str(where[k]), "pt") as g:
-            theirs = g.get_tensor(k)
-        ours = base[k].detach().to("cpu")
-        if ours.shape != theirs.shape:
-            return f"{k} is {tuple(theirs.shape)} in {where[k].name}, {tuple(ours.shape)} in the actor"
-        low = theirs.dtype if theirs.element_size() < ours.element_size() else ours.dtype
-        if not torch.equal(ours.to(low), theirs.to(low)):
-            gap = float((ours.float() - theirs.float()).abs().max())
-            return f"{k} differs (max |difference| {gap:.3g}) in {where[k]}"
-    return None
-
-
-def check_base(cfg: Config, m: Models) -> None:
-    """Adapter-only pushes: the engine must serve the actor's base (its start weights, which LoRA never changes),
-    since only adapters go to it from now on. Compared where the served model's directory is readable from here;
-    elsewhere only the start-up probe can tell (a mean log-prob gap over PROBE_LIMIT: another model, not a slightly
-    different checkpoint of it)."""
-    path = m.engine.model_path() if m.engine is not None else None
-    if not path or not Path(path).is_dir():
-        return
-    why = base_mismatch(Path(path), merged_state_dict(m.actor, adapters=False))
-    if why:
-        raise SystemExit(f"error: the {cfg.rollout_engine} engine at {m.engine.url} serves another base than the LoRA "
-                         f"actor's start weights ({why}); adapter-only pushes leave the base to the engine: start it on "
-                         f"the actor's base (--actor_path's directory; native weights: scripts/convert_model.py to_hf "
-                         f"of --from_weight's file)")
-
-
 @torch.no_grad()
 def probe_engine(cfg: Config, m: Models, rt: Runtime) -> float:
     """Once, after the first push: a few samples of the engine scored by the trainer. A mean |log-prob gap| over
@@ -360,8 +318,10 @@ def start_engine(cfg: Config, m: Models, rt: Runtime, step: int) -> str:
             raise SystemExit(f"error: the {cfg.rollout_engine} engine at {m.engine.url} does not serve the actor: {why}; start it "
                              f"on the actor's model directory (scripts/convert_model.py to_hf writes one for MiniMind weights)")
     if adapter_pushes(cfg, m, rt):
-        with failing_together(rt.info), exits_on_engine_error():
-            check_base(cfg, m)
+        # Adapters alone leave the base to the engine, and its base may not be the actor's: started on another
+        # checkpoint, or reloaded by an earlier run's full pushes (its model directory cannot tell). One full push of
+        # the base (the start weights, which LoRA never changes) makes it the actor's; only adapters follow.
+        push_weights(cfg, m, rt, version=step, base=True)
     push_weights(cfg, m, rt, version=step)
     gap = probe_engine(cfg, m, rt)
     what = "adapters" if m.engine.adapter_pushes else "weights"
