@@ -1,13 +1,14 @@
 """minippo: PPO (RLHF) for small causal language models, in one script.
 
-    python train_ppo.py                                  # the embedded CPU demo (minutes)
+    python train_ppo.py                                  # the embedded CPU demo
     python train_ppo.py --config configs/grpo_demo.yaml  # a preset; flags override it
     python train_ppo.py --from_resume 1                  # continue the last run exactly
     torchrun --nproc_per_node 8 train_ppo.py --hidden_size 768 --num_hidden_layers 8 \
         --from_weight full_sft --data_path dataset/rlaif.jsonl --reward_model_path <RM dir>
 
-For each batch of prompts:
-  1. rollout     sample responses from the actor (temperature / top-k / top-p, stop at EOS)
+For each batch of prompts (a rollout source gives the batches and their samples: taking turns, or with
+--async_rollouts K sampled K batches ahead by a rollout engine while the trainer updates; trainer/run/rollout_source.py):
+  1. rollout     sample responses from the actor or its engine (temperature / top-k / top-p, stop at EOS)
   2. reward      format + tags + reward model + accuracy + EOS + custom, clipped to --reward_max_abs
                  (--filter_groups: drop groups with equal rewards, sample more prompts; DAPO)
   3. score       old log-probs (the policy that sampled), reference log-probs, critic values, the teacher's (trainer/distill.py)
@@ -17,7 +18,7 @@ For each batch of prompts:
   6. log, evaluate on held-out prompts, checkpoint
 Where things live: settings in trainer/config.py; the math in trainer/ppo.py, trainer/estimators.py and trainer/losses.py (registered by
 name, trainer/registry.py); sampling and scoring forwards in trainer/rollout.py; reward components in trainer/rewards.py; the whole update
-in trainer/update.py; how a run is built, resumed, saved, logged and spread over ranks in trainer/run/.
+in trainer/update.py; how a run is built, resumed, saved, logged and spread over ranks, and where its rollouts come from, in trainer/run/.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,25 +35,23 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from model.fast_decode import reuse_decoder
+from model.forward import attention_implementation, forward_in_row_chunks, policy_forward
 from trainer import dist as D
 from trainer.config import Config
 from trainer.distill import reward_penalty, teacher_scored
 from trainer.evaluate import EvalSettings, evaluate_policy, training_metrics
-from trainer.multiturn import Episode, episode_components, generate_episodes
+from trainer.multiturn import Episode, episode_components
 from trainer.ppo import RewardNormalizer, masked_whiten, rollout_is_weights
 from trainer.registry import estimator_spec
 from trainer.reward_server import exits_on_reward_error
 from trainer.rewards import clip_to_range, compute_rewards, overlong_penalty
-from trainer.rollout import Rollout, Sampled, attention_implementation, critic_values, forward_in_row_chunks
-
-# isort: split
-from trainer.rollout import generate_rollout, group_has_signal, policy_forward, rollout_metrics, select_groups
+from trainer.rollout import Rollout, Sampled, critic_values, group_has_signal, rollout_metrics, select_groups
 from trainer.run import distributed
-from trainer.run.async_rollouts import SampledAhead
 from trainer.run.cli import parse_args
-from trainer.run.engine_sync import push_weights, start_engine
+from trainer.run.engine_sync import start_engine
 from trainer.run.lifecycle import Run
 from trainer.run.phases import phases
+from trainer.run.rollout_source import RolloutSource, Sampling, TakingTurns, make_rollout_source
 from trainer.run.setup import setup
 from trainer.run.timing import PhaseTimer
 from trainer.runtime import Models, Phase, Runtime, on
@@ -88,21 +86,19 @@ class Scores:
 
 
 @torch.no_grad()
-def make_experience(cfg: Config, batch: dict, m: Models, rt: Runtime, kl_coef: float, custom_fns: dict,
-                    phase: Phase, more_prompts: Callable[[], dict | None] | None = None,
-                    reward_norm: RewardNormalizer | None = None, tools: ToolRunner | None = None,
-                    ready: Rollout | None = None) -> Experience:
-    """Rollout (or `ready`: sampled ahead, --async_rollouts), reward, score, advantages for one batch of prompts (with
-    --filter_groups, more prompts from `more_prompts` until every group of the batch carries signal). `reward_norm` holds
-    --reward_norm running's moments (a fresh one when None); `tools` runs --tools calls (None: single-turn rollouts)."""
-    filter_stats = {}
+def make_experience(cfg: Config, batch: dict, m: Models, rt: Runtime, kl_coef: float, custom_fns: dict, phase: Phase,
+                    source: RolloutSource | None = None, reward_norm: RewardNormalizer | None = None) -> Experience:
+    """Rollout, reward, score, advantages for one batch of prompts, sampled by `source` (None: now, by the policy, on
+    its own: single turns, no further prompts), which with --filter_groups gives more prompts until every group of the
+    batch carries signal. `reward_norm` holds --reward_norm running's moments (a fresh one when None)."""
+    filter_stats, source = {}, source or TakingTurns(cfg, m, rt)
     with reuse_decoder(m.actor) if cfg.filter_groups else contextlib.nullcontext():  # rounds share one weight copy
-        sampled = sample_and_reward(cfg, batch, m, rt, custom_fns, phase, tools, ready)  # steps 1 and 2
+        sampled = sample_and_reward(cfg, batch, m, custom_fns, phase, source)  # steps 1 and 2
         if cfg.filter_groups:
-            sampled, filter_stats = keep_groups_with_signal(cfg, sampled, m, rt, custom_fns, phase, more_prompts, tools)
+            sampled, filter_stats = keep_groups_with_signal(cfg, sampled, m, rt, custom_fns, phase, source)
         baseline = None
         if estimator_spec(cfg.advantage_estimator).needs_baseline_rollout:  # ReMax: a greedy reply per prompt
-            baseline = greedy_baseline(cfg, sampled, m, rt, custom_fns, phase, tools)
+            baseline = greedy_baseline(cfg, sampled, m, rt, custom_fns, phase, source)
     ro = sampled.rollout
     sc = score(cfg, ro, m, rt, phase)  # 3
     ro = dataclasses.replace(ro, old_logprobs=sc.old_logprobs, ref_logprobs=sc.ref_logprobs, values=sc.values, is_weights=sc.is_weights,
@@ -124,39 +120,23 @@ def make_experience(cfg: Config, batch: dict, m: Models, rt: Runtime, kl_coef: f
     return Experience(ro, metrics, weights, samples)
 
 
-def sample_and_reward(cfg: Config, batch: dict, m: Models, rt: Runtime, custom_fns: dict, phase: Phase,
-                      tools: ToolRunner | None = None, ready: Rollout | None = None) -> Sampled:
-    """1. rollout: [B*N, P+R] sequences, N = --num_generations (with --tools, multi-turn episodes; or `ready`); 2. reward.
-    Rank-local: a failure on some ranks only (reward function, reward model, OOM) stops every rank with its line."""
-    with D.unsharded(None if m.engine else m.actor), phase("generate", rank_local=True):  # fsdp2: whole weights, no collective per token
-        ro, episodes = (ready, None) if ready is not None else sample_rollout(cfg, batch, m, rt, tools)
+def sample_and_reward(cfg: Config, batch: dict, m: Models, custom_fns: dict, phase: Phase, source: RolloutSource) -> Sampled:
+    """1. rollout: [B*N, P+R] sequences, N = --num_generations (with --tools, multi-turn episodes), from `source`;
+    2. reward. Rank-local: a failure on some ranks only (reward function, reward model, OOM) stops every rank with its line."""
+    return rewarded(cfg, batch, source.rollout(batch, phase), m, custom_fns, phase)
+
+
+def rewarded(cfg: Config, batch: dict, sampling: Sampling, m: Models, custom_fns: dict, phase: Phase,
+             rep: int | None = None) -> Sampled:
+    """2. reward: the samples of `batch` (`rep` per prompt, default --num_generations) with their rewards."""
+    ro, episodes = sampling
     with D.unsharded(m.rm_module), phase("score", autocast=False, rank_local=True), phase("score_reward", autocast=False):
-        rewards, responses, comps = score_responses(cfg, batch, ro, m, custom_fns, phase, episodes=episodes)
+        rewards, responses, comps = score_responses(cfg, batch, ro, m, custom_fns, phase, rep=rep, episodes=episodes)
     return Sampled(dataclasses.replace(ro, rewards=rewards), batch, responses, comps)
 
 
-def sample_rollout(cfg: Config, batch: dict, m: Models, rt: Runtime, tools: ToolRunner | None,
-                   greedy: bool = False, **ahead) -> tuple[Rollout, list[Episode] | None]:
-    """Responses to the batch's prompts (one greedy one per prompt with `greedy`, for ReMax's baseline) from the actor
-    or the rollout engine: single turns, or with --tools multi-turn episodes, whose old log-probs are then scored by a
-    forward (tool replies sit between the sampled tokens). `ahead`: generate_rollout's for a batch sampled ahead."""
-    n = 1 if greedy else cfg.num_generations
-    sampling = {"cuda_graphs": bool(cfg.cuda_graphs), **(dict(temperature=1.0, top_k=0, top_p=1.0, greedy=True) if greedy else dict(
-        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, greedy=bool(cfg.greedy), suppress_eos=bool(cfg.suppress_eos)))}
-    eos, policy = m.eos_ids or m.tok.eos_token_id, m.engine or m.actor
-    if tools is not None:
-        return generate_episodes(policy, m.tok, tools, batch, max_turns=cfg.max_turns, max_total_len=cfg.max_total_len,
-                                 max_new_tokens=cfg.max_gen_len, eos_token_id=eos, pad_token_id=m.tok.pad_token_id,
-                                 num_generations=n, device=rt.device, fast_decode=bool(cfg.fast_decode), **sampling)
-    ro = generate_rollout(
-        policy, batch["input_ids"].to(rt.device), batch["attention_mask"].to(rt.device), max_new_tokens=cfg.max_gen_len,
-        eos_token_id=eos, pad_token_id=m.tok.pad_token_id, num_generations=n, fast_decode=bool(cfg.fast_decode),
-        return_logprobs=bool(cfg.rollout_logprobs) and m.old_actor is None and not greedy, **ahead, **sampling)
-    return ro, None
-
-
 def keep_groups_with_signal(cfg: Config, first: Sampled, m: Models, rt: Runtime, custom_fns: dict, phase: Phase,
-                            more_prompts: Callable[[], dict | None] | None, tools: ToolRunner | None = None) -> tuple[Sampled, dict]:
+                            source: RolloutSource) -> tuple[Sampled, dict]:
     """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): a group whose N rewards are all equal has zero
     advantage under a group baseline, so it only dilutes the batch. Keep the groups with signal and sample
     the next prompts (the same extra batches on every rank: the prompt stream is global) until each rank
@@ -169,11 +149,11 @@ def keep_groups_with_signal(cfg: Config, first: Sampled, m: Models, rt: Runtime,
         dropped += [(cur, g) for g, s_ in enumerate(signal) if not s_]
         if not D.any_rank(len(kept) < want, rt.info) or rounds == cfg.filter_max_rounds:
             break
-        batch = more_prompts() if more_prompts is not None else None
+        batch = source.more_prompts()
         if batch is None:  # the prompt data ran out (the same on every rank)
             break
         rounds += 1
-        cur = sample_and_reward(cfg, batch, m, rt, custom_fns, phase, tools)
+        cur = sample_and_reward(cfg, batch, m, custom_fns, phase, source)
     chosen = (kept + dropped)[:want]
     stats = {"filter/groups_dropped": float(len(dropped)), "filter/extra_rollouts": float(rounds),
              "filter/groups_filled": float(max(0, want - len(kept)))}
@@ -183,16 +163,13 @@ def keep_groups_with_signal(cfg: Config, first: Sampled, m: Models, rt: Runtime,
 
 
 def greedy_baseline(cfg: Config, sampled: Sampled, m: Models, rt: Runtime, custom_fns: dict, phase: Phase,
-                    tools: ToolRunner | None = None) -> torch.Tensor:
-    """ReMax's baseline [B]: the reward of a greedy reply to each row's prompt (one per prompt, rewarded as the
-    samples are). Rank-local like the sampling."""
+                    source: RolloutSource | None = None) -> torch.Tensor:
+    """ReMax's baseline [B]: the reward of a greedy reply to each row's prompt (one per prompt from `source`, default
+    the policy now; rewarded as the samples are). Rank-local like the sampling."""
     n, ro = cfg.num_generations, sampled.rollout
     prompts = {**sampled.batch, "input_ids": ro.sequences[::n, :ro.prompt_len], "attention_mask": ro.attention_mask[::n, :ro.prompt_len]}
-    with D.unsharded(None if m.engine else m.actor), phase("generate", rank_local=True):
-        greedy, episodes = sample_rollout(cfg, prompts, m, rt, tools, greedy=True)
-    with D.unsharded(m.rm_module), phase("score", autocast=False, rank_local=True), phase("score_reward", autocast=False):
-        rewards, _, _ = score_responses(cfg, sampled.batch, greedy, m, custom_fns, phase, rep=1, episodes=episodes)
-    return rewards.repeat_interleave(n)
+    greedy = (source or TakingTurns(cfg, m, rt)).greedy(prompts, phase)
+    return rewarded(cfg, sampled.batch, greedy, m, custom_fns, phase, rep=1).rollout.rewards.repeat_interleave(n)
 
 
 def score_responses(cfg: Config, batch: dict, ro: Rollout, m: Models, custom_fns: dict, phase: Phase,
@@ -200,8 +177,11 @@ def score_responses(cfg: Config, batch: dict, ro: Rollout, m: Models, custom_fns
     """The rewards [B] (the weighted total), the decoded responses and each component [B], for `rep` responses
     per prompt (default --num_generations). Rewards see the full assistant reply: the prefix the chat template
     forced + the decoded response; of a multi-turn episode, its last turn (the answer), and the tool statistics."""
-    rep = rep or cfg.num_generations
-    expand = lambda xs: [x for x in xs for _ in range(rep)]  # prompt i's samples are rows i*N .. i*N+N-1
+    n = rep or cfg.num_generations
+
+    def expand(xs: list) -> list:  # prompt i's samples are rows i*N .. i*N+N-1
+        return [x for x in xs for _ in range(n)]
+
     if episodes is None:
         tokens, mask = ro.sequences[:, -ro.response_len:].tolist(), ro.response_mask.bool().tolist()  # one copy, not two per row
         responses = [m.tok.decode([t for t, keep in zip(row, k) if keep], skip_special_tokens=True) for row, k in zip(tokens, mask)]
@@ -237,7 +217,7 @@ def score(cfg: Config, ro: Rollout, m: Models, rt: Runtime, phase: Phase) -> Sco
     reference, and the critic's values of the sampled tokens."""
     R, temp, rows = ro.response_len, cfg.sample_temperature, cfg.forward_batch_size  # rows per scoring forward (0 = all)
     old_logprobs, entropy, values, values_with_grad, kept = ro.old_logprobs, ro.entropy, None, None, []
-    keep = m.engine.kept_tokens(cfg) if m.engine else None  # vLLM's log-probs are over top-k / top-p's tokens: so is --rollout_is's pi_old
+    keep = m.engine.kept_tokens(cfg.sampling) if m.engine else None  # vLLM's log-probs: over top-k / top-p's kept tokens
     # Each forward is rank-local work (a failure is agreed on after it); a sharded model (--strategy fsdp2) is
     # gathered whole before and freed after, one model at a time.
     with phase("score"):
@@ -269,7 +249,10 @@ def shape_scores(cfg: Config, rewards: torch.Tensor, baseline: torch.Tensor | No
     through the same map. Returns them and what to log."""
     norm = reward_norm or RewardNormalizer(cfg.reward_norm, cfg.reward_clip)
     shift, scale = norm.fit(rewards, reduce=D.rank_sum(rt.info))
-    shaped = lambda r: norm.apply(torch.nan_to_num(r, nan=0.0, posinf=0.0, neginf=0.0), shift, scale)  # noqa: E731
+
+    def shaped(r: torch.Tensor) -> torch.Tensor:
+        return norm.apply(torch.nan_to_num(r, nan=0.0, posinf=0.0, neginf=0.0), shift, scale)
+
     stats = {"reward_norm/mean": shift, "reward_norm/std": scale} if cfg.reward_norm != "none" else {}
     return shaped(rewards), (None if baseline is None else shaped(baseline)), stats
 
@@ -284,7 +267,7 @@ def compute_advantages(cfg: Config, ro: Rollout, kl_coef: float, rt: Runtime, sc
     kl, kl_coef = reward_penalty(cfg, ro, kl_coef)  # KL to the reference in the reward; + --distill_coef x k1 to the teacher
     if scores is None:
         scores = torch.nan_to_num(ro.rewards, nan=0.0, posinf=0.0, neginf=0.0)
-    advantages, returns = spec.fn(scores, kl, ro.values, ro.response_mask, kl_coef, cfg, baseline=baseline)
+    advantages, returns = spec.fn(scores, kl, ro.values, ro.response_mask, kl_coef, cfg.estimator, baseline=baseline)
     if spec.whiten == "global" or (spec.whiten == "flag" and cfg.whiten_advantages):
         advantages = masked_whiten(advantages, ro.response_mask, reduce=D.rank_sum(rt.info))
     return advantages, returns
@@ -308,26 +291,22 @@ def main(argv: list[str] | None = None) -> None:
         with D.unsharded(m.actor, m.rm_module):
             return distributed.on_main(lambda: evaluate(cfg, m, rt, built.eval_records, built.tools), rt.info)
 
-    with Run(cfg, built) as run:  # resume, run.json, logger; marks the run's end however it ends
+    source = make_rollout_source(cfg, m, rt, built.tools)  # take turns, or the engine samples K batches ahead
+    with Run(cfg, built, source) as run:  # resume (the source's too), run.json, logger; marks the run's end however it ends
         if m.engine is not None:  # the engine samples the start (or resumed) weights, as version run.step
             run.logger.info(start_engine(cfg, m, rt, run.step))
         if built.eval_records and run.step == 0:
             run.log_eval(held_out(), 0)  # where the policy starts
-        ahead = SampledAhead(cfg, m, rt, run, sample_rollout) if cfg.async_rollouts else None  # the engine samples K ahead
-        for batch in ahead.batches() if ahead else run.batches():
+        for batch in source.batches(run):  # this rank's prompts, from where the run left off
             if m.old_actor is not None and run.step % cfg.update_old_actor_freq == 0:
                 m.old_actor.load_state_dict(m.actor.state_dict())  # MiniMind's scheme: refresh the frozen copy
             timer = PhaseTimer(rt.cuda_devices)
             phase = phases(timer, rt)
             with phase("step", autocast=False):
-                ready = ahead.take(phase) if ahead else None  # --async_rollouts: batch t, sampled while step t-1 updated
-                exp = make_experience(cfg, batch, m, rt, kl_ctl.value, built.custom_fns, phase, run.next_batch,
-                                      built.reward_norm, built.tools, ready)  # 1-4
+                exp = make_experience(cfg, batch, m, rt, kl_ctl.value, built.custom_fns, phase, source, built.reward_norm)  # 1-4
                 with phase("update", autocast=False):
                     stats = ppo_update(cfg, exp.rollout, m, opt, run.step, rt, kl_ctl.value, phase)  # 5
-                if m.engine is not None and not ahead and (run.step + 1) % cfg.engine_sync_interval == 0:
-                    with phase("engine_sync", autocast=False):  # the engine samples the updated policy next
-                        push_weights(cfg, m, rt, version=run.step + 1)
+                source.after_update(run.step, phase)  # the engine gets the updated weights when due
             times = {f"time/{k}": v for k, v in timer.wall.items()
                      if k in ("generate", "score", "update", "step", "engine_sync") or k.startswith("reward/")}
             metrics = {**exp.metrics, **stats, **times, **{f"lr/{k}": o.param_groups[0]["lr"] for k, o in opt.optims.items()}}

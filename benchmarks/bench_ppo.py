@@ -1,7 +1,7 @@
 """Benchmark PPO steps of the real trainer code (`train_ppo.make_experience` + `train_ppo.ppo_update`).
 
     python benchmarks/bench_ppo.py                          # demo 128x4 and 512x8, fp32 vs bf16, old-actor 0 vs 1
-    python benchmarks/bench_ppo.py --quick                  # 128x4, bf16, 2 steps: a smoke run (~30 s)
+    python benchmarks/bench_ppo.py --quick                  # 128x4, bf16, 2 steps: a smoke run
     python benchmarks/bench_ppo.py --sizes 512x8 --dtypes bfloat16 --num_threads 1,2 --use_compile 0,1 \
         --frozen_low_precision 0,1 --json bench.json     # levers: every comma list expands the matrix
     python benchmarks/bench_ppo.py --sizes 256x8,512x8 --interleave 1   # fp32 and bf16 of a size in one process,
@@ -142,9 +142,9 @@ from trainer.run.hardware import cpu_native_bf16
 from trainer.run.timing import PhaseTimer
 
 MB = 1024 * 1024
-# shared/notes/cpu-speed.md: MiniMind train_ppo.py, 512x8, same work, fp32, on another machine (an AMD EPYC).
-# Scaling it by the fp32 matmul peak does not carry over: on this machine's Intel Xeon the estimate was
-# ~5.4 s and MiniMind measured 9.6 s (README), so compare against a same-machine figure (--minimind_s).
+# MiniMind train_ppo.py, 512x8, same work, fp32, on another machine (an AMD EPYC): a fallback only. Scaling it by
+# the fp32 matmul peak does not carry over between CPUs (docs/speed-and-memory.md, "Against MiniMind"), so compare
+# against a same-machine figure (--minimind_s).
 MINIMIND_REFERENCE_S = 5.9
 TIME_KEYS = ("step", "generate", "score", "score_old", "score_ref", "score_critic", "score_reward", "score_other",
              "update", "update_actor_fwd", "update_critic_fwd", "update_optimizer", "update_backward", "sync_old",
@@ -570,11 +570,15 @@ class ConfigRun:
         m = built.models
         actor, critic, ref, old_actor, rm_scorer, optims = m.actor, m.critic, m.ref, m.old_actor, m.rm_scorer, built.optim.optims
         # ---- figures
+        from model.forward import shares_prompts
         from trainer.dist import local  # this rank's part of a sharded (--strategy fsdp2) tensor
-        from trainer.rollout import shares_prompts
 
-        nparams = lambda m: sum(p.numel() for p in m.parameters()) if m is not None else 0
-        pbytes = lambda m: sum(local(p).numel() * p.element_size() for p in m.parameters()) if m is not None else 0
+        def nparams(m):
+            return sum(p.numel() for p in m.parameters()) if m is not None else 0
+
+        def pbytes(m):
+            return sum(local(p).numel() * p.element_size() for p in m.parameters()) if m is not None else 0
+
         params = {"actor": nparams(actor), "critic": nparams(critic), "ref": nparams(ref), "old_actor": nparams(old_actor),
                   "reward_model": nparams(rm_scorer.model) if rm_scorer is not None and hasattr(rm_scorer, "model") else 0}
         adam_bytes = sum(local(t).numel() * t.element_size() for o in optims.values() for s in o.state.values()
@@ -761,7 +765,10 @@ def expand_configs(o: argparse.Namespace) -> list[dict]:
     if o.vocab_size and (o.actor_path or o.reward_model != "none"):
         raise SystemExit("error: --vocab_size needs --sizes and --reward_model none (the tiny RM reads the tokenizer's ids)")
     sizes = [(0, 0)] if o.actor_path else [parse_size(s) for s in (o.sizes or ("128x4" if o.quick else "128x4,512x8")).split(",")]
-    ints = lambda s: [int(x) for x in str(s).split(",")]
+
+    def ints(s):
+        return [int(x) for x in str(s).split(",")]
+
     dtypes = (o.dtypes or ("bfloat16" if o.quick else "float32,bfloat16")).split(",")
     for d in dtypes:
         if d not in ("float32", "bfloat16", "float16"):
@@ -932,8 +939,13 @@ def floor_line(r: dict) -> str:
     """One config's phases against their floors (`phase_floors`, `floors_against`)."""
     c, f = r["config"], r["floors"]
     m, fl, x = f["measured_s"], f["floor_s"], f["x_floor"]
-    g = lambda v: f"{v:.3g}"  # noqa: E731 - 3 figures: a tiny model's floors are milliseconds
-    part = lambda k: f"{g(m[k])} / {g(fl[k])} s = {x[k]:.1f}x" if k in x else f"{g(m[k])} s, floor 0"  # noqa: E731
+
+    def g(v):  # 3 figures: a tiny model's floors are milliseconds
+        return f"{v:.3g}"
+
+    def part(k):
+        return f"{g(m[k])} / {g(fl[k])} s = {x[k]:.1f}x" if k in x else f"{g(m[k])} s, floor 0"
+
     shape = r["step_shape"]
     steps, bound = f["decode_steps"], f["decode_compute_bound_steps"]
     kind = ("compute-bound" if bound == steps else "bandwidth-bound" if bound == 0

@@ -21,8 +21,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from model.forward import policy_forward
 from model.loader import build_minimind, load_policy
-from trainer.rollout import policy_forward
 
 
 def gaps(model: torch.nn.Module, rows: int, length: int, scored: int) -> dict[str, tuple[float, float]]:

@@ -405,7 +405,7 @@ def child_cuda_graphs(o: argparse.Namespace) -> None:
     torch reserves after 10 rollouts and after all 20."""
     import torch
 
-    from model.generation import sample
+    from model.generation import DecodeOptions, sample
     from model.loader import build_minimind
 
     device = torch.device(o.device)
@@ -436,14 +436,15 @@ def child_cuda_graphs(o: argparse.Namespace) -> None:
 
     from model.generation import StaticDecode
 
-    graph_mode, eager_mode = dict(cuda_graphs=True), (dict(cuda_graphs=False) if cuda else dict(static_step=True))
+    graph_mode = dict(cuda_graphs=True)
+    eager_mode = dict(cuda_graphs=False) if cuda else dict(decode=DecodeOptions(static_step=True))
     captured, same = StaticDecode.captured, True
     for greedy in (True, False):
         a, b = draw(greedy, **graph_mode), draw(greedy, **eager_mode)
         same &= bool(torch.equal(a.sequences, b.sequences) and torch.equal(a.logprobs, b.logprobs)
                      and torch.equal(a.entropy, b.entropy))
     captured = StaticDecode.captured - captured  # 2 on a GPU: both graph runs replayed a graph
-    a, c = draw(False, **eager_mode), draw(False, static_step=False)
+    a, c = draw(False, **eager_mode), draw(False, decode=DecodeOptions(static_step=False))
     rows_same = [bool(torch.equal(a.sequences[i], c.sequences[i])) for i in range(ids.shape[0])]
     common = (a.sequences[:, P:] == c.sequences[:, P:]).long().cumprod(1).bool()
     d = (a.logprobs - c.logprobs).abs()[common]
@@ -530,8 +531,8 @@ def peer_models(c: "Context", ps: PeerSizes, minimind_dir: Path | None) -> dict[
     reads it (kept if already there), and HF directories (our tokenizer) of it and of the wide shape for TRL and ours."""
     import torch
 
+    from model.hf_convert import policy_to_hf
     from model.loader import build_minimind, load_policy, load_tokenizer
-    from scripts.convert_model import policy_to_hf
 
     h, l = ps.main
     out = (minimind_dir / "out") if minimind_dir else c.work / "weights"

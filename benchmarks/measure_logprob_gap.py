@@ -70,10 +70,11 @@ import torch
 
 import train_ppo as T
 from dataset.rlaif import collate_left_pad
+from model.forward import attention_implementation, policy_forward
 from model.lora import base_of
 from trainer.dist import DistInfo
 from trainer.ppo import masked_mean, policy_loss
-from trainer.rollout import Rollout, attention_implementation, policy_forward
+from trainer.rollout import Rollout
 from trainer.run.distributed import resolve_device
 from trainer.run.phases import phases
 from trainer.run.setup import Setup, setup

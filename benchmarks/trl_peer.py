@@ -37,7 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def exact_prompts(tok, n: int, length: int, seed: int) -> list[str]:  # noqa: ANN001
+def exact_prompts(tok, n: int, length: int, seed: int) -> list[str]:
     """`n` texts of random words that `tok(text)` (TRL's tokenization of a plain-text prompt) makes exactly
     `length` tokens."""
     rng = random.Random(seed)
@@ -107,12 +107,12 @@ def main(argv: list[str] | None = None) -> None:
             return [0.0] * len(completions)
 
     class StepTimer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001, ANN003
+        def on_step_begin(self, args, state, control, **kw):
             if o.device == "cuda":
                 torch.cuda.synchronize()
             self.t = time.perf_counter()
 
-        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001, ANN003
+        def on_step_end(self, args, state, control, **kw):
             if o.device == "cuda":
                 torch.cuda.synchronize()
             step_s.append(time.perf_counter() - self.t)

@@ -2,8 +2,8 @@
 
 Rebuild everything the demo needs, from the repository root:
 
-    python builders/make_demo_data.py            # dataset/demo_*.jsonl  (~6 s)
-    python builders/train_tokenizer.py           # model/tokenizer*.json (~20 s)
+    python builders/make_demo_data.py            # dataset/demo_*.jsonl
+    python builders/train_tokenizer.py           # model/tokenizer*.json
 
 Writes into --out_dir:
     demo_train.jsonl       10,000 RLAIF prompts (shipped)  {"conversations": [user, assistant=reference]}

@@ -1,6 +1,6 @@
 """Build the on-policy distillation demo's teacher (docs/distillation.md): the default PPO demo run, from the shipped
 out/full_sft_128.pth, written as out/demo_teacher_128.pth. Deterministic on a CPU (the demo's seed; the same flags
-give the same weights), about 4-6 minutes on 2 cores:
+give the same weights; how long it takes: docs/distillation.md):
 
     python builders/make_teacher.py                 # out/demo_teacher_128.pth, runs/demo_teacher_128/
     python train_ppo.py --config configs/distill_demo.yaml   # then distil the 1.7M start policy from it

@@ -1,11 +1,11 @@
 """Train the demo's small reward model: a stock `Qwen3ForSequenceClassification` (num_labels=1)
 fitted with the Bradley-Terry loss -logsigmoid(r_chosen - r_rejected) on preference pairs.
 
-Rebuild the shipped artifact (from the repository root; ~50 minutes on one core). The RM is larger
+Rebuild the shipped artifact (from the repository root; times in docs/demo.md). The RM is larger
 than the policy it judges (hidden 256 vs 128) and reads numbers digit by digit: it has to check the
 arithmetic it scores. Its tokenizer is a copy of the project's with numbers split into single
 digits (same vocabulary), and its trunk starts from a 256-wide SFT model trained by the project's
-SFT script on the same data with that tokenizer (~35 minutes):
+SFT script on the same data with that tokenizer:
 
     python builders/train_tokenizer.py --split_digits --out_dir out/rm_tokenizer   # -> out/rm_tokenizer/
     python builders/train_sft.py --num_threads 1 --hidden_size 256 --num_attention_heads 8 \
@@ -202,9 +202,9 @@ def evaluate_pairs(model: torch.nn.Module, chosen: list[list[int]], rejected: li
 
 def heap_trimmer() -> Callable[[], None]:
     """glibc's malloc_trim(0): hand the heap's free pages back to the OS (a no-op without glibc).
-    Why: every step frees ~2 GB of activations whose shapes change with the batch's padded length;
-    glibc keeps them, fragmented, so RSS climbs over the run (4.7 GB at step 250 at 1 thread, 7.8 GB
-    after the full 1,875 steps). Live tensors are untouched, so training is bit-identical."""
+    Why: every step frees gigabytes of activations whose shapes change with the batch's padded length;
+    glibc keeps them, fragmented, so RSS climbs over the run (docs/demo.md has the figures). Live tensors
+    are untouched, so training is bit-identical."""
     try:
         trim = ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
@@ -279,8 +279,8 @@ def main(argv: list[str] | None = None) -> None:
                                    args.max_length, args.rope_theta)
     else:
         model = reward_model_from_policy(args.init_from, tokenizer)
-    # Eager attention: torch's CPU SDPA (flash) backward under bf16 autocast is several times slower
-    # than everything else at these sizes. Switched back to SDPA before saving (inference is fine).
+    # Eager attention: torch's CPU SDPA (flash) backward under bf16 autocast is slower than everything else
+    # at these sizes (docs/demo.md). Switched back to SDPA before saving (inference is fine).
     model.set_attn_implementation("eager")
     model.train()
     n_params = sum(p.numel() for p in model.parameters())

@@ -1,6 +1,6 @@
 """Full-parameter SFT of a small MiniMind model from random init: the demo's starting policy.
 
-Rebuild the shipped artifact (from the repository root; ~17 minutes on one core of a 2-core CPU):
+Rebuild the shipped artifact (from the repository root; how long it takes: docs/demo.md):
 
     python builders/train_sft.py --num_threads 1    # -> out/full_sft_128.pth (MiniMind native format, fp16)
 
@@ -149,7 +149,7 @@ def epoch_batches(n: int, batch_size: int, rng: np.random.Generator) -> list[np.
 
     Not length-bucketed on purpose: bucketing puts the short plain replies and the long reasoning
     replies in different batches, and with Adam those alternating one-style updates learned far
-    slower here (loss 1.1 vs 0.56 after 700 steps at lr 1e-3)."""
+    slower here (docs/demo.md)."""
     order = rng.permutation(n)
     return [order[b : b + batch_size] for b in range(0, n - batch_size + 1, batch_size)]
 
@@ -278,8 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     model = build_minimind(args.hidden_size, args.num_hidden_layers, bool(args.use_moe), args.arch,
                            vocab_size=len(tokenizer), num_attention_heads=args.num_attention_heads,
                            num_key_value_heads=args.num_key_value_heads)
-    # Eager attention: at these sizes torch's CPU SDPA (flash) backward under bf16 autocast was ~10x
-    # slower than the whole rest of the step; eager is as fast as SDPA in fp32. Inference is unaffected.
+    # Eager attention: at these sizes torch's CPU SDPA (flash) backward under bf16 autocast is slower than the
+    # whole rest of the step (docs/demo.md); eager is as fast as SDPA in fp32. Inference is unaffected.
     if args.init_from:
         try:
             load_native_weights(model, args.init_from)

@@ -4,7 +4,7 @@ Rebuild (from the repository root; nothing is downloaded):
 
     python builders/make_demo_data.py        # the demo data (the tokenizer regenerates its text too)
     python builders/train_tokenizer.py       # writes model/tokenizer.json, model/tokenizer_config.json,
-                                            # model/chat_template.jinja  (~15-25 s on 2 cores)
+                                            # model/chat_template.jinja
     python builders/train_tokenizer.py --split_digits --out_dir out/rm_tokenizer
                                             # the reward model's copy: numbers split into single digits
 

@@ -240,7 +240,7 @@ def generate(spec: str, n: int, seed: int, exclude: frozenset[str] = frozenset()
     """`n` rows of the spec's tasks, taken in turn (row i of k tasks: task i mod k), from `seed`; a row whose question
     is in `exclude` is dropped (so fewer rows may come back). A task's j-th row is asked in the j-th of the `template`
     name's templates, in turn; its rg payload names it ("template")."""
-    from dataset.rlaif import PromptRecord  # noqa: PLC0415 - torch; see the import at the top
+    from dataset.rlaif import PromptRecord  # here: it imports torch; see the import at the top
 
     asked = templates(template)
     rg = import_reasoning_gym()

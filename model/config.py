@@ -14,6 +14,7 @@ the equivalent transformers config, so all the transformer math lives in transfo
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from transformers import LlamaConfig, PreTrainedConfig, Qwen3Config, Qwen3MoeConfig
 
@@ -53,7 +54,7 @@ class MiniMindConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = 2
     pad_token_id: int | None = 0
 
-    def __post_init__(self, **kwargs):
+    def __post_init__(self, **kwargs: Any) -> None:
         if self.arch not in ARCHS:
             raise ValueError(f"unknown MiniMind architecture {self.arch!r}: use --arch qwen3 or llama")
         if self.use_moe and self.arch != "qwen3":
@@ -76,10 +77,13 @@ class MiniMindConfig(PreTrainedConfig):
 
     def to_hf_config(self) -> PreTrainedConfig:
         """The transformers config whose model has exactly MiniMind's parameters and math."""
-        common = dict(
+        intermediate_size = self.intermediate_size
+        assert intermediate_size is not None  # __post_init__ sets the architecture's default
+        # keyword arguments shared by the three config classes (each takes them under these names)
+        common: dict[str, Any] = dict(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
+            intermediate_size=intermediate_size,
             num_hidden_layers=self.num_hidden_layers,
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads,
@@ -102,7 +106,7 @@ class MiniMindConfig(PreTrainedConfig):
             # MiniMind-3 MoE: every layer sparse, experts as wide as the dense FFN, top-1 routing
             # with renormalised weights (so the chosen expert's output is used at weight 1).
             return Qwen3MoeConfig(
-                moe_intermediate_size=self.intermediate_size,
+                moe_intermediate_size=intermediate_size,
                 num_experts=self.num_experts,
                 num_experts_per_tok=self.num_experts_per_tok,
                 norm_topk_prob=True,

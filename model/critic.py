@@ -30,7 +30,7 @@ def trunk_of(policy: nn.Module) -> nn.Module:
 class CriticModel(nn.Module):
     """values[b, t] = value_head(trunk(input_ids)[b, t]); one scalar per token, in fp32."""
 
-    def __init__(self, trunk: nn.Module, hidden_size: int):
+    def __init__(self, trunk: nn.Module, hidden_size: int) -> None:
         super().__init__()
         self.trunk = trunk
         self.value_head = nn.Linear(hidden_size, 1)

@@ -11,7 +11,7 @@ rollout loads its prompt's K/V into them), and up to GRAPH_CAP graphs, least rec
 shape bucket (`graph_shape`: rows and cache length rounded up), each with its small input/output buffers.
 
 So a steady run captures once per bucket (a PPO run's fixed batch and varying prompt lengths: a handful), not once per
-rollout (~20 ms each), and reserved memory stops growing once every bucket has run. What stays allocated between
+rollout, and reserved memory stops growing once every bucket has run. What stays allocated between
 rollouts, through the update: the decode weights' copy (bf16: 2 bytes per parameter; fp32 weights used as they are
 are read in place, not copied), the K/V buffer, the pool's temporaries and the graphs. `release_cuda_graphs()` frees
 all of it; `--cuda_graphs 0` keeps none of it.
@@ -22,7 +22,6 @@ CPU tests play torch.cuda's part with a stand-in `Backend` (tests/test_decode_gr
 from __future__ import annotations
 
 import contextlib
-import copy
 import itertools
 import math
 import weakref
@@ -33,6 +32,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .fast_decode import FastDecoder
 
 GRAPH_CAP = 8  # graphs kept per device: a run's buckets fit; each is ~500 kernel nodes plus a few small buffers
 ROW_BASE = 8  # rows: powers of two up to 8, then 8, 12, 16, 24, 32, 48, ...
@@ -62,39 +63,11 @@ def graph_shape(rows: int, length: int) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------------------------------------ the decoder's tensors
-_PARTS = ("qkv", "o", "gate_up", "down")
-
-
-def decoder_tensors(fast: Any) -> list[torch.Tensor]:
-    """The tensors a FastDecoder (model/fast_decode.py) holds and its step reads, in a fixed order: each layer's
-    fused weights, the head, the low-precision LoRA factors. (The model's own modules it reads are not among them.)"""
-    out = [w[k] for w in fast.weights for k in _PARTS]
-    out.append(fast.head)
-    for ads in fast.adapters:
-        for k in _PARTS:
-            for part, _width in ads[k] or []:
-                for a, b, _s in part:
-                    out += [a, b]
-    return out
-
-
-def with_tensors(fast: Any, tensors: list[torch.Tensor]) -> Any:
-    """A shallow copy of `fast` reading `tensors` (decoder_tensors' order) instead of its own."""
-    it = iter(tensors)
-    new = copy.copy(fast)
-    new.weights = [{k: next(it) for k in _PARTS} for _ in fast.weights]
-    new.head = next(it)
-    new.adapters = [{k: None if ads[k] is None else [([(next(it), next(it), s) for _a, _b, s in part], width)
-                                                     for part, width in ads[k]] for k in _PARTS} for ads in fast.adapters]
-    return new
-
-
-def decoder_signature(fast: Any, model_ptrs: frozenset[int]) -> tuple:
+def decoder_signature(fast: FastDecoder, model_ptrs: frozenset[int]) -> tuple:
     """What a graph of `fast`'s step bakes in besides the values it reads: its tensors' shapes and dtypes (and, for
     one that is a model parameter itself, its address), the LoRA scales, the compute dtype and layout choices."""
-    shapes = tuple((tuple(t.shape), t.dtype, t.data_ptr() if t.data_ptr() in model_ptrs else 0) for t in decoder_tensors(fast))
-    scales = tuple(s for ads in fast.adapters for k in _PARTS for part, _w in ads[k] or [] for _a, _b, s in part)
-    return shapes, scales, fast.compute_dtype, fast.pack_gqa, fast.linear
+    shapes = tuple((tuple(t.shape), t.dtype, t.data_ptr() if t.data_ptr() in model_ptrs else 0) for t in fast.tensors())
+    return shapes, fast.lora_scales(), fast.compute_dtype, fast.pack_gqa, fast.linear
 
 
 class _WeightSlot:
@@ -103,27 +76,27 @@ class _WeightSlot:
     used as it is: detach() shares its storage) is not copied: graphs read it where it lies, and its address is in
     the signature."""
 
-    def __init__(self, fast: Any, signature: tuple):
+    def __init__(self, fast: FastDecoder, signature: tuple) -> None:
         self.signature = signature
         self.buffers = [None if ptr else torch.empty_like(t)
-                        for t, (_s, _d, ptr) in zip(decoder_tensors(fast), signature[0], strict=True)]
+                        for t, (_s, _d, ptr) in zip(fast.tensors(), signature[0], strict=True)]
         self.source: weakref.ref | None = None  # the decoder last copied in
 
-    def decoder_for(self, fast: Any) -> Any:
-        tensors = decoder_tensors(fast)
+    def decoder_for(self, fast: FastDecoder) -> FastDecoder:
+        tensors = fast.tensors()
         if self.source is None or self.source() is not fast:
             for buf, t in zip(self.buffers, tensors, strict=True):
                 if buf is not None:
                     buf.copy_(t)
             self.source = weakref.ref(fast)
-        return with_tensors(fast, [t if buf is None else buf for buf, t in zip(self.buffers, tensors, strict=True)])
+        return fast.reading([t if buf is None else buf for buf, t in zip(self.buffers, tensors, strict=True)])
 
 
 # ------------------------------------------------------------------------------------------------ torch.cuda, in one place
 class CaptureFailed(RuntimeError):
     """A capture that did not give a graph; `graph` is the CUDAGraph it began (for Backend.clean_up)."""
 
-    def __init__(self, message: str, graph: Any):
+    def __init__(self, message: str, graph: Any) -> None:
         super().__init__(message)
         self.graph = graph
 
@@ -254,7 +227,7 @@ class Entry:
 class DeviceGraphs:
     """The graphs of one device and what they read (see the module's docstring)."""
 
-    def __init__(self, backend: Backend, device: torch.device):
+    def __init__(self, backend: Backend, device: torch.device) -> None:
         self.backend, self.device = backend, device
         self.stream = backend.stream(device)
         self.pool = backend.pool(device)
@@ -276,10 +249,10 @@ class DeviceGraphs:
             self.slot = None
             self.owner, self.model_ptrs = (weakref.ref(lm), ptrs), frozenset(ptrs)
 
-    def signature(self, fast: Any) -> tuple:
+    def signature(self, fast: FastDecoder) -> tuple:
         return decoder_signature(fast, self.model_ptrs)
 
-    def decoder(self, fast: Any, signature: tuple) -> Any:
+    def decoder(self, fast: FastDecoder, signature: tuple) -> FastDecoder:
         """`fast` reading the weight copy (refreshed from it if it is a new decoder)."""
         if self.slot is None or self.slot.signature != signature:
             self.entries.clear()  # they read the old copy
@@ -302,6 +275,27 @@ class DeviceGraphs:
             views.append(self.arena[offset : offset + n].view(dtype).view(shape))
             offset += -(-n // _ALIGN) * _ALIGN
         return views
+
+    def capture(self, fn: Callable[[], None], generator: torch.Generator) -> Any:
+        """fn recorded as a graph of this device (its stream and pool, `generator` registered with it). A capture that
+        fails raises CaptureFailed once what it left in torch is cleaned up (Backend.clean_up): the graph kept
+        (FAILED_GRAPHS), the graphs registered with a generator state that had to be replaced dropped, and captures
+        going on in a new pool (the old one may still be routed to)."""
+        try:
+            graph = self.backend.capture(fn, self.stream, self.pool, self.device, generator)
+        except CaptureFailed as e:
+            FAILED_GRAPHS.append(e.graph)
+            self.failures += 1
+            if self.backend.clean_up(e.graph, self.device, self.pool, [generator, self.backend.default_generator(self.device)]):
+                self.entries.clear()
+            self.pool = self.backend.pool(self.device)
+            raise
+        self.captures += 1
+        return graph
+
+    def refuse(self, key: tuple) -> None:
+        """`key`'s step cannot be captured: it runs eagerly from now on, unasked."""
+        self.refused.add(key)
 
     def get(self, key: tuple) -> Entry | None:
         entry = self.entries.get(key)

@@ -8,10 +8,8 @@ cache bookkeeping). This step runs the same math with the q/k/v and gate/up weig
 transformers' own, the norms read their weight and eps off transformers' modules. Under bf16
 autocast the weights are cast once per `sample()` call instead of on every matmul, and on a CPU
 they are also reordered once into oneDNN's blocked layout (`onednn_prepack`) and the grouped K/V
-heads are packed for SDPA (`pack_gqa_heads`).
-benchmarks/bench_ppo.py at 512x8, batch 8, bf16, 2 threads: generating 64 tokens 1.91 -> 1.66 s on a
-Xeon (the fused matmuls); on an EPYC 1.05-1.16 -> 0.74-0.81 s from prepacking and packed heads.
-In fp32 the matmuls are weight-bandwidth bound and it gains little.
+heads are packed for SDPA (`pack_gqa_heads`). In fp32 the matmuls are weight-bandwidth bound and
+it gains little (measurements: docs/speed-and-memory.md).
 
 Exactness: the same operations in the same dtypes as transformers' Qwen3/Llama layers (norms in
 fp32 then cast back to the input dtype, rotary in the residual dtype, SDPA with a boolean padding
@@ -26,7 +24,7 @@ agree to ~1e-6: tests/test_lora.py).
 
 Rows that repeat a prompt (GRPO's groups): `SharedPrefix` attends over each distinct prompt's K/V once for all of
 its rows instead of over a copy per row (cascade attention; fp32 from the cached values, equal to the copy to fp32
-rounding): `sample()` at the SmolLM2 preset's shape 5.89 -> 4.05 s with the cheaper draw (docs/speed-and-memory.md).
+rounding).
 
 Anything else (MoE, biases, sliding windows, other model types, hub kernels) returns None from
 `fast_decoder` and `sample()` keeps transformers' forward.
@@ -35,16 +33,21 @@ Anything else (MoE, biases, sliding windows, other model types, hub kernels) ret
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.cache_utils import Cache
 
 from .lora import adapter_parts, base_of, effective_weight, foldable
 
 _SUPPORTED = ("Qwen3Model", "LlamaModel")
+_FUSED = ("qkv", "o", "gate_up", "down")  # each layer's fused weights
 
 
 def pack_gqa_heads(device_type: str, dtype: torch.dtype | None = None) -> bool:
@@ -57,9 +60,8 @@ def pack_gqa_heads(device_type: str, dtype: torch.dtype | None = None) -> bool:
     (flash takes no mask; torch documents GQA for the flash and math kernels only), so it falls back
     to the math kernel. Packed, no enable_gqa is needed and the memory-efficient kernel runs; unlike
     repeat_kv, nothing copies the K/V cache n_rep times per layer on every decoded token.
-    Why on a CPU under bf16: torch 2.13's CPU SDPA with enable_gqa in bf16 took 300-430 us per decode
-    call against 44-66 us packed (batch 8, 8 query / 2 K/V heads, head dim 64, 65-128 keys, 2 threads),
-    ~20% of a 512x8 rollout; in fp32 the two differ in the last bits, so fp32 is left as it was."""
+    Why on a CPU under bf16: torch's CPU SDPA with enable_gqa is several times slower in bf16 than the packed
+    heads at decode shapes; in fp32 the two differ in the last bits, so fp32 is left as it was."""
     return device_type == "cuda" or (dtype is not None and dtype != torch.float32)
 
 
@@ -67,9 +69,9 @@ def onednn_prepack(weight: torch.Tensor, device_type: str) -> torch.Tensor | Non
     """`weight` [out, in] bf16 reordered once into oneDNN's blocked layout (what inductor's weight
     freezing does on a CPU), or None where that does not apply (not a CPU, not bf16, no oneDNN).
     Why: F.linear on a plain bf16 weight reorders it inside oneDNN on every call; at decode shapes
-    (a handful of rows, the weights streamed from memory each token) the prepacked matmul is ~1.6x
-    faster (512x8 decode step's 33 matmuls, batch 8, 2 threads: 5.6-6.0 -> 3.4-3.8 ms per token) and
-    gives bit-identical outputs (the same oneDNN kernel; tests/test_generation.py)."""
+    (a handful of rows, the weights streamed from memory each token) that reorder is a large part of
+    the matmul. The prepacked matmul gives bit-identical outputs (the same oneDNN kernel;
+    tests/test_generation.py)."""
     if device_type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
         return None
     try:
@@ -112,7 +114,8 @@ def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
 class FastDecoder:
     """Decode steps over the PreallocatedLayer buffers a transformers prefill has filled."""
 
-    def __init__(self, lm: nn.Module, compute_dtype: torch.dtype | None, device_type: str = "cpu", prepack: bool = True):
+    def __init__(self, lm: nn.Module, compute_dtype: torch.dtype | None, device_type: str = "cpu",
+                 prepack: bool = True) -> None:
         trunk = lm.model
         self.compute_dtype = compute_dtype
         self.pack_gqa = pack_gqa_heads(device_type, compute_dtype)
@@ -124,7 +127,8 @@ class FastDecoder:
         self.head_dim = trunk.layers[0].self_attn.head_dim
         # Under autocast F.linear would cast these on every call; cast once here (same rounding).
         cast = (lambda w: w.detach().to(compute_dtype)) if compute_dtype is not None else (lambda w: w.detach())
-        self.weights, self.adapters = [], []
+        self.weights: list[dict[str, torch.Tensor]] = []  # per layer, by _FUSED name
+        self.adapters: list[dict[str, list | None]] = []  # per layer and fused weight: its parts' (A, B, scale)s
         # LoRA layers: in fp32 each adapter is folded into its weight (W + B A s agrees with peft to ~1e-6).
         # In a low precision the folded weight rounds differently from peft's x W + s (x A) B by more than
         # one PPO step moves a LoRA policy (benchmarks/measure_logprob_gap.py), so the adapters stay apart
@@ -134,7 +138,9 @@ class FastDecoder:
         def parts(m: nn.Module) -> tuple[torch.Tensor, list]:
             if not unfold:
                 return effective_weight(m), []
-            w, ads = adapter_parts(m)
+            found = adapter_parts(m)
+            assert found is not None  # fast_decoder builds a decoder only where every layer is foldable
+            w, ads = found
             return w, [(cast(a), cast(b), s) for a, b, s in ads]
 
         def group(*ps: tuple[torch.Tensor, list]) -> list | None:
@@ -154,11 +160,39 @@ class FastDecoder:
             self.adapters.append({"qkv": group(q, k, v), "o": group(o), "gate_up": group(g, u), "down": group(d)})
         self.head = cast(lm.lm_head.weight)
         # On a CPU under bf16, every decode matmul takes oneDNN's prepacked weight (onednn_prepack).
-        self.linear = F.linear
+        self.linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
         head = onednn_prepack(self.head, device_type) if prepack and compute_dtype == torch.bfloat16 else None
         if head is not None:  # the head stands for every weight: same dtype, device and oneDNN support
             self.weights = [{k: onednn_prepack(v, device_type) for k, v in w.items()} for w in self.weights]
             self.head, self.linear = head, _onednn_linear
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors this decoder holds and its step reads, in a fixed order: each layer's fused weights, the head,
+        the low-precision LoRA factors. (The model's own modules it reads are not among them.)"""
+        out = [w[k] for w in self.weights for k in _FUSED]
+        out.append(self.head)
+        for ads in self.adapters:
+            for k in _FUSED:
+                for part, _width in ads[k] or []:
+                    for a, b, _s in part:
+                        out += [a, b]
+        return out
+
+    def reading(self, tensors: list[torch.Tensor]) -> FastDecoder:
+        """A shallow copy of this decoder reading `tensors` (in `tensors()`'s order) instead of its own: CUDA graphs
+        read a weight copy at fixed addresses (model/decode_graphs.py)."""
+        it = iter(tensors)
+        new = copy.copy(self)
+        new.weights = [{k: next(it) for k in _FUSED} for _ in self.weights]
+        new.head = next(it)
+        new.adapters = [{k: None if ads[k] is None else [([(next(it), next(it), s) for _a, _b, s in part], width)
+                                                         for part, width in ads[k] or []] for k in _FUSED}
+                        for ads in self.adapters]
+        return new
+
+    def lora_scales(self) -> tuple[float, ...]:
+        """The LoRA scales the step applies (low precision: the adapters stay apart), in `tensors()`'s order."""
+        return tuple(s for ads in self.adapters for k in _FUSED for part, _w in ads[k] or [] for _a, _b, s in part)
 
     def _proj(self, x: torch.Tensor, w: dict, ads: dict, name: str) -> torch.Tensor:
         """x through fused weight `name`, plus its parts' LoRA terms as peft adds them: y + s (x A) B."""
@@ -176,17 +210,20 @@ class FastDecoder:
         return y + torch.cat(deltas, dim=-1).to(y.dtype)
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, position: torch.Tensor, kv_mask: torch.Tensor, cache,
-             slot: torch.Tensor | None = None, prefix: "SharedPrefix | None" = None) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, position: torch.Tensor, kv_mask: torch.Tensor,
+             cache: Cache | Sequence[tuple[torch.Tensor, torch.Tensor]], slot: torch.Tensor | None = None,
+             prefix: SharedPrefix | None = None) -> torch.Tensor:
         """tokens [B], position [B, 1], kv_mask [B, n+1] bool (True = attend; n = cached length)
-        -> logits [B, V] for the next token. Appends this token's K/V to `cache`. Call it under the same
-        autocast context the decoder was built in: autocast casts the activations, as in transformers.
+        -> logits [B, V] for the next token. Appends this token's K/V to `cache` (a Cache of the prefill's
+        PreallocatedLayers). Call it under the same autocast context the decoder was built in: autocast casts the
+        activations, as in transformers.
 
-        The static form (`slot`, a [1] long device tensor: the new token's position in the cache): K/V are written
-        into the cache's full-length buffers at `slot` (index_copy_) and attention reads the whole buffers, kv_mask
-        [B, capacity] saying which slots count. Every shape and address is then the same on every token, and no
-        value reaches the host: the step can be captured in a CUDA graph (model/generation.py). The slots past
-        `slot` must hold finite numbers (the caller zeroes them): masked keys weigh 0, and 0 x NaN would not be 0.
+        The static form (`slot`, a [1] long device tensor: the new token's position in the cache; `cache`: each
+        layer's full-length (keys, values) buffers): K/V are written into the buffers at `slot` (index_copy_) and
+        attention reads the whole buffers, kv_mask [B, capacity] saying which slots count. Every shape and address
+        is then the same on every token, and no value reaches the host: the step can be captured in a CUDA graph
+        (model/generation.py). The slots past `slot` must hold finite numbers (the caller zeroes them): masked keys
+        weigh 0, and 0 x NaN would not be 0.
 
         With `prefix` (a SharedPrefix), attention reads each distinct prompt's K/V once and the rows' own decoded
         K/V from the prefix's buffers; `cache` and `kv_mask` are not read."""
@@ -207,11 +244,11 @@ class FastDecoder:
             if prefix is not None:
                 o = prefix.attend(a.layer_idx, q, k, v, a.scaling)
             else:
-                if slot is None:
-                    keys, values = cache.layers[a.layer_idx].update(k, v)  # [B, nkv, n+1, hd]
+                if isinstance(cache, Cache):
+                    keys, values = cache.update(k, v, a.layer_idx)  # [B, nkv, n+1, hd]
                 else:
-                    layer_cache = cache.layers[a.layer_idx]
-                    keys, values = layer_cache._k, layer_cache._v  # [B, nkv, capacity, hd], as copy_ casts it in update()
+                    assert slot is not None  # the static form: buffers are written at a slot
+                    keys, values = cache[a.layer_idx]  # [B, nkv, capacity, hd], as copy_ casts it in update()
                     keys.index_copy_(2, slot, k.to(keys.dtype))
                     values.index_copy_(2, slot, v.to(values.dtype))
                 o = decode_attention(q, keys, values, mask, a.scaling, self.pack_gqa)
@@ -233,14 +270,14 @@ class SharedPrefix:
     [g rows x heads per K/V head] queries against the prompt's P keys. Computed in fp32 from the cached values
     (SDPA under bf16 autocast takes bf16 inputs): outputs agree with SDPA over the copied cache to bf16 rounding.
 
-    Why: at the SmolLM2 preset's shape (4 prompts x 8 rows, ~150-token prompts, 30 layers) SDPA's CPU kernel over
-    every row's copy took ~0.4-0.8 ms per layer per token, about a third of a decode step; this ~0.25 ms.
+    Why: with long prompts shared by many rows (GRPO's groups), SDPA's CPU kernel over every row's copy reads the
+    same prompt K/V once per row, a large part of a decode step.
     Needs every prompt repeated equally often (GRPO's groups); rows may come in any order."""
 
-    def __init__(self, cache, prompt_mask: torch.Tensor, inverse: torch.Tensor, max_new_tokens: int,  # noqa: ANN001
-                 dtype: torch.dtype | None):
-        """cache: PreallocatedLayers filled by a prefill of the U distinct prompts; prompt_mask [U, P] their
-        attention masks; inverse [B]: each row's prompt index (distinct_prompts); dtype: the attention output's
+    def __init__(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], prompt_mask: torch.Tensor, inverse: torch.Tensor,
+                 max_new_tokens: int, dtype: torch.dtype | None) -> None:
+        """kv: each layer's (keys, values) [U, Hkv, P, D] from a prefill of the U distinct prompts; prompt_mask [U, P]
+        their attention masks; inverse [B]: each row's prompt index (distinct_prompts); dtype: the attention output's
         (the decoder's compute dtype, None = the queries')."""
         B, U = inverse.shape[0], prompt_mask.shape[0]
         self.B, self.U, self.g, self.dtype = B, U, B // U, dtype
@@ -250,10 +287,11 @@ class SharedPrefix:
         self.pos: torch.Tensor | None = None if grouped else torch.argsort(order)
         self.bias = torch.zeros(U, 1, 1, prompt_mask.shape[1], device=prompt_mask.device).masked_fill(
             ~prompt_mask.bool()[:, None, None, :], float("-inf"))
-        self.keys_t, self.values, self.own_k, self.own_v = [], [], [], []
-        for layer in cache.layers:
-            n = layer._filled
-            k, v = layer._k[:, :, :n], layer._v[:, :, :n]
+        self.keys_t: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.own_k: list[torch.Tensor] = []
+        self.own_v: list[torch.Tensor] = []
+        for k, v in kv:
             self.keys_t.append(k.float().transpose(-1, -2).contiguous())  # [U, Hkv, D, P]
             self.values.append(v.float())  # [U, Hkv, P, Dv]
             self.own_k.append(k.new_zeros(B, k.shape[1], max_new_tokens, k.shape[-1], dtype=torch.float32))
@@ -314,7 +352,7 @@ def fast_decoder(lm: nn.Module, device_type: str) -> FastDecoder | None:
     """A FastDecoder for a dense Qwen3/Llama causal LM (MiniMind's or transformers' own), with the
     current autocast dtype on `device_type`; None for anything it does not reproduce exactly."""
     trunk, head = getattr(lm, "model", None), getattr(lm, "lm_head", None)
-    if type(trunk).__name__ not in _SUPPORTED or not isinstance(head, nn.Linear) or head.bias is not None:
+    if trunk is None or type(trunk).__name__ not in _SUPPORTED or not isinstance(head, nn.Linear) or head.bias is not None:
         return None
     cfg = trunk.config
     if getattr(cfg, "hidden_act", "silu") != "silu":
@@ -332,13 +370,26 @@ def fast_decoder(lm: nn.Module, device_type: str) -> FastDecoder | None:
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
     if dtype is None and head.weight.dtype != torch.float32:
         return None  # low-precision weights without autocast: leave it to transformers
-    slot = getattr(lm, "_minippo_decoder", None)  # set inside reuse_decoder()
-    if slot is None:
+    reused = _REUSED.get(lm)
+    if reused is None:
         return FastDecoder(lm, dtype, device_type)
     key = (device_type, dtype, tuple(p._version for p in lm.parameters()))  # in-place updates bump _version
-    if slot.get("key") != key:
-        slot.update(key=key, decoder=FastDecoder(lm, dtype, device_type))
-    return slot["decoder"]
+    if reused.key != key:
+        reused.key, reused.decoder = key, FastDecoder(lm, dtype, device_type)
+    assert reused.decoder is not None
+    return reused.decoder
+
+
+@dataclass
+class _Reused:
+    """The decoder a reuse_decoder block shares, and what it was built from (device, dtype, weight versions)."""
+
+    key: tuple | None = None
+    decoder: FastDecoder | None = None
+
+
+# The models inside a reuse_decoder block (weak: the cache never keeps a model alive).
+_REUSED: weakref.WeakKeyDictionary[nn.Module, _Reused] = weakref.WeakKeyDictionary()
 
 
 @contextlib.contextmanager
@@ -348,8 +399,8 @@ def reuse_decoder(model: nn.Module) -> Iterator[None]:
     share it. Rebuilt if the weights change in between; dropped at the end, so the copy never lives
     through the update."""
     lm = base_of(model)
-    lm._minippo_decoder = {}
+    _REUSED[lm] = _Reused()
     try:
         yield
     finally:
-        del lm._minippo_decoder
+        del _REUSED[lm]

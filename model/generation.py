@@ -21,7 +21,6 @@ import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -30,7 +29,7 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 from . import decode_graphs as graphs
-from .fast_decode import SharedPrefix, fast_decoder
+from .fast_decode import FastDecoder, SharedPrefix, fast_decoder
 from .lora import base_of
 from .modeling import kv_cache_of
 
@@ -48,15 +47,19 @@ class Samples:
 class PreallocatedLayer(DynamicLayer):
     """A DynamicLayer whose keys/values live in buffers sized once for the whole generation.
 
-    DynamicLayer re-concatenates the whole cache on every decode step (O(length^2) copying; ~20% of
-    decode time at 512x8, batch 8, on CPU). Here a step copies only the new token's K/V, and
-    attention sees a view of the filled part, so masks and results are the same as DynamicLayer's."""
+    DynamicLayer re-concatenates the whole cache on every decode step (O(length^2) copying, a visible share of a CPU
+    decode). Here a step copies only the new token's K/V, and attention sees a view of the filled part, so masks and
+    results are the same as DynamicLayer's."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int) -> None:
         super().__init__()
         self.capacity = capacity
+        self._k: torch.Tensor | None = None  # [B, H, capacity, D], made by the first update (the prefill)
+        self._v: torch.Tensor | None = None
+        self._filled = 0
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:  # K and V may differ in dtype under autocast (q/k norm runs in fp32)
             self.dtype, self.device = key_states.dtype, key_states.device
             B, H, _, Dk = key_states.shape
@@ -64,14 +67,45 @@ class PreallocatedLayer(DynamicLayer):
             self._v = value_states.new_empty(B, value_states.shape[1], self.capacity, value_states.shape[-1])
             self._filled = 0
             self.is_initialized = True
+        k, v = self.buffers()
         n, L = self._filled, key_states.shape[-2]
         if n + L > self.capacity:
             raise RuntimeError(f"PreallocatedLayer: {n + L} positions exceed the capacity {self.capacity}")
-        self._k[:, :, n : n + L].copy_(key_states)
-        self._v[:, :, n : n + L].copy_(value_states)
+        k[:, :, n : n + L].copy_(key_states)
+        v[:, :, n : n + L].copy_(value_states)
         self._filled = n + L
-        self.keys, self.values = self._k[:, :, : n + L], self._v[:, :, : n + L]
+        self.keys, self.values = k[:, :, : n + L], v[:, :, : n + L]
         return self.keys, self.values
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full-capacity K/V buffers [B, H, capacity, D] (filled up to `_filled`)."""
+        if self._k is None or self._v is None:
+            raise RuntimeError("PreallocatedLayer: no K/V buffers (before the prefill, or freed)")
+        return self._k, self._v
+
+    def filled(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The filled part of the K/V buffers [B, H, n, D]."""
+        k, v = self.buffers()
+        return k[:, :, : self._filled], v[:, :, : self._filled]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Row i takes row rows[i]: the distinct prompts' K/V copied to every row that repeats it, or the rows still
+        decoding kept."""
+        k, v = self.buffers()
+        self._k, self._v = k.index_select(0, rows), v.index_select(0, rows)
+        self.keys, self.values = self.filled()
+
+    def free(self) -> None:
+        """Let go of the buffers (StaticDecode copied them into its own): one copy of the K/V alive, not two."""
+        self._k = self._v = self.keys = self.values = None
+
+
+def kv_layers(cache: Cache) -> list[PreallocatedLayer]:
+    """The layers of a cache that preallocated_cache made (transformers types a Cache's layers as any kind of layer)."""
+    layers = [layer for layer in cache.layers if isinstance(layer, PreallocatedLayer)]
+    if len(layers) != len(cache.layers):
+        raise TypeError("kv_layers: the cache was not made by preallocated_cache")
+    return layers
 
 
 def distinct_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -88,13 +122,11 @@ def distinct_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> t
     return order[counts.cumsum(0) - counts], inverse
 
 
-def expand_cache(cache: Cache, inverse: torch.Tensor) -> None:
-    """PreallocatedLayers' rows selected: row i takes row inverse[i] (the distinct prompts' K/V copied to every row
-    that repeats it; the rows still decoding kept)."""
-    for layer in cache.layers:
-        n = layer._filled
-        layer._k, layer._v = layer._k.index_select(0, inverse), layer._v.index_select(0, inverse)
-        layer.keys, layer.values = layer._k[:, :, :n], layer._v[:, :, :n]
+def expand_cache(layers: list[PreallocatedLayer], inverse: torch.Tensor) -> None:
+    """Each layer's rows selected: row i takes row inverse[i] (the distinct prompts' K/V copied to every row that
+    repeats it; the rows still decoding kept)."""
+    for layer in layers:
+        layer.select_rows(inverse)
 
 
 def preallocated_cache(model: nn.Module, capacity: int) -> Cache | None:
@@ -205,9 +237,9 @@ def draw_from_probs(probs: torch.Tensor, generator: torch.Generator | None = Non
     of the first cumulative probability above u. Entries of probability 0 are never drawn.
 
     Two levels, the same categorical distribution: the running sums of blocks of 256 entries (fp64) find u's block,
-    then the running sums inside that block alone find its token. Why: a full running sum over a 49,152-token
-    vocabulary (fp64, 32 rows) is ~2-7 ms per decoded token on a 2-core CPU; this reads the probabilities once for
-    the block sums and sums 256 of them per row. The drawn token equals the full running sum's except where u lies
+    then the running sums inside that block alone find its token. Why: a full fp64 running sum over a large
+    vocabulary, every row, every decoded token, is a visible share of a CPU decode step; this reads the probabilities
+    once for the block sums and sums 256 of them per row. The drawn token equals the full running sum's except where u lies
     within fp64 rounding of a boundary.
 
     Non-finite probabilities raise at once; with `finite` (a 0-dim bool device tensor) the check is ANDed into it
@@ -288,6 +320,21 @@ def _warn_once(message: str) -> None:
         print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
+@dataclass(frozen=True)
+class TokenChoice:
+    """How the next token of each row is chosen: sample()'s arguments as StaticDecode takes them (hashable: part of a
+    cached graph's key)."""
+
+    pad_token_id: int
+    temperature: float
+    top_k: int
+    top_p: float
+    greedy: bool
+    suppress_eos: bool
+    return_logprobs: bool
+    score_temp: float  # the temperature of the recorded log-probs and entropy (1 when greedy)
+
+
 class StaticDecode:
     """The decode loop of `sample()` with the fast decoder as one fixed-shape step: decode the previous token
     (FastDecoder.step's static form: full-length K/V written with index_copy_, one mask), then sample the next
@@ -305,20 +352,17 @@ class StaticDecode:
     a real row's tokens (tests/test_decode_graphs.py).
 
     Why: a decode step of a small model launches ~500 kernels of a few microseconds each; launched one by one from
-    Python the GPU waits for the launches (~8 ms per token at 512x8), replayed from a graph it does not."""
+    Python the GPU waits for the launches, replayed from a graph it does not."""
 
     captured = 0  # graphs captured in this process (tests and benchmarks/gpu_check.py count them)
 
     def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]], rows: int, capacity: int, *, eos_t: torch.Tensor,
-                 pad_token_id: int, temperature: float, top_k: int, top_p: float, greedy: bool, suppress_eos: bool,
-                 return_logprobs: bool, score_temp: float, generator: torch.Generator | None):
+                 choice: TokenChoice, generator: torch.Generator | None) -> None:
         """kv: each layer's (keys, values) buffers [rows, Hkv, capacity, D], filled by `load`."""
         device = eos_t.device
         self.kv, self.rows, self.capacity, self.generator = kv, rows, capacity, generator
-        self.cache = SimpleNamespace(layers=[SimpleNamespace(_k=k, _v=v) for k, v in kv])  # what FastDecoder.step reads
-        self.fast: Any = None  # the decoder of the rollout under way (set by load; a cached one drops it after)
-        self.opts = dict(eos_t=eos_t.clone(), pad=pad_token_id, temperature=temperature, top_k=top_k, top_p=top_p,
-                         greedy=greedy, suppress_eos=suppress_eos, return_logprobs=return_logprobs, score_temp=score_temp)
+        self.fast: FastDecoder | None = None  # the decoder of the rollout under way (set by load; a cached one drops it after)
+        self.eos_t, self.choice = eos_t.clone(), choice
         self.prompt_mask = torch.zeros(rows, capacity, dtype=torch.bool, device=device)  # slots a row may attend to
         self.arange = torch.arange(capacity, device=device)
         self.base = torch.zeros(1, dtype=torch.long, device=device)  # P - 1: the cache slot of the prompt's last token
@@ -327,7 +371,7 @@ class StaticDecode:
         self.prev = torch.zeros(rows, dtype=torch.long, device=device)  # the token sampled last
         self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
         self.finite = torch.ones((), dtype=torch.bool, device=device)
-        self.tokens = torch.full((rows, capacity), pad_token_id, dtype=torch.long, device=device)
+        self.tokens = torch.full((rows, capacity), choice.pad_token_id, dtype=torch.long, device=device)
         self.logprobs = torch.zeros(rows, capacity, dtype=torch.float32, device=device)
         self.entropy = torch.zeros(rows, capacity, dtype=torch.float32, device=device)
 
@@ -335,14 +379,15 @@ class StaticDecode:
         """What a step changes besides the K/V slot it writes."""
         return [self.position, self.col, self.prev, self.finished, self.finite, self.tokens, self.logprobs, self.entropy]
 
-    def load(self, fast, cache: Cache, prompt_mask: torch.Tensor, position: torch.Tensor) -> None:  # noqa: ANN001
-        """A rollout's batch into the buffers: the prefill's K/V [B, Hkv, >= P, D] (`cache`), its mask [B, P] and last
-        positions [B, 1]. Everything else is reset: slots not yet decoded and padded rows hold zeros (finite: masked
-        keys weigh 0, and 0 x NaN would not be 0), padded rows attend only to their own decoded slots."""
+    def load(self, fast: FastDecoder, layers: list[PreallocatedLayer], prompt_mask: torch.Tensor,
+             position: torch.Tensor) -> None:
+        """A rollout's batch into the buffers: the prefill's K/V [B, Hkv, >= P, D] (`layers`), its mask [B, P] and
+        last positions [B, 1]. Everything else is reset: slots not yet decoded and padded rows hold zeros (finite:
+        masked keys weigh 0, and 0 x NaN would not be 0), padded rows attend only to their own decoded slots."""
         B, P = prompt_mask.shape
         self.fast = fast
-        for (k, v), layer in zip(self.kv, cache.layers, strict=True):
-            for dst, src in ((k, layer._k), (v, layer._v)):
+        for (k, v), layer in zip(self.kv, layers, strict=True):
+            for dst, src in zip((k, v), layer.buffers()):
                 if dst.data_ptr() != src.data_ptr():  # not the prefill's own buffers (a CPU's exact shapes)
                     dst[:B, :, :P].copy_(src[:, :, :P])
                     dst[B:, :, :P].zero_()
@@ -358,7 +403,7 @@ class StaticDecode:
         self.finished.zero_()
         self.finished[B:] = True
         self.finite.fill_(True)
-        self.tokens.fill_(self.opts["pad"])
+        self.tokens.fill_(self.choice.pad_token_id)
         self.logprobs.zero_()
         self.entropy.zero_()
 
@@ -366,26 +411,27 @@ class StaticDecode:
         """Sample column `col` from logits `last` [B <= rows, V] (sample()'s loop body), then advance the column."""
         if last.shape[0] < self.rows:  # padded rows: any finite logits (they are finished: they sample pads)
             last = torch.cat([last, last.new_zeros(self.rows - last.shape[0], last.shape[1])])
-        o = self.opts
-        nxt, lp, ent = choose_tokens(last.float(), finished=self.finished, pad_token_id=o["pad"], eos_t=o["eos_t"],
-                                     temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"], greedy=o["greedy"],
-                                     suppress_eos=o["suppress_eos"], return_logprobs=o["return_logprobs"],
-                                     score_temp=o["score_temp"], generator=self.generator, finite=self.finite)
+        c = self.choice
+        nxt, lp, ent = choose_tokens(last.float(), finished=self.finished, pad_token_id=c.pad_token_id, eos_t=self.eos_t,
+                                     temperature=c.temperature, top_k=c.top_k, top_p=c.top_p, greedy=c.greedy,
+                                     suppress_eos=c.suppress_eos, return_logprobs=c.return_logprobs,
+                                     score_temp=c.score_temp, generator=self.generator, finite=self.finite)
         self.tokens.index_copy_(1, self.col, nxt[:, None])
         if lp is not None and ent is not None:
             self.logprobs.index_copy_(1, self.col, lp[:, None])
             self.entropy.index_copy_(1, self.col, ent[:, None])
-        if not o["suppress_eos"]:
-            self.finished.logical_or_(torch.isin(nxt, o["eos_t"]))
+        if not c.suppress_eos:
+            self.finished.logical_or_(torch.isin(nxt, self.eos_t))
         self.prev.copy_(nxt)
         self.col.add_(1)
 
     def step(self) -> None:
         """Decode the token sampled last (it goes to cache slot P + col - 1), then sample the next column."""
+        assert self.fast is not None, "StaticDecode.step before load"
         self.position.add_(1)
         slot = self.col + self.base
         mask = self.prompt_mask & (self.arange <= slot)  # [rows, capacity]: the prompt's tokens and those decoded
-        self.take(self.fast.step(self.prev, self.position, mask, self.cache, slot=slot))
+        self.take(self.fast.step(self.prev, self.position, mask, self.kv, slot=slot))
 
 
 def _capture(dec: StaticDecode, dev: graphs.DeviceGraphs, key: tuple) -> Any:
@@ -394,42 +440,37 @@ def _capture(dec: StaticDecode, dev: graphs.DeviceGraphs, key: tuple) -> Any:
     made errors: a step that would wait for the GPU (e.g. a rotary embedding that checks its length on the host)
     raises there and no capture is started. The warm-up's effects are undone (the small state and the random
     stream; the K/V it wrote are those the first replay writes again). Where a capture fails all the same, what it
-    leaves in torch is cleaned up (Backend.clean_up) so the eager steps after it draw and sample as they would."""
+    leaves in torch is cleaned up (DeviceGraphs.capture) so the eager steps after it draw and sample as they would."""
     backend = dev.backend
     state = dec.state()
     saved = [t.clone() for t in state]
-    assert dec.generator is not None
-    rng = dec.generator.get_state()
+    generator = dec.generator
+    assert generator is not None  # a cached graph's StaticDecode draws from its device's generator
+    rng = generator.get_state()
 
     def undo() -> None:
         for t, v in zip(state, saved):
             t.copy_(v)
-        dec.generator.set_state(rng)
+        generator.set_state(rng)
 
     try:
         with backend.side_stream(dev.stream, dev.device), backend.no_host_syncs():
             dec.step()
     except RuntimeError as e:
         undo()
-        dev.refused.add(key)
+        dev.refuse(key)
         _warn_once(f"sampling: the decode step waits for the GPU inside ({str(e).splitlines()[0][:200]}), so it cannot be "
                    "captured in a CUDA graph; it runs eagerly (same tokens, slower; --cuda_graphs 0 silences this)")
         return None
     undo()
     try:
-        graph = backend.capture(dec.step, dev.stream, dev.pool, dev.device, dec.generator)
+        graph = dev.capture(dec.step, generator)
     except graphs.CaptureFailed as e:
-        graphs.FAILED_GRAPHS.append(e.graph)
-        dev.failures += 1
-        if backend.clean_up(e.graph, dev.device, dev.pool, [dec.generator, backend.default_generator(dev.device)]):
-            dev.entries.clear()  # their graphs were registered with a generator state that was replaced
-        dev.pool = backend.pool(dev.device)  # the old one may still be routed to (Backend.clean_up): captures go on in a new one
         undo()
-        dev.refused.add(key)
+        dev.refuse(key)
         _warn_once(f"sampling: the decode step could not be captured in a CUDA graph ({str(e)[:200]}); "
                    "it runs eagerly (same tokens, slower; --cuda_graphs 0 silences this)")
         return None
-    dev.captures += 1
     StaticDecode.captured += 1
     return graph
 
@@ -439,6 +480,35 @@ def _accepts(model: nn.Module, name: str) -> bool:
         return name in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How sample()'s decode runs, never what it samples: each switch turns off one way of saving work, so tests and
+    benchmarks can compare it with the plain path (the defaults are what the trainer runs).
+
+    static_step: None = StaticDecode (the fast decoder's step as one fixed-shape step, sampling inside it) on CUDA
+    only; True = StaticDecode on a CPU too, run eagerly in the exact shapes (the CPU tests compare it with the decode
+    loop: equal up to the rounding of attention's sums over more, masked, slots); False = never.
+
+    share_prefill: rows with the same prompt (GRPO's groups) share one prefill: each distinct prompt runs once and
+    its K/V and last logits are copied to its rows. The logits equal a prefill of every row up to the rounding of a
+    smaller batch's matmuls (tests/test_generation.py); False prefills every row.
+
+    shared_attention: with share_prefill, the fast decoder's loop (not the static step) keeps each distinct prompt's
+    K/V once and attends over it for all of its rows (model.fast_decode.SharedPrefix) where every prompt repeats
+    equally often; False copies the prompt's K/V to each row.
+
+    drop_finished: on the fast decoder's loop with a host check every token (a CPU's), rows that have stopped leave
+    the decode batch once they are a quarter of it (their cache rows dropped, one copy): a batch decodes until its
+    longest reply, and many of its row-steps come after a row's EOS. Each row still draws the uniform it would draw
+    in the whole batch, so the tokens are the whole batch's up to the rounding of a smaller batch's matmuls. (Past a
+    row's EOS, outside its response mask, log-prob and entropy are 0 always.)"""
+
+    static_step: bool | None = None
+    share_prefill: bool = True
+    shared_attention: bool = True
+    drop_finished: bool = True
 
 
 @torch.no_grad()
@@ -458,12 +528,9 @@ def sample(
     return_logprobs: bool = False,
     fast_decode: bool = True,
     cuda_graphs: bool = True,
-    static_step: bool | None = None,
     sync_interval: int | None = None,
     generator: torch.Generator | None = None,
-    share_prefill: bool = True,
-    shared_attention: bool = True,
-    drop_finished: bool = True,
+    decode: DecodeOptions = DecodeOptions(),
 ) -> Samples:
     """Sample responses for a left-padded batch [B, P]; per-row stop at EOS, pads after it.
 
@@ -481,9 +548,7 @@ def sample(
     inside the step) in shapes rounded up to a bucket: with cuda_graphs replayed per token from the bucket's CUDA
     graph (captured on the bucket's first rollout, kept across rollouts: model/decode_graphs.py), without it
     launched op by op; the two give the same tokens and log-probs bit for bit (the same kernels on the same
-    shapes). static_step: None = that rule; True = StaticDecode on a CPU too, run eagerly in the exact shapes (the
-    CPU tests compare it with the loop below: equal up to the rounding of attention's sums over more, masked,
-    slots); False = never.
+    shapes). A CPU runs the decode loop below (DecodeOptions.static_step changes that rule).
 
     sync_interval: tokens between host checks of "every row stopped" and "logits finite" (None =
     `host_sync_interval` of the device: 1 on CPU, 8 on CUDA). With k > 1 up to k-1 steps may run after
@@ -494,19 +559,7 @@ def sample(
 
     generator: the random stream of the draws (on the inputs' device); None = torch's default one.
 
-    share_prefill: rows with the same prompt (GRPO's groups) share one prefill: each distinct prompt runs once and
-    its K/V and last logits are copied to its rows. The logits equal a prefill of every row up to the rounding of a
-    smaller batch's matmuls (tests/test_generation.py); False prefills every row (tests compare the two).
-
-    shared_attention: with share_prefill, the fast decoder's loop (not the static step) keeps each distinct prompt's
-    K/V once and attends over it for all of its rows (model.fast_decode.SharedPrefix) where every prompt repeats
-    equally often; False copies the prompt's K/V to each row (tests compare the two).
-
-    drop_finished: on the fast decoder's loop with a host check every token (a CPU's), rows that have stopped leave
-    the decode batch once they are a quarter of it (their cache rows dropped, one copy): a batch decodes until its
-    longest reply, and at the SmolLM2 IFEval preset's shape ~30% of the row-steps came after a row's EOS. Each row
-    still draws the uniform it would draw in the whole batch, so the tokens are the whole batch's up to the rounding
-    of a smaller batch's matmuls. (Past a row's EOS, outside its response mask, log-prob and entropy are 0 always.)"""
+    decode: the switches that tests and benchmarks turn to compare decode paths (DecodeOptions)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     interval = sync_interval if sync_interval is not None else host_sync_interval(input_ids.device.type)
@@ -527,6 +580,7 @@ def sample(
     score_temp = 1.0 if greedy else temperature
     try:
         cache = preallocated_cache(model, P + max_new_tokens)
+        layers = kv_layers(cache) if cache is not None else []  # [] when the model builds its own cache
         # transformers 5.x renamed the forward's cache argument (past_key_values -> cache, the old name deprecated)
         cache_arg = "cache" if _accepts(model, "cache") else "past_key_values"
         extra = {cache_arg: cache} if cache is not None else {}
@@ -537,33 +591,36 @@ def sample(
         prefill_cast = (torch.autocast(device_type, dtype=torch.get_autocast_dtype(device_type), cache_enabled=False)
                         if fast is not None and torch.is_autocast_enabled(device_type) else contextlib.nullcontext())
         # Each distinct prompt is prefilled once, its K/V then copied to every row that repeats it.
-        shared = distinct_prompts(input_ids, mask) if cache is not None and share_prefill else None
+        shared = distinct_prompts(input_ids, mask) if cache is not None and decode.share_prefill else None
         at, inverse = shared if shared is not None else (slice(None), None)
         with prefill_cast:
             out = model(input_ids=input_ids[at], attention_mask=mask[at], position_ids=position[at], use_cache=True,
                         **keep, **extra)
         last = out.logits[:, -1, :]
-        static = (static_step if static_step is not None else device_type == "cuda") and fast is not None
+        static = fast is not None and (decode.static_step if decode.static_step is not None else device_type == "cuda")
         prefix = None
         if inverse is not None:
-            if shared_attention and fast is not None and not static and SharedPrefix.applies(inverse):
-                prefix = SharedPrefix(cache, mask[at], inverse, max_new_tokens, fast.compute_dtype)
+            if decode.shared_attention and fast is not None and not static and SharedPrefix.applies(inverse):
+                prefix = SharedPrefix([layer.filled() for layer in layers], mask[at], inverse, max_new_tokens,
+                                      fast.compute_dtype)
             else:
-                expand_cache(cache, inverse)
+                expand_cache(layers, inverse)
             last = last.index_select(0, inverse)
         if fast is not None:  # the whole-generation key mask, sliced per step: [B, P + max_new_tokens]
             kv_mask = torch.cat([mask.bool(), mask.new_ones(B, max_new_tokens, dtype=torch.bool)], dim=1)
         position = position[:, -1:]
         if static:
-            opts = dict(eos_t=eos_t, pad_token_id=pad_token_id, temperature=temperature, top_k=top_k, top_p=top_p,
-                        greedy=greedy, suppress_eos=suppress_eos, return_logprobs=return_logprobs, score_temp=score_temp)
-            return _static_decode(model, fast, cache, mask, position, last, input_ids, max_new_tokens, eos_ids, interval,
-                                  cuda_graphs, generator, opts)
+            assert fast is not None  # static needs the fast decoder
+            choice = TokenChoice(pad_token_id=pad_token_id, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 greedy=greedy, suppress_eos=suppress_eos, return_logprobs=return_logprobs,
+                                 score_temp=score_temp)
+            return _static_decode(model, fast, layers, mask, position, last, input_ids, max_new_tokens, eos_ids, eos_t,
+                                  interval, cuda_graphs, generator, choice)
         finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
         # interval 1 checks finiteness per token inside the draw (a sync), as it always has.
         finite = torch.ones((), dtype=torch.bool, device=input_ids.device) if interval > 1 else None
         rows: torch.Tensor | None = None  # the rows still in the decode batch (drop_finished); None: every row
-        dropping = drop_finished and fast is not None and interval == 1 and not suppress_eos
+        dropping = decode.drop_finished and fast is not None and interval == 1 and not suppress_eos
         for step in range(max_new_tokens):
             live = finished if rows is None else finished.index_select(0, rows)
             nxt, lp, ent = choose_tokens(last.float(), finished=live, pad_token_id=pad_token_id, eos_t=eos_t,
@@ -594,14 +651,14 @@ def sample(
                 done = finished if rows is None else finished.index_select(0, rows)
                 n_done = int(done.sum())  # a host read, as the check above
                 if 4 * n_done >= done.shape[0]:
-                    keep = (~done).nonzero().squeeze(1)
-                    rows = keep if rows is None else rows.index_select(0, keep)
-                    step_tokens, position, kv_mask = step_tokens[keep], position[keep], kv_mask[keep]
+                    still = (~done).nonzero().squeeze(1)
+                    rows = still if rows is None else rows.index_select(0, still)
+                    step_tokens, position, kv_mask = step_tokens[still], position[still], kv_mask[still]
                     if prefix is not None:
-                        prefix.keep(keep)
+                        prefix.keep(still)
                     else:
-                        expand_cache(cache, keep)
-            if fast is not None:
+                        expand_cache(layers, still)
+            if fast is not None and cache is not None:  # (the fast decoder runs on the preallocated cache only)
                 last = fast.step(step_tokens, position, kv_mask[:, : P + step + 1], cache, prefix=prefix)
             else:
                 mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
@@ -618,9 +675,10 @@ def sample(
     return _finish(input_ids, responses, logprobs, entropy, eos_ids, pad_token_id, interval, suppress_eos)
 
 
-def _static_decode(lm: nn.Module, fast, cache: Cache, mask: torch.Tensor, position: torch.Tensor,  # noqa: ANN001
-                   last: torch.Tensor, input_ids: torch.Tensor, max_new_tokens: int, eos_ids: list[int], interval: int,
-                   cuda_graphs: bool, generator: torch.Generator | None, opts: dict) -> Samples:
+def _static_decode(lm: nn.Module, fast: FastDecoder, layers: list[PreallocatedLayer], mask: torch.Tensor,
+                   position: torch.Tensor, last: torch.Tensor, input_ids: torch.Tensor, max_new_tokens: int,
+                   eos_ids: list[int], eos_t: torch.Tensor, interval: int, cuda_graphs: bool,
+                   generator: torch.Generator | None, choice: TokenChoice) -> Samples:
     """sample()'s decode with StaticDecode. A CPU: the exact shapes, in the prefill's own cache buffers, eager. CUDA:
     the bucket's shapes (graph_shape), graphs or not, so a graph and the eager step (--cuda_graphs 0, or a bucket
     that cannot be captured) run the same kernels on the same shapes: the same bits. With cuda_graphs the bucket's
@@ -628,37 +686,39 @@ def _static_decode(lm: nn.Module, fast, cache: Cache, mask: torch.Tensor, positi
     B, P = mask.shape
     device = input_ids.device
     samples = functools.partial(_static_samples, last=last, input_ids=input_ids, max_new_tokens=max_new_tokens,
-                                eos_ids=eos_ids, pad_token_id=opts["pad_token_id"], interval=interval,
-                                suppress_eos=opts["suppress_eos"], return_logprobs=opts["return_logprobs"])
+                                eos_ids=eos_ids, pad_token_id=choice.pad_token_id, interval=interval,
+                                suppress_eos=choice.suppress_eos, return_logprobs=choice.return_logprobs)
     if not graphs.BACKEND.applies(device):
-        dec = StaticDecode([(layer._k, layer._v) for layer in cache.layers], B, P + max_new_tokens, generator=generator, **opts)
-        dec.load(fast, cache, mask, position)
+        dec = StaticDecode([layer.buffers() for layer in layers], B, P + max_new_tokens, eos_t=eos_t, choice=choice,
+                           generator=generator)
+        dec.load(fast, layers, mask, position)
         return samples(dec)
     rows, capacity = graphs.graph_shape(B, P + max_new_tokens)
-    layout = [((rows, t.shape[1], capacity, t.shape[-1]), t.dtype) for layer in cache.layers for t in (layer._k, layer._v)]
+    layout: list[tuple[tuple[int, ...], torch.dtype]] = [
+        ((rows, t.shape[1], capacity, t.shape[-1]), t.dtype) for layer in layers for t in layer.buffers()]
     dev = graphs.device_graphs(device) if cuda_graphs and max_new_tokens > 1 else None
     key: tuple = ()
     signature: tuple = ()
     if dev is not None:
         dev.bind(lm)
         signature = dev.signature(fast)
-        key = (rows, capacity, tuple(layout), signature, tuple(eos_ids),
-               tuple(v for k, v in opts.items() if k != "eos_t"), torch.is_autocast_enabled(device.type),
+        key = (rows, capacity, tuple(layout), signature, tuple(eos_ids), choice, torch.is_autocast_enabled(device.type),
                torch.get_autocast_dtype(device.type), torch.are_deterministic_algorithms_enabled())
     if dev is None or key in dev.refused:  # eager: buffers of this call's own
         kv = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in layout]
-        dec = StaticDecode(list(zip(kv[0::2], kv[1::2])), rows, capacity, generator=generator, **opts)
-        dec.load(fast, cache, mask, position)
-        _free_kv(cache)
+        dec = StaticDecode(list(zip(kv[0::2], kv[1::2])), rows, capacity, eos_t=eos_t, choice=choice, generator=generator)
+        dec.load(fast, layers, mask, position)
+        _free_kv(layers)
         return samples(dec)
     static_fast = dev.decoder(fast, signature)
     entry = dev.get(key)
     if entry is None:
         kv = dev.kv(layout)
-        entry = graphs.Entry(StaticDecode(list(zip(kv[0::2], kv[1::2])), rows, capacity, generator=dev.generator, **opts))
+        entry = graphs.Entry(StaticDecode(list(zip(kv[0::2], kv[1::2])), rows, capacity, eos_t=eos_t, choice=choice,
+                                          generator=dev.generator))
     dec = entry.dec
-    dec.load(static_fast, cache, mask, position)
-    _free_kv(cache)
+    dec.load(static_fast, layers, mask, position)
+    _free_kv(layers)
 
     def graphed() -> Callable[[], None] | None:
         if entry.graph is None:
@@ -675,11 +735,11 @@ def _static_decode(lm: nn.Module, fast, cache: Cache, mask: torch.Tensor, positi
         dec.fast = None  # the cache keeps no reference to the model
 
 
-def _free_kv(cache: Cache) -> None:
+def _free_kv(layers: list[PreallocatedLayer]) -> None:
     """The prefill's K/V freed once StaticDecode.load copied them into its buffers (sample() reads them no more):
     one copy of the K/V alive while decoding, not two."""
-    for layer in cache.layers:
-        layer._k = layer._v = layer.keys = layer.values = None
+    for layer in layers:
+        layer.free()
 
 
 def _static_samples(dec: StaticDecode, *, last: torch.Tensor, input_ids: torch.Tensor, max_new_tokens: int,

@@ -21,6 +21,7 @@ import shlex
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,7 +75,7 @@ def _refuse_pickled_code(d: Path, flag: str) -> Iterator[None]:
         # out for a trusted file is to rewrite its tensors as model.safetensors (preferred over .bin).
         convert = (
             " or, only if you trust the file, convert it once: python -c \"import sys, torch, safetensors.torch as st; "
-            "sd = {}; [sd.update(torch.load(f, weights_only=False)) for f in sys.argv[2:]]; "  # noqa: S301 - printed for the user, for a file they trust
+            "sd = {}; [sd.update(torch.load(f, weights_only=False)) for f in sys.argv[2:]]; "  # printed for the user, for a file they trust
             "st.save_file({k: v.contiguous().clone() for k, v in sd.items() if torch.is_tensor(v)}, sys.argv[1], "
             "metadata={'format': 'pt'})\" " + " ".join(shlex.quote(str(f)) for f in [d / "model.safetensors", *files])
         ) if files else ""
@@ -92,7 +93,7 @@ def _first_refused(files: list[Path]) -> Path | None:
             torch.load(f, map_location="meta", weights_only=True)
         except pickle.UnpicklingError:
             return f
-        except Exception:
+        except Exception:  # noqa: BLE001 - a shard unreadable for another reason is not the one with code: go on
             continue
     return None
 
@@ -105,8 +106,8 @@ def _warn_unused_remote_code(model: nn.Module, d: Path, flag: str) -> None:
         return
     refs = auto_map.values() if isinstance(auto_map, dict) else []
     # An AutoTokenizer entry is a [slow, fast] pair; the others are "module.Class" strings.
-    names = sorted({str(r) for v in refs for r in (v if isinstance(v, (list, tuple)) else [v]) if r})
-    names = ", ".join(names)[:120] or "custom classes"
+    found = sorted({str(r) for v in refs for r in (v if isinstance(v, (list, tuple)) else [v]) if r})
+    names = ", ".join(found)[:120] or "custom classes"
     print(f"warning: {flag} {d}: config.json's auto_map names custom code ({names}) that was NOT used: "
           f"transformers' stock {model.config.model_type} class {type(model).__name__} was loaded instead; "
           "pass --trust_remote_code 1 to use the directory's code", file=sys.stderr, flush=True)
@@ -136,7 +137,7 @@ def build_minimind(
     use_moe: bool = False,
     arch: str = "qwen3",
     vocab_size: int = 6400,
-    **overrides,
+    **overrides: Any,
 ) -> MiniMindForCausalLM:
     """A randomly initialised MiniMind model of the given shape (seed torch first for repeatability)."""
     config = MiniMindConfig(
@@ -184,7 +185,7 @@ def load_policy(
     if hf_path is not None:
         d = _local_dir(hf_path, "--actor_path")
         with _refuse_pickled_code(d, "--actor_path"):
-            model = AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype, trust_remote_code=trust_remote_code)
+            model: nn.Module = AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype, trust_remote_code=trust_remote_code)
         if not trust_remote_code:
             _warn_unused_remote_code(model, d, "--actor_path")
         tok = load_tokenizer(tokenizer_path or d, trust_remote_code=trust_remote_code)
@@ -225,9 +226,9 @@ def _contiguous(module: nn.Module, args: tuple) -> tuple:
 def contiguous_head_input(model: nn.Module) -> None:
     """Hand the LM head contiguous hidden states. `logits_to_keep` slices the last positions of [B, T, H], a strided
     view, and torch's matmul of a strided 3-D input with a weight that requires no grad (a frozen reference, old actor
-    or eval model) does not fold it into one mm: it expands the weight to [B, H, vocab] and copies it, 57 MB a row at
-    SmolLM2's vocabulary (2.1 of 4.0 s of a 16-row bf16 reference forward on a CPU core; 17 GB at 64 rows of a
-    150k-vocabulary, 896-wide model on a GPU). A copy of the kept hidden states costs B x kept x H instead.
+    or eval model) does not fold it into one mm: it expands the weight to [B, H, vocab] and copies it, H x vocab
+    elements per row (at a large vocabulary, most of a reference forward's time, and gigabytes on a GPU). A copy of
+    the kept hidden states costs B x kept x H instead.
     The hook goes with the module through deepcopy (the frozen copies), DDP, FSDP2 and peft."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(head, nn.Module):

@@ -1,5 +1,6 @@
-"""Per-token log-probs (and entropy) straight from hidden states and the LM head, in token chunks: the scoring and
-update path that never holds the [rows, tokens, vocab] logits (issue #74.4; TRL's fused LM-head log-prob kernel,
+"""Per-token log-probs (and entropy) under softmax(logits / T), in fp32: from logits a few rows at a time
+(logprobs_from_logits, the plain path), or straight from hidden states and the LM head, in token chunks: the scoring
+and update path that never holds the [rows, tokens, vocab] logits (issue #74.4; TRL's fused LM-head log-prob kernel,
 Liger's fused linear cross-entropy).
 
 At a Qwen-class vocabulary (151,936) the logits are the largest tensor of a step: 0.6 GB in fp32 per 1,024-token
@@ -18,12 +19,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .generation import kept_logprobs
+from .generation import kept_logprobs, token_logprobs
+from .lora import base_of
 
 # Tokens per chunk: -1 = auto (as many as keep one fp32 [chunk, vocab] temporary within CHUNK_ELEMENTS: 110 tokens at
 # 151,936; for a head that trains, only past TRAINED_HEAD_BYTES of logits, see fused_chunk), 0 = off (the plain
@@ -77,10 +80,7 @@ def fused_chunk(model: nn.Module, head: nn.Module | None, n_tokens: int, setting
     trains = torch.is_grad_enabled() and head.weight.requires_grad
     if setting < 0 and trains and n_tokens * head.out_features * 4 < TRAINED_HEAD_BYTES:
         return 0
-    inner = getattr(model, "module", model)  # DDP
-    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft
-    actor = getattr(base, "_actor", None)  # model/lora.py's frozen copies: their actor's config
-    return 0 if _transforms_logits(actor[0] if actor else base) else chunk
+    return 0 if _transforms_logits(base_of(model)) else chunk  # DDP, peft; model/lora.py's wrappers: their actor's config
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -89,6 +89,86 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
     return weight.dtype
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, chunk_rows: int = 8, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(token) under softmax(logits / T), in fp32, `chunk_rows` rows at a time.
+
+    logits [B, R, V] (any dtype), tokens [B, R] -> logprobs [B, R] fp32 (and entropy [B, R]).
+    The temperature matches the sampler's, so the ratio's denominator is the policy that sampled.
+
+    With grad (the update) _TokenLogprobs gives the same values, but autograd keeps no fp32
+    log-softmax [B, R, V] alive until backward (twice the bf16 logits' size): only the logits are
+    saved, the softmax is recomputed in backward. Under no_grad, this loop as it always was.
+    """
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _TokenLogprobs.apply(logits, tokens, temperature, with_entropy)
+    out, ents = [], []
+    for s in range(0, logits.shape[0], chunk_rows):
+        lp, ent = token_logprobs(logits[s : s + chunk_rows], tokens[s : s + chunk_rows], temperature, with_entropy)
+        out.append(lp)
+        ents.append(ent)
+    return torch.cat(out), (torch.cat(ents) if with_entropy else None)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """logprobs_from_logits for the update: the same values, a backward that recomputes the softmax.
+
+    Forward: token_logprobs, the no-grad path's ops, one row at a time.
+    Saved: the logits (which the model made anyway), the tokens and the entropy [B, R]; no fp32
+    [B, R, V] tensor. Backward, one row at a time into one gradient tensor of the logits' dtype (fp32
+    temporaries are [R, V]; autograd through sliced chunks would also allocate a zero-filled [B, R, V]
+    gradient per chunk):
+      log-prob part: autograd's own ops (gather's scatter, log_softmax's backward kernel on the
+        recomputed log-softmax, / T), so the gradient is bit-identical to the plain formula's and the
+        CPU fp32 demo trains exactly as before;
+      entropy part (entropy_coef > 0): dH/du = -p * (logp + H), u = logits / T, equal to autograd's
+        to rounding."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # Row by row: the fp32 temporaries are [R, V] and none outlives its row. The log-softmax and
+        # entropy are per position, so the values are the no-grad path's 8-row chunks' bit for bit.
+        out, ents = [], []
+        for b in range(logits.shape[0]):
+            lp, ent = token_logprobs(logits[b : b + 1], tokens[b : b + 1], temperature, with_entropy)
+            out.append(lp)
+            ents.append(ent)
+        lp, ent = torch.cat(out), (torch.cat(ents) if with_entropy else None)
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not a zero [B, R] tensor
+        ctx.save_for_backward(logits, tokens, ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        logits, tokens, ent = ctx.saved_tensors
+        T = ctx.temperature
+        if g_lp is None and g_ent is None:
+            return None, None, None, None
+        grad = torch.empty_like(logits)
+        for b in range(logits.shape[0]):
+            u = logits[b].float()  # [R, V], as token_logprobs computes it
+            if T != 1.0:
+                u = u / T
+            logp = torch.log_softmax(u, dim=-1)
+            del u
+            if g_lp is not None:  # gather's backward, then log_softmax's (the kernel autograd calls)
+                g_logp = torch.zeros_like(logp).scatter_add_(-1, tokens[b].unsqueeze(-1), g_lp[b].unsqueeze(-1))
+                g_u = torch._log_softmax_backward_data(g_logp, logp, -1, logp.dtype)
+                del g_logp
+            if g_ent is not None:  # -g_H * p * (logp + H), computed in logp's memory
+                p = logp.exp()
+                g_h = logp.add_(ent[b].unsqueeze(-1)).mul_(p).mul_(-g_ent[b].unsqueeze(-1))
+                del p
+                g_u = g_u.add_(g_h) if g_lp is not None else g_h
+            if T != 1.0:
+                g_u = g_u / T  # DivBackward's op
+            grad[b].copy_(g_u)  # to the logits' dtype, as .float()'s backward casts
+        return grad, None, None, None
 
 
 def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
@@ -104,7 +184,7 @@ def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 class _Buffers:
     """Three fp32 [chunk, V] buffers every chunk of one call reuses. Fresh tensors of that size would each be
-    mmap'ed and page-faulted in by glibc's malloc (past its 32 MB threshold): +10-30% of the head's time on a CPU."""
+    mmap'ed and page-faulted in by glibc's malloc (past its 32 MB threshold) on every chunk."""
 
     def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
         self.a, self.b, self.c = (torch.empty(rows, vocab, dtype=torch.float32, device=device) for _ in range(3))
@@ -134,7 +214,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
     in fp32), grad_b += sum g. A frozen head: grad_h from the forward's per-token d/dh, no second projection."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                 temperature: float, chunk: int, with_entropy: bool, cd: torch.dtype,
                 grad_enabled: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         N = hidden.shape[0]
@@ -174,7 +254,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         return lp, ent
 
     @staticmethod
-    def backward(ctx, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, targets, ent, j_lp, j_ent = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         none = (None,) * 9
@@ -220,7 +300,7 @@ def _logits_grad(u: torch.Tensor, logp: torch.Tensor, tmp: torch.Tensor, targets
                  g_lp: torch.Tensor | None, g_ent: torch.Tensor | None, ent: torch.Tensor | None,
                  cd: torch.dtype) -> torch.Tensor:
     """The gradient of one chunk's logits [C, V] (in the compute dtype `cd`) from its log-probs' and entropies'
-    gradients [C], as trainer/rollout.py's _TokenLogprobs forms it: gather's and log_softmax's backward (the kernel
+    gradients [C], as _TokenLogprobs forms it: gather's and log_softmax's backward (the kernel
     autograd calls), dH/du = -p (logp + H) with u = logits / T, then / T. `logp` holds the chunk's log-softmax; it,
     `u` and `tmp` are overwritten (the result lives in one of them, or is a fresh `cd` tensor)."""
     g_u: torch.Tensor | None = None

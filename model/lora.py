@@ -88,8 +88,8 @@ def add_lora(model: nn.Module, r: int, alpha: float, dropout: float, targets: st
     from peft import LoraConfig, get_peft_model
 
     check_targets(model, targets)
-    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=parse_targets(targets),
-                     task_type="CAUSAL_LM", bias="none")
+    cfg = LoraConfig(r=r, lora_alpha=alpha,  # type: ignore[arg-type]  # peft annotates int, uses alpha / r: a float works
+                     lora_dropout=dropout, target_modules=parse_targets(targets), task_type="CAUSAL_LM", bias="none")
     with warnings.catch_warnings():  # peft probes transformers' deprecated is_gradient_checkpointing
         warnings.simplefilter("ignore", FutureWarning)
         try:
@@ -133,7 +133,7 @@ class AdaptersOff(nn.Module):
     Shares every tensor with the actor (none registered here, so it holds no parameters of its own);
     forward takes the causal LM's arguments."""
 
-    def __init__(self, actor: nn.Module):
+    def __init__(self, actor: nn.Module) -> None:
         super().__init__()
         self._actor = [actor]  # a list: not a submodule (no parameters, no state_dict entries)
 
@@ -143,6 +143,9 @@ class AdaptersOff(nn.Module):
 
     def set_attn_implementation(self, impl: str) -> None:
         base_of(self._actor[0]).set_attn_implementation(impl)
+
+    def get_output_embeddings(self) -> nn.Module | None:  # the actor's LM head: model/forward.py output_head
+        return base_of(self._actor[0]).get_output_embeddings()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         actor = getattr(self._actor[0], "module", self._actor[0])
@@ -157,7 +160,7 @@ class AdapterSnapshot(nn.Module):
     state_dict() is the snapshot; load_state_dict(actor.state_dict()) (train_ppo's refresh) copies the
     adapters out of a full peft state dict, and a resume file's snapshot loads back the same way."""
 
-    def __init__(self, actor: nn.Module):
+    def __init__(self, actor: nn.Module) -> None:
         super().__init__()
         self._actor = [actor]
         self.snapshot = {n: p.detach().clone() for n, p in trainable(actor).items()}
@@ -168,6 +171,9 @@ class AdapterSnapshot(nn.Module):
 
     def set_attn_implementation(self, impl: str) -> None:
         base_of(self._actor[0]).set_attn_implementation(impl)
+
+    def get_output_embeddings(self) -> nn.Module | None:  # the actor's LM head: model/forward.py output_head
+        return base_of(self._actor[0]).get_output_embeddings()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
         return dict(self.snapshot)

@@ -12,16 +12,18 @@ round-trip once `import model` has run.
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .config import MiniMindConfig
 
 
-def kv_cache_of(out: object) -> object:
+def kv_cache_of(out: object) -> Cache | None:
     """The KV cache a forward returned, under either of transformers 5.x's names for it (past_key_values -> cache)."""
     if "cache" in getattr(out, "__dataclass_fields__", {}):  # the new name: its old one is a property that warns
         return getattr(out, "cache")
@@ -43,7 +45,7 @@ class MiniMindPreTrainedModel(PreTrainedModel):
 class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
-    def __init__(self, config: MiniMindConfig):
+    def __init__(self, config: MiniMindConfig) -> None:
         super().__init__(config)
         hf_config = config.to_hf_config()
         # The trunk follows the attention implementation chosen for the wrapper (sdpa by default).
@@ -65,13 +67,13 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        cache=None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        past_key_values=None,
-        **kwargs,
+        past_key_values: Cache | None = None,
+        **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         # transformers 5.x renamed the KV cache argument (past_key_values -> cache); take either, pass the trunk's own.
         cache = cache if cache is not None else past_key_values
@@ -94,7 +96,8 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{self._cache_arg: kv_cache_of(out)})
+        named_cache: dict[str, Any] = {self._cache_arg: kv_cache_of(out)}  # under this transformers version's name
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **named_cache)
 
 
 def _register() -> None:

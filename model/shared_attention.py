@@ -4,7 +4,7 @@ attends to it (cascade attention, as model/fast_decode.py's SharedPrefix does wh
 matmuls then run each prompt token once instead of once per row, and attention computes only what a row reads:
 a prompt over itself (causal), a response over its prompt and itself (causal), never the responses beside it.
 
-Registered with transformers' AttentionInterface as NAME. The packed layout (trainer/rollout.py pack_rows) is a
+Registered with transformers' AttentionInterface as NAME. The packed layout (model/packing.py pack_rows) is a
 SharedLayout, passed as the forward's `shared_layout` keyword, which transformers hands to every attention call;
 the caller switches the model's attention implementation to NAME for that forward (`attention_implementation`).
 Each attention call gathers the group's prompt queries, keys and values and each row's response ones from the

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -84,8 +84,13 @@ def from_native(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _suggest(expected: dict, found: dict, shape_errors: list[str]) -> str:
     """Guess which flag produced the mismatch, from the kind of keys involved."""
     hints = []
-    layers = lambda d: {int(m.group(1)) for k in d if (m := re.search(r"layers\.(\d+)\.", k))}
-    has = lambda d, part: any(part in k for k in d)
+
+    def layers(d: dict) -> set[int]:
+        return {int(m.group(1)) for k in d if (m := re.search(r"layers\.(\d+)\.", k))}
+
+    def has(d: dict, part: str) -> bool:
+        return any(part in k for k in d)
+
     if layers(expected) != layers(found):
         hints.append(f"--num_hidden_layers (the file has {len(layers(found))} layers, the model {len(layers(expected))})")
     if has(expected, "q_norm") != has(found, "q_norm"):
@@ -137,7 +142,7 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise WeightsError(f"{path}: no such weights file (check --save_dir / --from_weight / --hidden_size)")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # UnpicklingError for code objects, RuntimeError for truncated zips
+    except Exception as e:  # noqa: BLE001 - any read failure is the file's (UnpicklingError: code objects; RuntimeError: truncated zip)
         raise WeightsError(f"{path}: cannot be read as a tensor-only state dict ({type(e).__name__}: {str(e).splitlines()[0]})") from None
     if isinstance(obj, dict) and "model" in obj and isinstance(obj["model"], dict):
         obj = obj["model"]  # a MiniMind resume file: take its actor weights
@@ -157,7 +162,7 @@ def load_native_weights(model: nn.Module, path: str | os.PathLike) -> None:
     model.load_state_dict(state, strict=True)
 
 
-def atomic_torch_save(obj, path: str | os.PathLike) -> None:
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """Write to a temp file in the same folder, fsync, then rename: a kill never leaves half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

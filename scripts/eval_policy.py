@@ -63,7 +63,10 @@ def write_replies(path: str | Path, sources: list[dict], rows: list[dict]) -> No
     rows with Google's checker."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    extra = lambda row: {"kl_ref": row["kl_ref"]} if "kl_ref" in row else {}
+
+    def extra(row):
+        return {"kl_ref": row["kl_ref"]} if "kl_ref" in row else {}
+
     out.write_text("".join(json.dumps({**src, "reply": row["reply"], **extra(row)}, ensure_ascii=False) + "\n"
                            for src, row in zip(sources, rows, strict=True)), encoding="utf-8")
 
@@ -114,7 +117,7 @@ PRESET_SETTINGS = (("tools", "tools"), ("tools_system_prompt", "tools_system_pro
 
 def preset_defaults(path: str) -> dict:
     """The settings of PRESET_SETTINGS from a train_ppo.py --config preset (its defaults where it sets none)."""
-    from trainer.run.cli import parse_args as train_args  # noqa: PLC0415 - only --config needs the trainer's parser
+    from trainer.run.cli import parse_args as train_args  # here: only --config needs the trainer's parser
 
     cfg = train_args(["--config", path])
     found = {ours: getattr(cfg, theirs) for theirs, ours in PRESET_SETTINGS}

@@ -52,7 +52,10 @@ def write_tiny_llama_gguf(path: Path, arch: str = "llama", seed: int = 0) -> Pat
     w.add_unk_token_id(0)
     w.add_pad_token_id(2)
     w.add_chat_template(CHAT_TEMPLATE)
-    f32 = lambda *shape: (rng.standard_normal(shape) * 0.1).astype(np.float32)  # noqa: E731
+
+    def f32(*shape):
+        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
+
     w.add_tensor("token_embd.weight", f32(vocab, hidden))
     for i in range(layers):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))

@@ -201,7 +201,7 @@ def lr_schedule(warmup: int, total: int):
 def policy_logprobs(world: UpdateWorld, ro, with_entropy: bool = False):
     """The actor's current per-token log-probs [B, R] of ro's responses (and entropy), WITH grad, at the
     temperature the update uses."""
-    from trainer.rollout import policy_forward
+    from model.forward import policy_forward
 
     temp = world.cfg.sample_temperature
     with world.runtime.autocast():
@@ -211,7 +211,7 @@ def policy_logprobs(world: UpdateWorld, ro, with_entropy: bool = False):
 
 def critic_values(world: UpdateWorld, ro) -> torch.Tensor:
     """The critic's current values [B, R] for ro's responses, WITH grad."""
-    from trainer.rollout import critic_forward
+    from model.forward import critic_forward
 
     with world.runtime.autocast():
         return critic_forward(world.critic, ro.sequences, ro.attention_mask, ro.response_len)
@@ -223,8 +223,8 @@ def param_snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def run_main(flags: list[str]) -> tuple[object, str]:
-    """train_ppo.main in this process (saves the ~10 s interpreter + transformers start-up of a
-    subprocess), without the end-of-run PNGs (seconds of matplotlib, not under test here).
+    """train_ppo.main in this process (saves the interpreter + transformers start-up of a subprocess),
+    without the end-of-run PNGs (matplotlib's time, not under test here).
     Returns (SystemExit code or None, stdout + stderr)."""
     from train_ppo import main
 

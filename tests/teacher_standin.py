@@ -75,10 +75,10 @@ class TeacherStandin:
                 outer.requests.append({"path": self.path, "body": body})
                 self._reply(*outer.answer(self.path, body))
 
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            def do_GET(self) -> None:  # http.server's name
                 self._route(None)
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 n = int(self.headers.get("Content-Length") or 0)
                 self._route(json.loads(self.rfile.read(n) or b"null"))
 

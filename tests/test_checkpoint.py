@@ -107,7 +107,7 @@ def test_sigkill_twice_then_resume_is_bit_identical(world, tmp_path, monkeypatch
 
     rng = random.Random()  # the kill moments are deliberately not reproducible
     p = spawn_train(tiny_flags(world, b, **common), tmp_path, tmp_path / "b1.log")
-    # A tiny step takes ~0.2 s here: kills land inside a step, and the second one always leaves at
+    # A tiny step outlasts the 0-0.1 s delay: kills land inside a step, and the second one always leaves at
     # least two steps to run, so a quiet, fast machine cannot finish the run before the kill.
     sigkill_after(p, b / "ckpt" / _name(1), delay=rng.uniform(0.0, 0.1))
     log2 = tmp_path / "b2.log"
@@ -140,7 +140,10 @@ def test_sigkill_twice_then_resume_is_bit_identical(world, tmp_path, monkeypatch
     ma, mb = step_metrics(a / "run"), step_metrics(b / "run")
     assert [r["step"] for r in mb] == [1, 2, 3, 4, 5, 6]
     assert ma == mb
-    sam = lambda d: (d / "run" / "samples.jsonl").read_text().splitlines()
+
+    def sam(d: Path) -> list[str]:
+        return (d / "run" / "samples.jsonl").read_text().splitlines()
+
     assert sam(a) == sam(b)
 
 
@@ -151,7 +154,10 @@ def _uninterrupted_equals_killed_at_2(world, tmp_path: Path, common: dict) -> tu
     code, out = run_main(tiny_flags(world, a, **common))
     assert code is None, out[-3000:]
     steps = common["max_steps"]
-    name = lambda step: f"{common['save_weight']}_64_resume_step{step:08d}.pth"  # noqa: E731
+
+    def name(step: int) -> str:
+        return f"{common['save_weight']}_64_resume_step{step:08d}.pth"
+
     p = spawn_train(tiny_flags(world, b, **common), tmp_path, tmp_path / "b1.log")
     sigkill_after(p, b / "ckpt" / name(2), delay=0.05)
     code, out2 = run_main(tiny_flags(world, b, **common, from_resume=1))

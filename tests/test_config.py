@@ -8,7 +8,9 @@ import re
 import pytest
 
 from trainer import config as config_mod
+from trainer import sections
 from trainer.run import cli as C
+from trainer.runtime import DistInfo
 
 
 def test_each_field_has_a_docstring_and_names_are_unique():
@@ -46,3 +48,30 @@ def test_settings_are_attributes_of_one_flat_frozen_dataclass():
         cfg.replace(clip_epslon=0.3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.clip_epsilon = 1.0  # type: ignore[misc]
+
+
+def test_each_section_carries_its_flags_under_their_own_names():
+    """cfg.loss / estimator / optim / sampling / update hold the flags' values under the flags' names (a loss written
+    against the whole config reads the same names off its section); only the component's name, the nested sections
+    and two derived values are not settings of their own."""
+    raw = C.parse_args(["--advantage_estimator", "grpo", "--num_generations", "4", "--policy_loss", "gspo",
+                        "--clip_epsilon", "0.1", "--gamma", "1", "--learning_rate", "3e-5", "--top_k", "5",
+                        "--greedy", "1", "--entropy_coef", "0.01", "--mini_batch_size", "0"])
+    assert raw.loss.clip_epsilon_high == 0.1  # not given: the symmetric clip, as resolve fills it in
+    cfg = C.resolve(raw, DistInfo())
+    built = {sections.PolicyLossConfig: cfg.loss, sections.EstimatorConfig: cfg.estimator, sections.OptimConfig: cfg.optim,
+             sections.SamplingConfig: cfg.sampling, sections.UpdateConfig: cfg.update}
+    not_settings = {"name", "loss", "optim", "sample_temperature", "train_attn"}
+    for cls, section in built.items():
+        assert type(section) is cls and dataclasses.is_dataclass(section)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(section, dataclasses.fields(section)[0].name, None)
+        for f in dataclasses.fields(section):
+            if f.name not in not_settings:
+                assert f.name in config_mod.SETTINGS, f"{cls.__name__}.{f.name} is no flag"
+                assert getattr(section, f.name) == getattr(cfg, f.name), f"{cls.__name__}.{f.name}"
+    assert (cfg.loss.name, cfg.estimator.name) == ("gspo", "grpo")
+    assert (cfg.loss.loss_agg_mode, cfg.loss.clip_epsilon_high, cfg.estimator.num_generations) == ("seq_mean_token_mean", 0.1, 4)
+    assert cfg.update.loss == cfg.loss and cfg.update.optim == cfg.optim and cfg.update.mini_batch_size == cfg.rows == 128
+    assert cfg.sampling.sample_temperature == cfg.update.sample_temperature == cfg.sample_temperature == 1.0  # --greedy
+    assert cfg.update.train_attn == cfg.train_attn

@@ -17,7 +17,7 @@ import torch
 
 import model.decode_graphs as graphs
 import model.generation as G
-from model.generation import sample
+from model.generation import DecodeOptions, sample
 from model.loader import build_minimind
 from tests.helpers import scramble
 
@@ -121,7 +121,8 @@ def batch(rows: int, prompt_len: int, seed: int = 0) -> tuple[torch.Tensor, torc
     return ids, mask
 
 
-KW = dict(max_new_tokens=10, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, return_logprobs=True, static_step=True)
+KW = dict(max_new_tokens=10, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, return_logprobs=True,
+          decode=DecodeOptions(static_step=True))
 
 
 def draw(m, ids, mask, seed: int = 1, own: bool = False, **kw):

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import trainer.estimators  # noqa: F401 - registers the estimators
+import trainer.estimators  # registers the estimators
 import trainer.losses  # noqa: F401 - registers the losses
+from model.forward import policy_forward
 from model.loader import build_minimind, load_tokenizer
 from model.weights import WeightsError, save_native_weights
 from tests.helpers import ROOT, build_update_world, run_experience
@@ -22,7 +23,6 @@ from tests.teacher_standin import TeacherStandin
 from trainer.distill import TEACHER_KEY_ENV, TeacherError, TeacherServer, load_teacher, reverse_kl, tokenizer_mismatch
 from trainer.ppo import compute_token_rewards, distill_penalty, kl_penalty
 from trainer.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
-from trainer.rollout import policy_forward
 
 PEER_PYTHON = os.environ.get("MINIPPO_TRL_PYTHON", "/tmp/trl-venv/bin/python")
 

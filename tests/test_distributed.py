@@ -292,7 +292,7 @@ def _whiten_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, mask, torch.randn(6, 5, generator=g)
 
 
-@pytest.mark.slow  # ~5 s idle, more on a loaded machine: two fresh interpreters import torch
+@pytest.mark.slow  # two fresh interpreters import torch
 def test_collectives_over_two_gloo_processes(tmp_path):
     _spawn_two(_gloo_worker, tmp_path, 120, "2-process gloo collectives")
     x, mask, values = _whiten_data()
@@ -557,7 +557,7 @@ def test_collective_decisions_do_not_hang(world, tmp_path, strategy):
     assert [(files[s]["epoch"], files[s]["consumed"]) for s in (1, 2, 3, 4)] == [(0, 4), (0, 8), (1, 4), (1, 8)]
 
 
-@pytest.mark.slow  # ~8 s per 2-process run
+@pytest.mark.slow  # 2-process runs
 def test_repeated_two_process_runs_finish_cleanly(world, tmp_path):
     """Interpreter shutdown after a finished gloo run could abort ("terminate called without an active
     exception") or hang; every run now leaves by os._exit after the final barrier."""
@@ -760,7 +760,7 @@ def _assert_ranks_took_its_step(name: str, actor: dict, start: dict, w0: dict, w
         assert diff.max().item() < MAX_ABS and diff.mean().item() < MEAN_ABS, (name, k)
 
 
-@pytest.mark.slow  # one pair of gloo processes for every case (~60 s on 2 shared cores)
+@pytest.mark.slow  # one pair of gloo processes for every case
 def test_each_estimator_two_ranks_equal_one_process(tmp_path):
     want = _one_process_updates(ESTIMATOR_CASES, tmp_path)
     _spawn_two(_estimator_worker, tmp_path, 300, "2-process estimator updates")
@@ -800,7 +800,7 @@ def _masked_rows_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         distributed.cleanup(info)
 
 
-@pytest.mark.slow  # one pair of gloo processes (~20 s on 2 shared cores)
+@pytest.mark.slow  # one pair of gloo processes
 def test_rows_without_tokens_two_ranks_equal_one_process(tmp_path):
     want = _one_process_updates(MASKED_CASES, tmp_path, "masked_", MASKED_ROWS)
     _spawn_two(_masked_rows_worker, tmp_path, 300, "2-process updates with masked rows")

@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from model.forward import policy_forward
 from model.generation import sample
 from tests.engine_standin import start
 from tests.helpers import ROOT, build_update_world, free_port, read_metrics, resume_state, run_main, run_train, scramble
 from trainer.engine import EngineError, SamplingParams, SGLangEngine, VLLMEngine, engine_index, model_mismatch, write_weights
 from trainer.ppo import rollout_is_weights
-from trainer.rollout import Rollout, policy_forward
+from trainer.rollout import Rollout
 from trainer.run.engine_sync import _config_json
 
 SFT = ROOT / "out" / "full_sft_128.pth"
@@ -42,7 +43,7 @@ def demo():
 @pytest.fixture(scope="module")
 def hf_dir(demo, tmp_path_factory) -> Path:
     """The demo actor as the HF directory an engine is started from (scripts/convert_model.py to_hf)."""
-    from scripts.convert_model import policy_to_hf
+    from model.hf_convert import policy_to_hf
 
     out = tmp_path_factory.mktemp("engine_model") / "full_sft_128_hf"
     policy_to_hf(copy.deepcopy(demo[0]), demo[1], out)
@@ -190,8 +191,8 @@ def test_a_version_changed_behind_the_trainers_back_is_refused(protocol, standin
 
 @BOTH
 def test_an_engine_serving_another_model_refuses_the_push_in_one_line(protocol, demo, tmp_path):
+    from model.hf_convert import policy_to_hf
     from model.loader import build_minimind
-    from scripts.convert_model import policy_to_hf
 
     torch.manual_seed(0)
     policy_to_hf(build_minimind(64, 2), demo[1], tmp_path / "small_hf")
@@ -328,8 +329,8 @@ def test_multi_turn_tool_episodes_sample_through_the_engine(standin, tmp_path):
 
 
 def test_an_engine_serving_another_model_stops_the_run_in_one_line(demo, tmp_path):
+    from model.hf_convert import policy_to_hf
     from model.loader import build_minimind
-    from scripts.convert_model import policy_to_hf
 
     policy_to_hf(build_minimind(64, 2), demo[1], tmp_path / "small_hf")
     s = start(tmp_path / "small_hf")
@@ -648,8 +649,6 @@ def test_a_batch_in_flight_during_a_push_to_vllm_015_comes_back_whole(hf_dir, de
     weight version; at 5fab971 the pause aborted it and its fragments were trained on as replies."""
     import threading
 
-    from trainer.engine import sampling_ahead
-
     actor, tok = demo
     s = start(hf_dir, "vllm", delay_s=1.0, vllm_version="0.15.0")
     try:
@@ -660,8 +659,7 @@ def test_a_batch_in_flight_during_a_push_to_vllm_015_comes_back_whole(hf_dir, de
         out: list = []
 
         def ahead() -> None:
-            sampling_ahead()
-            out.append(engine.sample(ids, mask, oldest_version=0, **kw))
+            out.append(engine.sample(ids, mask, oldest_version=0, deadline=None, **kw))
 
         t = threading.Thread(target=ahead)
         t.start()
@@ -789,8 +787,8 @@ def test_sampling_rides_out_a_dropped_connection_and_a_busy_engine_but_a_push_is
 def test_a_failed_vllm_reload_says_to_restart_the_engine(demo, tmp_path):
     """A refused reload leaves the engine paused with weights possibly half replaced: the one line says so and
     what to do."""
+    from model.hf_convert import policy_to_hf
     from model.loader import build_minimind
-    from scripts.convert_model import policy_to_hf
 
     torch.manual_seed(0)
     policy_to_hf(build_minimind(64, 2), demo[1], tmp_path / "small_hf")
@@ -834,15 +832,14 @@ def test_an_engine_wait_ends_at_the_rank_local_deadline_in_one_line(hf_dir, demo
 
 
 def test_requests_sampled_ahead_never_take_the_deadline_of_the_trainers_block(hf_dir, demo, tmp_path):
-    """--async_rollouts: a job sampling ahead is in no rank-local block; the vLLM client hands each prompt's request to
-    a pool thread, and those keep to the job's wait (--engine_timeout), decided by who asked, not to the 0.5 s left of
-    the block the trainer's thread is in meanwhile. At 5fab971 they read a thread-local the pool threads lacked: a
-    false "did not answer /v1/completions within the 0 s the other ranks can wait" (--ddp_timeout). The trainer's
-    own request in the block still ends at its deadline."""
+    """--async_rollouts: a job sampling ahead is in no rank-local block and says so (deadline=None); the vLLM client
+    hands each prompt's request to a pool thread, and those keep to the job's wait (--engine_timeout), not to the 0.5 s
+    left of the block the trainer's thread is in meanwhile. At 5fab971 they read a thread-local the pool threads
+    lacked: a false "did not answer /v1/completions within the 0 s the other ranks can wait" (--ddp_timeout). The
+    trainer's own request in the block (the default deadline: its block's) still ends at its deadline."""
     import threading
 
     from trainer import dist as D
-    from trainer.engine import sampling_ahead
 
     actor, tok = demo
     s = start(hf_dir, "vllm", delay_s=1.0)
@@ -854,9 +851,8 @@ def test_requests_sampled_ahead_never_take_the_deadline_of_the_trainers_block(hf
         out: list = []
 
         def ahead() -> None:
-            sampling_ahead()
             try:
-                out.append(engine.sample(ids, mask, oldest_version=0, **kw))
+                out.append(engine.sample(ids, mask, oldest_version=0, deadline=None, **kw))
             except Exception as e:  # noqa: BLE001 - the test reads it
                 out.append(e)
 
@@ -915,8 +911,8 @@ def test_a_batch_staler_than_the_bound_is_refused(demo):
     """check_lag: a batch trained at step t sampled by weights v is t - v updates behind; K + I - 1 is the most
     allowed (K = --async_rollouts, I = --engine_sync_interval), a newer version than the trainer's is refused too;
     the engine client accepts versions from the one a batch was asked for at to the last push, and no other."""
-    from trainer.run.async_rollouts import check_lag
     from trainer.run.cli import parse_args
+    from trainer.run.rollout_source import check_lag
 
     ro = lambda v: Rollout(torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 1), torch.ones(1), 1, weight_version=v)  # noqa: E731
     cfg = parse_args(["--rollout_engine", "sglang", "--async_rollouts", "1"])
@@ -1021,17 +1017,16 @@ def test_async_rollouts_resume_exactly_after_a_crash(hf_dir, tmp_path, monkeypat
     assert a["ahead"] == [[]]  # nothing in flight after the last step
 
 
-def _ahead_with(queue: list[tuple[int, object]], stopped_by: str | None):
+def _ahead_with(queue: list[tuple[int, object]]):
     """A SampledAhead over stubs whose queue holds batches `index` with a result, an exception or None (in flight)."""
     from concurrent.futures import Future
     from types import SimpleNamespace
 
     from trainer import dist as D
-    from trainer.run import async_rollouts as A
+    from trainer.run import rollout_source as A
 
-    run = SimpleNamespace(step=4, resumed_ahead=None, stopped_by=stopped_by, sampled_ahead=None)
     rt = SimpleNamespace(info=D.DistInfo(), device=torch.device("cpu"))
-    ahead = A.SampledAhead(SimpleNamespace(async_rollouts=len(queue)), SimpleNamespace(engine=object()), rt, run, None)
+    ahead = A.SampledAhead(SimpleNamespace(async_rollouts=len(queue)), SimpleNamespace(engine=object()), rt)
     for index, what in queue:
         fut: Future = Future()
         if isinstance(what, BaseException):
@@ -1039,7 +1034,7 @@ def _ahead_with(queue: list[tuple[int, object]], stopped_by: str | None):
         elif what is not None:
             fut.set_result(what)
         ahead.queue.append(A.Pending(index, {}, (0, 2 * index), fut))
-    return ahead, run
+    return ahead
 
 
 def _rollout(v: int) -> Rollout:
@@ -1056,27 +1051,21 @@ def test_a_save_at_a_stop_signal_keeps_the_batches_done_and_never_waits_on_the_e
     import threading
 
     from trainer.engine import EngineUnreachable
-    from trainer.run import async_rollouts as A
+    from trainer.run import rollout_source as A
 
     monkeypatch.setattr(A, "PREEMPT_WAIT_S", 0.3)
     gone = EngineUnreachable("the sglang engine at http://x is not reachable (Connection refused)")
-    ahead, run = _ahead_with([(4, _rollout(3)), (5, gone), (6, None)], "SIGUSR1")
-    try:
-        t0 = time.monotonic()
-        kept = run.sampled_ahead()
-        assert time.monotonic() - t0 < 1.0
-        assert [d["index"] for d in kept] == [4] and kept[0]["weight_version"] == 3
-        assert capsys.readouterr().err.strip() == ("warning: rank 0: the save after step 4 keeps 1 of the 3 batches "
-                                                   "sampled ahead (the others were not done in time or failed); a "
-                                                   "resumed run samples those again")
-    finally:
-        ahead.worker.stop()
-    ahead, run = _ahead_with([(4, _rollout(3)), (5, None)], None)
-    try:
-        threading.Timer(0.5, lambda: ahead.queue[1].future.set_result(_rollout(4))).start()
-        assert [d["index"] for d in run.sampled_ahead()] == [4, 5]  # waited for past PREEMPT_WAIT_S: no stop signal
-    finally:
-        ahead.worker.stop()
+    ahead = _ahead_with([(4, _rollout(3)), (5, gone), (6, None)])
+    t0 = time.monotonic()
+    kept = ahead.state(4, stopping=True).in_flight
+    assert time.monotonic() - t0 < 1.0
+    assert [d["index"] for d in kept] == [4] and kept[0]["weight_version"] == 3
+    assert capsys.readouterr().err.strip() == ("warning: rank 0: the save after step 4 keeps 1 of the 3 batches "
+                                               "sampled ahead (the others were not done in time or failed); a "
+                                               "resumed run samples those again")
+    ahead = _ahead_with([(4, _rollout(3)), (5, None)])
+    threading.Timer(0.5, lambda: ahead.queue[1].future.set_result(_rollout(4))).start()
+    assert [d["index"] for d in ahead.state(4, stopping=False).in_flight] == [4, 5]  # waited for past PREEMPT_WAIT_S: no stop signal
 
 
 def test_a_run_preempted_while_the_engine_hangs_saves_at_once_and_resumes_at_the_same_prompts(hf_dir, tmp_path,
@@ -1088,7 +1077,7 @@ def test_a_run_preempted_while_the_engine_hangs_saves_at_once_and_resumes_at_the
     import signal
 
     import train_ppo
-    from trainer.run import async_rollouts as A
+    from trainer.run import rollout_source as A
 
     monkeypatch.setattr(A, "PREEMPT_WAIT_S", 0.5)
     s = start(hf_dir, "sglang", stall_at=4, stall_s=120)  # /generate 1: the probe; 2, 3, 4: batches 1, 2, 3
@@ -1520,7 +1509,7 @@ def test_an_engine_whose_base_is_not_the_actors_gets_the_base_at_start(how, demo
     checkpoint of the same shape, or started on the actor's but given other weights by an earlier run's full pushes
     (its model directory unchanged: nothing on disk can tell). Either way the actor's base is pushed in full at start,
     and the engine then samples the LoRA actor exactly, push after push."""
-    from scripts.convert_model import policy_to_hf
+    from model.hf_convert import policy_to_hf
     from trainer.engine import VLLMEngine, write_weights
     from trainer.run.engine_sync import _config_json, push_weights, start_engine
 

@@ -212,7 +212,7 @@ def test_the_push_is_fenced_and_the_server_resumes(engine, pushed):
 def test_engine_logprobs_equal_the_trainers_at_the_temperature(engine, pushed):
     """--logprobs-mode processed_logprobs: the engine's log-prob of each sampled token is the trainer's
     policy_forward at the same temperature (fp32 both: the gap is float rounding); at T = 1 it is not."""
-    from trainer.rollout import policy_forward
+    from model.forward import policy_forward
 
     ids, mask = _prompts(pushed.tok)
     s = pushed.client.sample(ids, mask, temperature=TEMPERATURE, num_generations=4,
@@ -239,8 +239,8 @@ def test_on_policy_weights_are_one_under_top_p(engine, pushed, top_k, top_p):
     for --rollout_is is renormalised over the tokens its own logits keep by the same rule (policy_forward keep, as
     train_ppo.py score asks on a vLLM engine), so each on-policy weight is 1 to fp32 rounding. The full-vocabulary
     pi_old (5fab971's) puts the weights at the kept mass instead."""
+    from model.forward import policy_forward
     from trainer.ppo import rollout_is_weights
-    from trainer.rollout import policy_forward
 
     ids, mask = _prompts(pushed.tok)
     s = pushed.client.sample(ids, mask, temperature=TEMPERATURE, top_k=top_k, top_p=top_p, num_generations=4,
@@ -298,19 +298,19 @@ def test_async_rollouts_one_step_ahead_train_against_the_engine(engine, tmp_path
     runs; every batch carries its weight version (staleness 0, 1, 1), the engine/trainer gap is float rounding on the
     on-policy first batch and the one update's lag afterwards (corrected by the truncated importance weights), and
     the run ends with the policy saved; pushes of weights 0, 1, 2 only (none after the last update)."""
-    import train_ppo
+    from trainer.run.rollout_source import SampledAhead
 
     pushes: list[int] = []
-    real = train_ppo.SampledAhead.take
+    real = SampledAhead.rollout
 
-    def take(self, phase):
+    def rollout(self, batch, phase):
         before = self.m.engine.version
-        ro = real(self, phase)
+        sampled = real(self, batch, phase)
         if self.m.engine.version != before:
             pushes.append(self.m.engine.version)
-        return ro
+        return sampled
 
-    with mock.patch.object(train_ppo.SampledAhead, "take", take):
+    with mock.patch.object(SampledAhead, "rollout", rollout):
         code, out = run_main(_train_flags(engine.url, tmp_path, async_rollouts=1))
     assert code in (None, 0), out[-3000:]
     rows = [r for r in read_metrics(tmp_path / "runs") if "rollout/engine_kl" in r]
@@ -327,9 +327,9 @@ def test_async_rollouts_one_step_ahead_train_against_the_engine(engine, tmp_path
 def test_a_version_changed_behind_the_trainers_back_stops_the_run(engine, tmp_path):
     """Another writer sets the server's weight version between two steps: the next rollout is refused with one line
     (nothing is trained on samples of unknown weights)."""
-    import train_ppo
+    from trainer.run import rollout_source
 
-    real = train_ppo.push_weights
+    real = rollout_source.push_weights
 
     def push_then_tamper(cfg, m, rt, version):
         took = real(cfg, m, rt, version)
@@ -337,7 +337,7 @@ def test_a_version_changed_behind_the_trainers_back_stops_the_run(engine, tmp_pa
             _post(engine.url, "/update_weight_version", {"new_version": "from-elsewhere"})
         return took
 
-    with mock.patch.object(train_ppo, "push_weights", push_then_tamper):
+    with mock.patch.object(rollout_source, "push_weights", push_then_tamper):
         code, out = run_main(_train_flags(engine.url, tmp_path))
     assert isinstance(code, str), f"the run did not stop with a message (code {code!r}): {out[-3000:]}"
     assert "\n" not in code.strip() and "weight version 'from-elsewhere'" in code and "'1'" in code, code
@@ -423,10 +423,10 @@ def test_adapter_only_pushes_sample_the_lora_actor_and_cost_a_fraction_of_a_full
     """The adapters alone (peft's files) loaded under a new name per push: the engine's greedy replies are the LoRA
     actor's and its log-probs the trainer's (fp32), push after push; the adapter before the previous one unloaded; the
     server's version follows. Prints bytes and seconds per push against a full (merged) push to the same server."""
+    from model.forward import policy_forward
     from model.generation import sample
     from model.lora import adapter_export, merged_state_dict
     from trainer.engine import VLLMEngine, write_adapter, write_weights
-    from trainer.rollout import policy_forward
     from trainer.run.engine_sync import _config_json
 
     client = VLLMEngine(lora_engine.url)

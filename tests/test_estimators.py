@@ -4,6 +4,9 @@ values, the metadata the run relies on, and one-line errors for unknown names.""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +16,8 @@ import trainer.estimators as E
 import trainer.losses  # noqa: F401 - registers the policy losses
 from trainer.ppo import compute_gae, compute_token_rewards, policy_loss
 from trainer.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, estimator_spec, policy_loss_spec, register_estimator
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_group_baselines_by_hand():
@@ -144,3 +149,13 @@ def test_vanilla_is_the_clipped_surrogate_with_its_flags():
     # ratios 1 and 1.5 (clipped to 1.28 with A > 0): loss = -(1 + 1.28) / 2
     assert loss.item() == pytest.approx(-1.14) and stats["clipfrac"].item() == 0.5
     assert torch.equal(loss, policy_loss(lp, old, adv, mask, 0.2, 0.28, "token_mean", 2)[0])
+
+
+def test_the_builtins_register_without_an_import_cycle():
+    """Each table lives beside its decorator (trainer/estimators.py, trainer/losses.py): they import neither the
+    registry nor the config, which import them, so registration needs no circle and no import inside a function."""
+    code = ("import sys, trainer.estimators, trainer.losses; "
+            "print(sorted(m for m in sys.modules if m in ('trainer.registry', 'trainer.config')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]"
+    assert "gae" in ADVANTAGE_ESTIMATORS and "vanilla" in POLICY_LOSSES

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dataset.rlaif import PromptRecord
+from model.forward import policy_forward
 from model.generation import Samples
 from model.loader import build_minimind, load_tokenizer
 from trainer import evaluate as ev
@@ -109,7 +110,7 @@ def test_kl_to_itself_is_zero_and_kl_is_trainings_logprob_difference(tok, monkey
     settings = EvalSettings(batch_size=3, max_new_tokens=4, temperature=1.0)
     m = evaluate_policy(policy, tok, records(3), settings, ref_policy=policy)
     assert m["kl_ref"] == pytest.approx(0.0, abs=1e-6)
-    # kl_ref is the summed difference of training's log-prob forward (trainer/rollout.py policy_forward) on the
+    # kl_ref is the summed difference of training's log-prob forward (model/forward.py policy_forward) on the
     # sampled rollout's response tokens: recomputed here from the rollout the evaluation sampled.
     seen = []
     real = rollout.generate_rollout
@@ -117,8 +118,8 @@ def test_kl_to_itself_is_zero_and_kl_is_trainings_logprob_difference(tok, monkey
     m = evaluate_policy(policy, tok, records(3), settings, ref_policy=ref_policy)
     (ro,) = seen
     with torch.no_grad():
-        lp, _ = rollout.policy_forward(policy, ro.sequences, ro.attention_mask, ro.response_len)
-        ref, _ = rollout.policy_forward(ref_policy, ro.sequences, ro.attention_mask, ro.response_len)
+        lp, _ = policy_forward(policy, ro.sequences, ro.attention_mask, ro.response_len)
+        ref, _ = policy_forward(ref_policy, ro.sequences, ro.attention_mask, ro.response_len)
     assert m["kl_ref"] == pytest.approx(((lp - ref) * ro.response_mask).sum(1).mean().item(), rel=1e-6)
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from model.generation import (
+    DecodeOptions,
     Samples,
     filter_logits,
     kept_logprobs,
@@ -325,7 +326,8 @@ def test_sync_interval_greedy_equals_every_token_checks(lm8_greedy_stops, interv
     24: every row stops (at 14); 12: one row is cut at the limit; 15: the limit falls right after it."""
     ids, mask = _left_pad(STOP_PROMPTS)
     kw = dict(max_new_tokens=max_new, eos_token_id=EOS, pad_token_id=PAD, greedy=True, return_logprobs=True)
-    want = sample(lm8_greedy_stops, ids, mask, sync_interval=1, drop_finished=False, **kw)  # the whole batch each step
+    # the whole batch each step
+    want = sample(lm8_greedy_stops, ids, mask, sync_interval=1, decode=DecodeOptions(drop_finished=False), **kw)
     got = sample(lm8_greedy_stops, ids, mask, sync_interval=interval, **kw)
     _assert_same_samples(got, want)
     _check_samples(got, ids.shape[1], max_new)
@@ -340,7 +342,7 @@ def test_sync_interval_sampling_equals_every_token_checks_under_a_seed(lm8):
     lengths = []
     for seed in range(8):
         torch.manual_seed(seed)
-        want = sample(lm8, ids, mask, sync_interval=1, drop_finished=False, **kw)
+        want = sample(lm8, ids, mask, sync_interval=1, decode=DecodeOptions(drop_finished=False), **kw)
         torch.manual_seed(seed)
         got = sample(lm8, ids, mask, sync_interval=8, **kw)
         _assert_same_samples(got, want)
@@ -658,7 +660,7 @@ def _static_vs_loop(m, ids, mask, seed: int | None = None, **kw) -> tuple[Sample
     for static in (True, False):
         if seed is not None:
             torch.manual_seed(seed)
-        out.append(sample(m, ids, mask, static_step=static, **kw))
+        out.append(sample(m, ids, mask, decode=DecodeOptions(static_step=static), **kw))
     return out[0], out[1]
 
 
@@ -701,7 +703,8 @@ def test_static_step_seeded_sampling_gives_the_decode_loop_samples(lm8):
 def test_static_step_repeats_bit_for_bit(lm):
     """What a graph replays: the same step on the same inputs and seed gives the same bits (fp32 and bf16)."""
     ids, mask = _left_pad(PROMPTS)
-    kw = dict(max_new_tokens=12, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, return_logprobs=True, static_step=True)
+    kw = dict(max_new_tokens=12, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, return_logprobs=True,
+              decode=DecodeOptions(static_step=True))
     for ctx in (torch.autocast("cpu", enabled=False), torch.autocast("cpu", dtype=torch.bfloat16)):
         with ctx:
             runs = [sample(lm, ids, mask, generator=torch.Generator().manual_seed(1), **kw) for _ in range(2)]
@@ -711,8 +714,8 @@ def test_static_step_repeats_bit_for_bit(lm):
 def test_static_step_with_a_generator_and_suppressed_eos(lm8):
     ids, mask = _left_pad([[5, 6, 7], [3, 4, 5, 6, 7, 3]])
     kw = dict(max_new_tokens=10, eos_token_id=EOS, pad_token_id=PAD, temperature=1.1, suppress_eos=True, return_logprobs=True)
-    got = sample(lm8, ids, mask, static_step=True, generator=torch.Generator().manual_seed(3), **kw)
-    want = sample(lm8, ids, mask, static_step=False, generator=torch.Generator().manual_seed(3), **kw)
+    got = sample(lm8, ids, mask, decode=DecodeOptions(static_step=True), generator=torch.Generator().manual_seed(3), **kw)
+    want = sample(lm8, ids, mask, decode=DecodeOptions(static_step=False), generator=torch.Generator().manual_seed(3), **kw)
     _assert_same_up_to_rounding(got, want)
     assert not got.has_eos.any() and got.response_mask.all()
 
@@ -725,7 +728,7 @@ def test_static_step_nonfinite_logits_raise(lm8):
         bad.model.norm.weight.fill_(float("nan"))
     ids, mask = _left_pad([[5, 6, 7]])
     with pytest.raises(RuntimeError, match="non-finite logits"):
-        sample(bad, ids, mask, static_step=True, max_new_tokens=4, eos_token_id=EOS, pad_token_id=PAD)
+        sample(bad, ids, mask, decode=DecodeOptions(static_step=True), max_new_tokens=4, eos_token_id=EOS, pad_token_id=PAD)
 
 
 def test_cpu_sampling_keeps_its_decode_loop(lm8, monkeypatch):
@@ -753,7 +756,7 @@ def graph_standin(monkeypatch):
 
 
 _GRAPH_KW = dict(max_new_tokens=16, eos_token_id=EOS, pad_token_id=PAD, temperature=0.9, return_logprobs=True,
-                 static_step=True)
+                 decode=DecodeOptions(static_step=True))
 
 
 def _graphed_and_eager(m, ids, mask, own: bool) -> tuple[Samples, Samples]:
@@ -851,7 +854,7 @@ def test_repeated_prompts_are_prefilled_once_with_the_same_samples(fast):
               fast_decode=fast)
     shared = sample(m, ids, mask, generator=torch.Generator().manual_seed(0), **kw)
     assert seen == [3]  # 12 rows, 3 distinct prompts: one prefill of 3 rows
-    each = sample(m, ids, mask, generator=torch.Generator().manual_seed(0), share_prefill=False, **kw)
+    each = sample(m, ids, mask, generator=torch.Generator().manual_seed(0), decode=DecodeOptions(share_prefill=False), **kw)
     assert seen == [3, 12]
     assert torch.equal(shared.sequences, each.sequences) and torch.equal(shared.response_mask, each.response_mask)
     torch.testing.assert_close(shared.logprobs, each.logprobs, atol=1e-5, rtol=0)
@@ -902,7 +905,7 @@ def test_shared_attention_gives_the_copied_prompt_kv_samples(order, monkeypatch)
     shared = sample(m, ids, mask, generator=torch.Generator().manual_seed(0), **kw)
     assert len(calls) > 0  # the shared path ran
     n = len(calls)
-    copied = sample(m, ids, mask, generator=torch.Generator().manual_seed(0), shared_attention=False, **kw)
+    copied = sample(m, ids, mask, generator=torch.Generator().manual_seed(0), decode=DecodeOptions(shared_attention=False), **kw)
     assert len(calls) == n  # ...and the copy did not
     assert torch.equal(shared.sequences, copied.sequences) and torch.equal(shared.response_mask, copied.response_mask)
     torch.testing.assert_close(shared.logprobs, copied.logprobs, atol=1e-5, rtol=0)
@@ -931,7 +934,7 @@ def test_shared_attention_bf16_agrees_with_sdpa_to_bf16_rounding(monkeypatch):
     kw = dict(max_new_tokens=2, eos_token_id=EOS, pad_token_id=PAD, greedy=True, return_logprobs=True, suppress_eos=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         shared = sample(m, ids, mask, **kw)
-        copied = sample(m, ids, mask, shared_attention=False, **kw)
+        copied = sample(m, ids, mask, decode=DecodeOptions(shared_attention=False), **kw)
     assert calls
     assert torch.equal(shared.sequences[:, -2], copied.sequences[:, -2])
     second = shared.sequences[:, -1] == copied.sequences[:, -1]
@@ -979,7 +982,7 @@ def test_finished_rows_leave_the_decode_batch_with_the_same_samples(layout, monk
         got = sample(m, ids, mask, generator=torch.Generator().manual_seed(seed), **kw)
         assert rows == sorted(rows, reverse=True)  # the decode batch only shrinks
         dropped_any |= min(rows) < ids.shape[0]
-        want = sample(m, ids, mask, generator=torch.Generator().manual_seed(seed), drop_finished=False, **kw)
+        want = sample(m, ids, mask, generator=torch.Generator().manual_seed(seed), decode=DecodeOptions(drop_finished=False), **kw)
         assert torch.equal(got.sequences, want.sequences) and torch.equal(got.response_mask, want.response_mask)
         assert torch.equal(got.has_eos, want.has_eos)
         torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.generation import preallocated_cache, sample
+from model.generation import DecodeOptions, preallocated_cache, sample
 from model.loader import build_minimind
 from tests.helpers import ROOT, make_tiny_world, read_metrics, run_train, scramble, tiny_flags
 
@@ -157,8 +157,8 @@ def test_sampled_logprobs_match_policy_forward_on_cuda_bf16():
     token at the clip boundary (|log ratio| < log 1.2), i.e. the first update does not clip on noise."""
     import train_ppo as T
     from dataset.rlaif import RLAIFDataset, collate_left_pad, read_rlaif_jsonl
+    from model.forward import attention_implementation, policy_forward
     from trainer.dist import DistInfo
-    from trainer.rollout import attention_implementation, policy_forward
     from trainer.run.setup import setup
 
     args = T.parse_args(["--device", "cuda", "--dtype", "bfloat16", "--from_weight", "full_sft",
@@ -305,6 +305,6 @@ def test_cuda_graph_decode_gives_the_loop_samples_up_to_rounding():
     torch.manual_seed(3)
     got = sample(m, ids, mask, cuda_graphs=True, **kw)
     torch.manual_seed(3)
-    want = sample(m, ids, mask, static_step=False, **kw)
+    want = sample(m, ids, mask, decode=DecodeOptions(static_step=False), **kw)
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)

@@ -161,3 +161,30 @@ def test_the_backoffs_jitter_draws_nothing_from_the_runs_generators(hostile):
     assert H.request_json(server.url, timeout=20, attempts=3) == {}
     assert random.getstate() == states[0] and (np.random.get_state()[1] == states[1]).all()
     assert torch.equal(torch.get_rng_state(), states[2])
+
+
+# ------------------------------------------------------------------ Client: one server's URL, deadline and key
+def test_a_client_sends_its_key_retries_only_what_is_idempotent_and_says_what_to_do_about_a_401(hostile, monkeypatch):
+    """The engine and reward-server clients share this: the key read from the environment variable (a bad one is one
+    line naming the variable), sent as a bearer header; a GET (or a request the caller calls idempotent) rides out a
+    busy server, a POST is tried once; a 401 gets a hint naming the variable."""
+    monkeypatch.setenv("MINIPPO_TEST_KEY", "bad\nkey")
+    with pytest.raises(ValueError, match="^MINIPPO_TEST_KEY holds characters"):
+        H.Client("http://127.0.0.1:1", 5, "MINIPPO_TEST_KEY")
+    monkeypatch.setenv("MINIPPO_TEST_KEY", "k-1")
+    server = hostile("flaky", fails=1, failure=503, answer={"ok": 1})
+    client = H.Client(f" {server.url}/ ", 20, "MINIPPO_TEST_KEY")
+    assert client.url == server.url and client.timeout == 20.0
+    assert client.request("/v1/models") == {"ok": 1}  # a GET: tried again
+    assert len(server.headers) == 2 and server.headers[0]["authorization"] == "Bearer k-1"
+    once = hostile("flaky", fails=1, failure=503, answer={"ok": 1})
+    with pytest.raises(H.Refused):
+        H.Client(once.url, 20, "MINIPPO_TEST_KEY").request("/v1/completions", {"prompt": [1]})  # a POST: once
+    assert len(once.headers) == 1
+    again = hostile("flaky", fails=1, failure=503, answer={"ok": 1})
+    assert H.Client(again.url, 20, "MINIPPO_TEST_KEY").request("/classify", {"input": [1]}, idempotent=True) == {"ok": 1}
+    assert client.key_hint(H.Refused(401, "Unauthorized")) == " (the key in MINIPPO_TEST_KEY is not the server's --api-key)"
+    assert client.key_hint(H.Refused(403, "Forbidden")) == ""
+    monkeypatch.delenv("MINIPPO_TEST_KEY")
+    keyless = H.Client(server.url, 20, "MINIPPO_TEST_KEY")
+    assert keyless.key_hint(H.Refused(401, "Unauthorized")) == " (it wants a key: set MINIPPO_TEST_KEY to its --api-key)"

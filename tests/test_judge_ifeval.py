@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     for test in TESTS:
         try:
             test()
-        except Exception:  # report every failing test, not only the first
+        except Exception:  # noqa: BLE001 - report every failing test, not only the first
             failed += 1
             print(f"FAILED {test.__name__}\n{traceback.format_exc()}")
     print(f"judge-ifeval: {len(TESTS) - failed} passed, {failed} failed")

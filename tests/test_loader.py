@@ -325,12 +325,14 @@ def test_auto_map_without_trust_remote_code_warns_in_one_line(tmp_path, capsys, 
     if kind == "reward_model":
         _save_tiny_rm(d)
         _add_auto_map(d, "AutoModelForSequenceClassification", marker)
-        load = lambda trust: load_reward_model(d, trust_remote_code=trust)[0]
+        def load(trust):
+            return load_reward_model(d, trust_remote_code=trust)[0]
         flag, stock = "--reward_model_path", LlamaForSequenceClassification
     else:
         _save_tiny_llama(d, 16, _tiny_tokenizer())
         _add_auto_map(d, "AutoModelForCausalLM", marker)
-        load = lambda trust: load_policy(hf_path=d, trust_remote_code=trust)[0]
+        def load(trust):
+            return load_policy(hf_path=d, trust_remote_code=trust)[0]
         flag, stock = "--actor_path", LlamaForCausalLM
     capsys.readouterr()
     model = load(False)

@@ -14,10 +14,12 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import model.logprobs as L
+from model.forward import output_head, policy_forward
 from model.generation import token_logprobs
+from model.loader import build_minimind
 from model.logprobs import fused_chunk, head_logprobs, scoring_head, split_scores
+from model.lora import AdapterSnapshot, AdaptersOff, add_lora, base_of
 from tests.helpers import build_update_world, run_experience, run_update
-from trainer.rollout import policy_forward
 
 
 def _close_at_scale(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
@@ -219,6 +221,16 @@ def test_lora_reference_and_actor_scores_equal_plain(monkeypatch):
         torch.testing.assert_close(lp * ro.response_mask, lp0 * ro.response_mask, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ent * ro.response_mask, ent0 * ro.response_mask, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(out[4][0][0] * ro.response_mask, out[4][1][0] * ro.response_mask)
+
+
+def test_output_head_is_the_actors_through_its_wrappers():
+    """The chunked and packed paths project with output_head: a LoRA run's reference (AdaptersOff) and old actor
+    (AdapterSnapshot) have their actor's, as DDP's and peft's wrappers do; a model of its own code has none."""
+    actor = add_lora(build_minimind(64, 2), 4, 8.0, 0.0, "all-linear")
+    head = base_of(actor).lm_head
+    for m in (actor, base_of(actor), AdaptersOff(actor), AdapterSnapshot(actor)):
+        assert output_head(m) is head, type(m).__name__
+    assert output_head(torch.nn.Linear(2, 2)) is None
 
 
 def test_scoring_head_restores_the_head_and_checks_shapes():

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from model.forward import policy_forward
 from model.lora import AdapterSnapshot, AdaptersOff, base_of, check_targets, is_lora, merged_state_dict, trainable
 from tests.helpers import (
     ROOT,
@@ -26,7 +27,6 @@ from tests.helpers import (
     spawn_train,
     tiny_flags,
 )
-from trainer.rollout import policy_forward
 from trainer.run import checkpoint as ckpt
 
 LORA = ["--lora_r", "4", "--lora_alpha", "8"]
@@ -133,7 +133,7 @@ def test_fast_decoder_is_built_once_per_rollout_and_its_probe_folds_nothing(monk
         with torch.no_grad():
             next(p for p in lm.parameters() if p.requires_grad).add_(1e-3)  # an optimizer step
         assert F.fast_decoder(lm, "cpu") is not first and len(builds) == 2
-    assert not hasattr(lm, "_minippo_decoder")  # nothing outlives the rollout
+    assert lm not in F._REUSED  # nothing outlives the rollout
     F.fast_decoder(lm, "cpu")
     F.fast_decoder(lm, "cpu")
     assert len(builds) == 4  # outside reuse_decoder each sample() builds its own, as before
@@ -326,8 +326,10 @@ def test_sigkill_then_resume_with_lora_is_bit_identical(world, tmp_path):
     assert len(sa["optim"]["actor"]["state"]) == len(sa["actor"])  # AdamW state for the adapters only
     skip = {"args", "run", "swanlab_id", "run_id"}
     assert not deep_equal({k: v for k, v in sa.items() if k not in skip}, {k: v for k, v in sb.items() if k not in skip})
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("time", "tokens_per_s") and not k.startswith("time/")}
-                          for r in rows]
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if k not in ("time", "tokens_per_s") and not k.startswith("time/")} for r in rows]
+
     assert strip(read_metrics(a / "run")) == strip(read_metrics(b / "run"))
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import trainer.estimators  # noqa: F401 - registers the estimators
+import trainer.estimators  # registers the estimators
 import trainer.losses  # noqa: F401 - registers the losses
 from dataset.rlaif import PromptRecord, RLAIFDataset, collate_left_pad
 from model.generation import Samples
@@ -93,7 +93,10 @@ def test_two_turn_episode_token_by_token(tok, runner, monkeypatch):
     monkeypatch.setattr(multiturn, "draw", fake)
     ro, eps = multiturn.generate_episodes(None, tok, runner, batch, max_turns=3, max_total_len=1024, max_new_tokens=64,
                                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+
+    def enc(s):
+        return tok.encode(s, add_special_tokens=False)
+
     eos = [tok.eos_token_id]
     turn1, obs, turn2 = enc(CALL) + eos, enc(OBSERVATION), enc(ANSWER) + eos
     P = ro.prompt_len
@@ -260,7 +263,7 @@ def tool_flags(tmp: Path, **over) -> list[str]:
     return [x for k, v in flags.items() for x in (f"--{k}", str(v))]
 
 
-@pytest.mark.slow  # three short runs of the tool demo's policy, ~1 min on 2 cores
+@pytest.mark.slow  # three short runs of the tool demo's policy
 def test_tool_run_logs_tool_use_and_resumes_exactly(tmp_path):
     common = dict(advantage_estimator="gae", num_generations=1, batch_size=8)  # the critic's path
     a, b = tmp_path / "a", tmp_path / "b"
@@ -274,13 +277,16 @@ def test_tool_run_logs_tool_use_and_resumes_exactly(tmp_path):
     p = spawn_train(tool_flags(b, **common), tmp_path, tmp_path / "b1.log")
     sigkill_after(p, b / "ckpt" / "ppo_tools_128_resume_step00000001.pth", delay=0.0)
     run_train(tool_flags(b, **common, from_resume=1), cwd=tmp_path)
-    last = lambda d: torch.load(d / "ckpt" / "ppo_tools_128_resume_step00000003.pth", weights_only=True)  # noqa: E731
+
+    def last(d):
+        return torch.load(d / "ckpt" / "ppo_tools_128_resume_step00000003.pth", weights_only=True)
+
     sa, sb = last(a), last(b)
     for key in ("actor", "critic"):
         assert all(torch.equal(sa[key][k], sb[key][k]) for k in sa[key]), key
 
 
-@pytest.mark.slow  # two torchrun processes, ~40 s on 2 cores
+@pytest.mark.slow  # two torchrun processes
 def test_tool_run_under_ddp_with_minimind_agent_rows(tmp_path):
     """MiniMind's agent_rl.jsonl rows (tools in the system message, "gt"), two ranks whose episodes take different
     numbers of turns: the same collectives on both, and the run ends."""

@@ -1,4 +1,4 @@
-"""--padding_free: scoring and the update on rows packed without pad tokens (trainer/rollout.py pack_rows) give the
+"""--padding_free: scoring and the update on rows packed without pad tokens (model/packing.py pack_rows) give the
 padded path's log-probs, values, losses and gradients to float rounding; a row's log-probs do not depend on the
 rows packed beside it (transformers' packed-sequence masks keep attention within each row)."""
 
@@ -9,14 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import trainer.estimators  # noqa: F401 - registers the estimators
+import trainer.estimators  # registers the estimators
 import trainer.losses  # noqa: F401 - registers the losses
 from model.config import MiniMindConfig
 from model.critic import CriticModel
+from model.forward import attention_break_even, critic_forward, policy_forward, shares_prompts
 from model.modeling import MiniMindForCausalLM
+from model.packing import pack_rows
 from tests.helpers import ROOT, build_update_world, run_experience, run_update
 from trainer.registry import estimator_names, policy_loss_names
-from trainer.rollout import attention_break_even, critic_forward, pack_rows, policy_forward, shares_prompts
 
 FIXTURES = ROOT / "tests" / "fixtures"
 # fp32 on a CPU: the packed forward runs other matmul shapes, so sums may round differently.
@@ -61,7 +62,7 @@ def _model(name: str, tmp: Path, attn: str) -> torch.nn.Module:
     return m
 
 
-def _batch(vocab: int, prompt_lens: list[int], response_lens: list[int], P: int, R: int, seed: int = 1):  # noqa: N803
+def _batch(vocab: int, prompt_lens: list[int], response_lens: list[int], P: int, R: int, seed: int = 1):
     """sequences [B, P+R]: each row's prompt left-padded to P, its response right-padded to R (pad id 0)."""
     g = torch.Generator().manual_seed(seed)
     B = len(prompt_lens)
@@ -176,7 +177,7 @@ def test_packed_log_probs_values_and_gradients_equal_the_padded(name, attn, layo
     _assert_grads_close(packed[3], padded[3])
 
 
-def _grouped(vocab: int, groups: list[tuple[int, list[int]]], P: int, R: int, seed: int = 2):  # noqa: N803
+def _grouped(vocab: int, groups: list[tuple[int, list[int]]], P: int, R: int, seed: int = 2):
     """GRPO's layout: each group's rows the same left-padded prompt of its length, their own responses."""
     prompt_lens = [p for p, rs in groups for _ in rs]
     seq, att = _batch(vocab, prompt_lens, [r for _, rs in groups for r in rs], P, R, seed)

@@ -65,8 +65,11 @@ def _one_update(parallel: int, dtype: str = "bfloat16") -> tuple[dict, dict, dic
     and every trained parameter ({"actor": [...], "critic": [...]}) before and after the update."""
     world = build_update_world(["--parallel_update", str(parallel)], dtype=dtype)
     ro, _ = run_experience(world)
-    trained = lambda: {"actor": [p.detach().clone() for p in world.actor.parameters()],  # noqa: E731
-                       "critic": [p.detach().clone() for p in world.critic.parameters()]}
+
+    def trained():
+        return {"actor": [p.detach().clone() for p in world.actor.parameters()],
+                "critic": [p.detach().clone() for p in world.critic.parameters()]}
+
     before = trained()
     stats = run_update(world, ro, step=0)
     return stats, before, trained()

@@ -9,7 +9,8 @@
 - Every relative link (`[text](path)` or `![alt](path)`) points to an existing file, and an anchor
   (`path#heading`) to an existing heading.
 - Every repository file named in an inline code span (`trainer/ppo.py`, `tests/test_lora.py`, ...) exists.
-- README.md links every docs/*.md page and stays a front door: at most 260 lines.
+- README.md links every docs/*.md page and stays a front door: at most 260 lines. Its set-up block is two commands
+  (the virtualenv a comment above them), and its pytest commands are the ones .ci/run runs, in order.
 
 Placeholders are filled in before parsing: `<RM dir>` becomes a dummy value, `...same flags...` and
 `...` are dropped. A command that loads a `--config FILE` which does not exist yet is skipped.
@@ -400,20 +401,33 @@ def test_readme_is_a_front_door() -> None:
     assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}: move details to docs/)"
 
 
-def _readme_setup_lines() -> list[str]:
+def _readme_setup_block() -> list[str]:
+    """The set-up block's lines: the code block that installs requirements.txt."""
     blocks, _ = split_fences(README.read_text(encoding="utf-8"))
-    setup = next(lines for _, lang, lines in blocks if any("pip install -r requirements.txt" in ln for ln in lines))
-    return [ln.split("#", 1)[0].strip() for ln in setup if ln.strip()]
+    return next(lines for _, lang, lines in blocks if any("pip install -r requirements.txt" in ln for ln in lines))
+
+
+def _readme_test_commands() -> list[str]:
+    """The README's test commands: its shell lines that run pytest, in order."""
+    blocks, _ = split_fences(README.read_text(encoding="utf-8"))
+    return [cmd for _, lang, lines in blocks if lang in SHELL_LANGS
+            for ln in lines if (cmd := ln.split("#", 1)[0].strip()).startswith("python -m pytest")]
+
+
+def test_readme_setup_is_two_commands() -> None:
+    """The set-up block promises two commands (install, run the demo); the virtualenv is a comment above them."""
+    setup = _readme_setup_block()
+    commands = [c for ln in setup if (c := ln.split("#", 1)[0].strip())]
+    assert commands == ["pip install -r requirements.txt", "python train_ppo.py"], commands
+    assert "python3 -m venv " in setup[0] and setup[0].lstrip().startswith("#"), setup[0]
 
 
 def test_ci_installs_as_the_readme_says_and_runs_its_test_commands() -> None:
     """.ci/run makes a fresh venv (no system site-packages), installs requirements.txt into it and runs the
     README's test commands, the same ones, in the same order."""
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    setup = _readme_setup_lines()
-    assert setup[0].startswith("python3 -m venv "), "the README's set-up starts with a fresh virtualenv"
     assert re.search(r"^python3 -m venv \"\$venv\"$", ci, re.M) and "--system-site-packages" not in ci
     assert re.search(r"^python -m pip install -r requirements\.txt$", ci, re.M)
-    readme_tests = [ln.split("&&")[-1].strip() for ln in setup if "pytest" in ln]
+    readme_tests = _readme_test_commands()
     ci_tests = re.findall(r'^\s+"(python -m pytest[^"]*)"$', ci, re.M)
     assert readme_tests and ci_tests == readme_tests, (ci_tests, readme_tests)

@@ -1,4 +1,4 @@
-"""trainer/rollout.py: the optimised log-prob / value paths equal the plain ones, padding invariance,
+"""model/forward.py and trainer/rollout.py: the optimised log-prob / value paths equal the plain ones, padding invariance,
 num_generations layout; plus a smoke run of benchmarks/bench_ppo.py."""
 
 from __future__ import annotations
@@ -18,20 +18,18 @@ import torch
 import torch.nn.functional as F
 
 from model.critic import CriticModel
-from model.generation import filter_logits, kept_logprobs, sample, sample_from_logits
-from model.loader import build_minimind
-from tests.helpers import scramble
-from trainer.rollout import (
+from model.forward import (
     attention_implementation,
-    cat_rollouts,
     critic_forward,
     forward_in_row_chunks,
-    generate_rollout,
-    group_has_signal,
-    logprobs_from_logits,
     policy_forward,
     position_ids_from_mask,
 )
+from model.generation import filter_logits, kept_logprobs, sample, sample_from_logits
+from model.loader import build_minimind
+from model.logprobs import logprobs_from_logits
+from tests.helpers import scramble
+from trainer.rollout import cat_rollouts, generate_rollout, group_has_signal
 
 ROOT = Path(__file__).resolve().parents[1]
 PAD, EOS, V = 0, 2, 256
@@ -370,7 +368,11 @@ def test_scoring_in_row_chunks_equals_one_forward(lm, critic, rows):
     torch.testing.assert_close(v, want_v, atol=2e-5, rtol=1e-4)
     # Rows are really split: the model sees chunks of `rows` rows (0 and >= B: one call, as before).
     seen = []
-    spy = lambda model, s, m, *a, **k: seen.append(s.shape[0]) or policy_forward(model, s, m, *a, **k)
+
+    def spy(model, s, m, *a, **k):
+        seen.append(s.shape[0])
+        return policy_forward(model, s, m, *a, **k)
+
     with torch.no_grad():
         for r, want in ((rows, [rows] * (7 // rows) + ([7 % rows] if 7 % rows else [])), (0, [7]), (9, [7])):
             seen.clear()

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import train_ppo as T
+from model.forward import attention_implementation, policy_forward
 from tests.helpers import UPDATE_BASE_FLAGS, build_update_world, fake_cuda, run_experience
 from trainer.dist import DistInfo
-from trainer.rollout import attention_implementation, policy_forward
 from trainer.run import cli as C
 from trainer.run import hardware as H
 from trainer.run import setup as S

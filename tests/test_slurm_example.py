@@ -32,8 +32,8 @@ SFT = ROOT / "out" / "full_sft_128.pth"
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> Path:
+    from model.hf_convert import policy_to_hf
     from model.loader import load_policy
-    from scripts.convert_model import policy_to_hf
 
     actor, tok = load_policy(weights=SFT, hidden_size=128, num_hidden_layers=4)
     out = tmp_path_factory.mktemp("slurm_model") / "full_sft_128_hf"

@@ -116,7 +116,10 @@ def test_grpo_gets_minimind_own_flags_and_the_device(tmp_path):
                         "--device", "cuda:0", "--json", str(out)])  # the stand-in never touches a GPU
     assert r.returncode == 0, r.stderr[-2000:]
     args = (mm / "seen_args.txt").read_text().split()
-    flag = lambda name: args[args.index(name) + 1]
+
+    def flag(name):
+        return args[args.index(name) + 1]
+
     assert (flag("--batch_size"), flag("--num_generations"), flag("--beta"), flag("--device")) == ("2", "4", "0.1", "cuda:0")
     assert "--ppo_update_iters" not in args and args.count("--device") == 1
     res = json.loads(out.read_text())

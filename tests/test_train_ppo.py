@@ -1094,8 +1094,8 @@ def test_a_minimind_grpo_command_line_runs_end_to_end(world, tmp_path):
 def test_cuda_graphs_flag_reaches_the_sampler(flag, monkeypatch):
     """--cuda_graphs is read once into the config and handed to model.generation.sample with the other decode
     settings (on a CPU it changes nothing: tests/test_generation.py::test_cpu_sampling_keeps_its_decode_loop)."""
-    import train_ppo as T
     import trainer.rollout as R
+    from trainer.run.rollout_source import TakingTurns
 
     world = _world("--cuda_graphs", flag)
     seen = {}
@@ -1106,5 +1106,5 @@ def test_cuda_graphs_flag_reaches_the_sampler(flag, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(R, "sample", spy)
-    T.sample_rollout(world.cfg, world.batch, world.models, world.runtime, None)
+    TakingTurns(world.cfg, world.models, world.runtime).sample(world.batch)
     assert seen["cuda_graphs"] is (flag == "1") and seen["fast_decode"] is True

@@ -68,7 +68,9 @@ def test_sft_collate_and_loss_mask():
 
 
 def test_lr_schedule_warmup_then_cosine_to_floor():
-    lr = lambda s: sft.lr_at(s, total_steps=110, warmup_steps=10, base_lr=1.0, min_lr_ratio=0.1)
+    def lr(s):
+        return sft.lr_at(s, total_steps=110, warmup_steps=10, base_lr=1.0, min_lr_ratio=0.1)
+
     assert lr(0) == pytest.approx(0.1) and lr(9) == pytest.approx(1.0)
     assert lr(10) == pytest.approx(1.0)
     assert lr(60) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway through the cosine

@@ -5,6 +5,10 @@ topic (ModelArgs, DataArgs, ...). `Config` inherits every group, so each setting
 flat, frozen dataclass (`cfg.clip_epsilon`: a misspelt name is a type error), while the groups still title
 the --help sections and the by-group presets. MiniMind's flag names are the fields' names.
 
+Components take their own section, built from the flat fields (trainer/sections.py): `cfg.loss` for the policy
+loss, `cfg.estimator` for the advantage estimator, `cfg.optim` for the optimizers, `cfg.sampling` for sampling,
+`cfg.update` for the PPO update (nesting the loss and optimizer sections, as verl's ActorConfig does).
+
 The command line, presets, MiniMind's aliases and validation are trainer/run/cli.py; the hardware rules
 ("auto" dtype, bf16 detection, the parallel update) are trainer/run/hardware.py. run.json and every resume
 file record `cfg.flat()`, so a resume compares resolved values.
@@ -21,8 +25,7 @@ import torch
 from trainer.ppo import LOSS_AGG_MODES
 from trainer.registry import estimator_names, estimator_spec, policy_loss_names
 from trainer.runtime import DTYPES
-
-Flag = Literal[0, 1]
+from trainer.sections import EstimatorConfig, Flag, OptimConfig, PolicyLossConfig, SamplingConfig, UpdateConfig
 
 
 def opt(default: Any = dataclasses.MISSING, **meta: Any) -> Any:
@@ -126,7 +129,7 @@ class RolloutArgs:
     """Decode steps of dense Qwen3/Llama policies by model/fast_decode.py (same math, fewer ops); 0 = transformers' forward."""
     cuda_graphs: Flag = 1
     """On a GPU, replay --fast_decode's decode step (sampling included) from a CUDA graph per shape bucket, kept across
-    rollouts, instead of launching its ~500 kernels per token (model/generation.py StaticDecode); 0 = launch them and
+    rollouts, instead of launching each of its kernels for every token (model/generation.py StaticDecode); 0 = launch them and
     hold no graph memory between rollouts. No effect on a CPU."""
     rollout_logprobs: Flag = 1
     """With no old-actor copy, old_logprobs come from the sampling pass itself instead of a second forward
@@ -545,7 +548,7 @@ class Config(MiniMindArgs, OutputArgs, SystemArgs, EvalArgs, PPOArgs, RewardArgs
     @property
     def sample_temperature(self) -> float:
         """The distribution log-probs are taken under (1.0 under --greedy)."""
-        return 1.0 if self.greedy else self.temperature
+        return self.sampling.sample_temperature
 
     @property
     def can_reuse_values(self) -> bool:
@@ -573,6 +576,52 @@ class Config(MiniMindArgs, OutputArgs, SystemArgs, EvalArgs, PPOArgs, RewardArgs
     def train_attn(self) -> str | None:
         """The update's attention kernel, None = the model's own (resolved configs only)."""
         return None if self.train_attn_implementation in ("model", "auto") else self.train_attn_implementation
+
+    # ---- each component's own section (trainer/sections.py), built from the flat settings
+    @property
+    def loss(self) -> PolicyLossConfig:
+        """The registered --policy_loss's settings."""
+        return PolicyLossConfig(
+            name=self.policy_loss, clip_epsilon=self.clip_epsilon,
+            clip_epsilon_high=self.clip_epsilon if self.clip_epsilon_high is None else self.clip_epsilon_high,
+            clip_ratio_c=self.clip_ratio_c, cispo_max_weight=self.cispo_max_weight, gspo_clip_low=self.gspo_clip_low,
+            gspo_clip_high=self.gspo_clip_high, gmpo_clip=self.gmpo_clip, clip_cov_ratio=self.clip_cov_ratio,
+            clip_cov_lb=self.clip_cov_lb, clip_cov_ub=self.clip_cov_ub, kl_cov_ratio=self.kl_cov_ratio,
+            kl_cov_coef=self.kl_cov_coef, sapo_tau_pos=self.sapo_tau_pos, sapo_tau_neg=self.sapo_tau_neg,
+            loss_agg_mode=self.loss_agg_mode, max_gen_len=self.max_gen_len)
+
+    @property
+    def estimator(self) -> EstimatorConfig:
+        """The registered --advantage_estimator's settings."""
+        return EstimatorConfig(name=self.advantage_estimator, gamma=self.gamma, lam=self.lam,
+                               num_generations=self.num_generations, adv_eps=self.adv_eps,
+                               adv_std_unbiased=self.adv_std_unbiased, whiten_advantages=self.whiten_advantages)
+
+    @property
+    def optim(self) -> OptimConfig:
+        """The actor's and critic's optimizers and their schedule."""
+        return OptimConfig(learning_rate=self.learning_rate, critic_learning_rate=self.critic_learning_rate,
+                           weight_decay=self.weight_decay, warmup_steps=self.warmup_steps, grad_clip=self.grad_clip)
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        """How a rollout is sampled."""
+        return SamplingConfig(num_generations=self.num_generations, max_gen_len=self.max_gen_len,
+                              temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, greedy=self.greedy,
+                              suppress_eos=self.suppress_eos, fast_decode=self.fast_decode, cuda_graphs=self.cuda_graphs,
+                              rollout_logprobs=self.rollout_logprobs, max_turns=self.max_turns,
+                              max_total_len=self.max_total_len)
+
+    @property
+    def update(self) -> UpdateConfig:
+        """The PPO update's settings, the loss and optimizer sections nested (resolved configs only)."""
+        return UpdateConfig(
+            loss=self.loss, optim=self.optim, ppo_update_iters=self.ppo_update_iters, mini_batch_size=self.mini_batch_size,
+            accumulation_steps=self.accumulation_steps, critic_warmup_steps=self.critic_warmup_steps,
+            early_stop_kl=self.early_stop_kl, entropy_coef=self.entropy_coef, kl_placement=self.kl_placement,
+            kl_estimator=self.kl_estimator, vf_coef=self.vf_coef, cliprange_value=self.cliprange_value,
+            sample_temperature=self.sample_temperature, padding_free=self.padding_free,
+            parallel_update=self.parallel_update, train_attn=self.train_attn, seed=self.seed)
 
 
 # Every setting's name ("resolved" is state, not a setting).

@@ -11,6 +11,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from trainer.ppo import Comm
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -182,16 +185,16 @@ def _check_same_keys(keys: list[str], info: DistInfo) -> None:
     raise ValueError(f"ranks logged different metric keys (beyond the common ones: {diff}); every rank must log the same keys")
 
 
-def all_gather_objects(obj, info: DistInfo) -> list:
+def all_gather_objects(obj: _T, info: DistInfo) -> list[_T]:
     """Every rank's `obj` (e.g. RNG states for the resume file), in rank order."""
     if not info.enabled:
         return [obj]
-    out = [None] * info.world_size
+    out: list[Any] = [None] * info.world_size
     dist.all_gather_object(out, obj)
     return out
 
 
-def broadcast_object(obj, info: DistInfo, src: int = 0):
+def broadcast_object(obj: _T, info: DistInfo, src: int = 0) -> _T:
     if not info.enabled:
         return obj
     box = [obj]

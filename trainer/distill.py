@@ -32,12 +32,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from model.forward import forward_in_row_chunks, policy_forward
 from model.loader import load_policy
 from model.weights import WeightsError, read_state_dict
 from trainer import dist as D
 from trainer import http_client as H
 from trainer.ppo import distill_penalty, kl_penalty, masked_mean
-from trainer.rollout import Rollout, forward_in_row_chunks, policy_forward
+from trainer.rollout import Rollout
 from trainer.runtime import Models, Phase, Runtime, on
 
 __all__ = ["TEACHER_KEY_ENV", "TeacherError", "TeacherServer", "load_teacher", "tokenizer_mismatch", "native_shape",
@@ -260,6 +261,7 @@ def teacher_scored(cfg: Any, ro: Rollout, m: Models, rt: Runtime, phase: Phase) 
     mean k1 reverse KL to the teacher per response token (distill/reverse_kl) and per response (distill/reverse_kl_seq)."""
     if m.teacher is None:
         return ro, {}
+    assert ro.old_logprobs is not None  # scored (step 3) before the teacher: the k1 below compares the two
     R = ro.response_len
     if isinstance(m.teacher, nn.Module):  # as the reference: whole weights gathered first (a collective), then rank-local
         with phase("score"), D.unsharded(m.teacher), phase("score_teacher", device=rt.ref_device, rank_local=True):

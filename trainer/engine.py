@@ -22,17 +22,18 @@ through `/collective_rpc`, which needs VLLM_SERVER_DEV_MODE=1, fenced by /pause?
 server has them; SGLang: `/update_weights_from_disk`), then records the weight version (the number of updates in
 those weights). Every response is stamped with the version it was sampled with (SGLang: per response; vLLM: the
 server's version read before and after the batch); any other version than the last pushed one stops the run
-(EngineError). Sampled ahead (--async_rollouts, trainer/run/async_rollouts.py), a batch asked for at version v may
+(EngineError). Sampled ahead (--async_rollouts, trainer/run/rollout_source.py), a batch asked for at version v may
 carry any version from v to the last push, and its Samples carry the oldest one. A LoRA actor's adapters go alone
 where the engine serves them (vLLM's /v1/load_lora_adapter: `load_adapter`, a new name per push that requests name,
 each reply stamped by the adapter it names; `write_adapter`), the base pushed in full once at start.
 
-Waits: every request (trainer/http_client.py: a total deadline, a size cap) waits at most `timeout` (--engine_timeout) and,
-inside a rank-local block under torchrun, at most what is left of the block's deadline (trainer.dist.deadline(): the
-other ranks wait for this one in the collective at its end), so a hung engine ends the run with one line, never in
-the process group's watchdog. Who asked decides: a job that samples ahead (`sampling_ahead`) is in no such block, and
-neither are the threads it hands its requests to (they run in copies of its context), so their requests wait
---engine_timeout only; the trainer's wait for its result is bounded instead.
+Waits: every request (trainer/http_client.py: a total deadline, a size cap) waits at most `timeout` (--engine_timeout) and
+at most what is left of the rank-local deadline it keeps to (`deadline=`: by default IN_BLOCK, the deadline of the
+rank-local block the caller is in under torchrun, trainer.dist.deadline(): the other ranks wait for this one in the
+collective at its end), so a hung engine ends the run with one line, never in the process group's watchdog. The
+caller says which: a job that samples ahead of the trainer (trainer/run/rollout_source.py) is in no such block and
+passes deadline=None, so its requests (and those of the threads a client hands them to) wait --engine_timeout only;
+the trainer's wait for its result is bounded instead.
 
 Failures: idempotent requests (GETs, and sampling: a request repeated with its seed asks for the same draws) are tried
 again on a dropped connection or HTTP 502 / 503 / 504 inside the same deadline (trainer/http_client.py); a weight push
@@ -46,7 +47,7 @@ vLLM checks it on /v1 routes only, so its dev-mode routes rely on where it liste
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import enum
 import json
 import os
 import re
@@ -58,7 +59,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, Literal
 
 import torch
 
@@ -67,6 +68,7 @@ from trainer import dist as D
 from trainer import http_client as H
 from trainer.http_client import MAX_BYTES
 from trainer.http_client import server_index as engine_index
+from trainer.sections import SamplingConfig
 
 WEIGHTS_FILE = "model.safetensors"
 # An adapter-only push (a LoRA actor, an engine that serves adapters): peft's two files in a subfolder of the push
@@ -74,26 +76,29 @@ WEIGHTS_FILE = "model.safetensors"
 ADAPTER_DIR, ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter", "adapter_model.safetensors", "adapter_config.json"
 ADAPTER_PREFIX = "minippo-"
 ENGINE_KEY_ENV = "MINIPPO_ENGINE_API_KEY"  # the engines' bearer token (their --api-key), read by Engine.__init__
-BYTES_PER_TOKEN = 256  # a sampling answer's cap per token asked for (vLLM's logprobs entries take ~120 B a token)
+BYTES_PER_TOKEN = 256  # a sampling answer's cap per token asked for, with room over what vLLM's logprobs entries take
 FAILED_REASONS = ("abort", "error")  # finish reasons of a request that failed: never a reply to train on
 RESET_TRIES = 5  # vLLM 0.26+ answers /reset_prefix_cache {"success": false} while blocks are held: "callers may retry"
 RESET_WAIT_S = 0.2
-# True in the context of a job that samples ahead of the trainer (--async_rollouts); the threads it hands requests to
-# run in copies of its context (VLLMEngine._complete), so they know it too: a thread-local would not reach them.
-_AHEAD: contextvars.ContextVar[bool] = contextvars.ContextVar("minippo_sampling_ahead", default=False)
 
 
-def sampling_ahead() -> None:
-    """Mark the calling thread's context as one that samples batches ahead of the trainer (--async_rollouts): its
-    requests, and those of the threads it hands them to, wait --engine_timeout only, not the rank-local deadline of
-    whatever block the trainer's thread is in (the trainer's wait for the result is bounded by its own block's)."""
-    _AHEAD.set(True)
+class InBlock(enum.Enum):
+    """The default `deadline=` of a request: the deadline of the rank-local block the caller is in."""
+
+    DEADLINE = "the rank-local block's"
 
 
-def rank_deadline() -> D.Deadline | None:
-    """The rank-local deadline the caller's requests keep to, decided by who asked: none for a job sampling ahead,
-    else the block's the trainer's thread is in (trainer.dist.deadline(); None outside torchrun)."""
-    return None if _AHEAD.get() else D.deadline()
+IN_BLOCK: Final = InBlock.DEADLINE
+# What a request keeps to: a rank-local deadline, none (a job sampling ahead of the trainer: in no block, its
+# requests wait --engine_timeout only), or IN_BLOCK (trainer.dist.deadline(): the block's the caller is in, if any).
+RequestDeadline = D.Deadline | None | Literal[InBlock.DEADLINE]
+
+
+def keeps_to(deadline: RequestDeadline) -> D.Deadline | None:
+    """The rank-local deadline a request keeps to: `deadline`, or for IN_BLOCK the deadline of the block the caller
+    is in now (None: none, e.g. one process). A batch's requests resolve it once, in the asking thread (Engine.sample),
+    and send every request with it, whichever thread of the client sends it."""
+    return D.deadline() if deadline is InBlock.DEADLINE else deadline
 
 
 class EngineError(RuntimeError):
@@ -149,52 +154,46 @@ class Engine:
     truncated_logprobs = False
 
     def __init__(self, url: str, timeout: float = 600.0) -> None:
-        self.url = url.rstrip("/")
-        self.timeout = timeout
-        try:  # the one place the engine's key is read: never a config field (run.json, resume files record those)
-            self._token = H.token_from_env(ENGINE_KEY_ENV)
+        try:  # the one place the engine's key is read (http_client.Client): never a config field
+            self.http = H.Client(url, timeout, ENGINE_KEY_ENV)
         except ValueError as e:
             raise EngineError(str(e)) from None
+        self.url, self.timeout = self.http.url, self.http.timeout
         self.version: int | None = None  # the weight version last pushed (None: none yet)
         # The version a push under way makes the engine serve, set before it starts: a batch sampled ahead
         # (--async_rollouts) may be stamped with it before the push returns.
         self.next_version: int | None = None
         self.adapter_pushes: bool | None = None  # a LoRA actor's adapters alone (trainer/run/engine_sync.py decides once)
 
-    def kept_tokens(self, cfg: Any) -> tuple[int, float] | None:
+    def kept_tokens(self, sampling: SamplingConfig) -> tuple[int, float] | None:
         """(top_k, top_p) where this engine's log-probs are renormalised over the tokens they keep (the run samples
         with top-k / top-p, not greedily, on an engine with truncated_logprobs); None: over the whole vocabulary."""
-        cut = not cfg.greedy and (cfg.top_k > 0 or cfg.top_p < 1)
-        return (int(cfg.top_k), float(cfg.top_p)) if cut and self.truncated_logprobs else None
+        cut = not sampling.greedy and (sampling.top_k > 0 or sampling.top_p < 1)
+        return (int(sampling.top_k), float(sampling.top_p)) if cut and self.truncated_logprobs else None
 
     # ---- HTTP
     def _request(self, path: str, body: dict | None = None, *, method: str | None = None,
                  timeout: float | None = None, max_bytes: int = MAX_BYTES, idempotent: bool | None = None,
-                 text_ok: bool = False) -> Any:
+                 text_ok: bool = False, deadline: RequestDeadline = IN_BLOCK) -> Any:
         """trainer/http_client.py's request to this engine (the token of MINIPPO_ENGINE_API_KEY on every route), its
         failures as EngineError / EngineUnreachable. `idempotent` (default: a GET is, a POST is not) requests are
-        tried again on a dropped connection or HTTP 502 / 503 / 504, inside the same deadline."""
+        tried again on a dropped connection or HTTP 502 / 503 / 504, inside the same deadline. `deadline`: the
+        rank-local deadline it keeps to as well (`keeps_to`)."""
         wait = timeout or self.timeout
         # under torchrun: the other ranks wait for this one in a collective, for so long only
-        due = rank_deadline()
+        due = keeps_to(deadline)
         if due is not None and due.left() < wait:
             wait = due.left()
             if wait <= 0:
-                raise EngineUnreachable(self._too_slow(due, path))
-        if idempotent is None:
-            idempotent = body is None and method in (None, "GET")
+                raise EngineUnreachable(self.too_slow(due, path))
         try:
-            return H.request_json(self.url + path, body, method=method, timeout=wait, token=self._token,
-                                  max_bytes=max_bytes, attempts=H.RETRY_ATTEMPTS if idempotent else 1, text_ok=text_ok)
+            return self.http.request(path, body, method=method, timeout=wait, max_bytes=max_bytes, idempotent=idempotent,
+                                     text_ok=text_ok)
         except H.Refused as e:
-            hint = ""
-            if e.status == 401:
-                hint = (f" (the key in {ENGINE_KEY_ENV} is not the server's --api-key)" if self._token else
-                        f" (it wants a key: set {ENGINE_KEY_ENV} to its --api-key)")
-            raise EngineError(f"the {self.kind} engine at {self.url} refused {path}: {e}{hint}") from None
+            raise EngineError(f"the {self.kind} engine at {self.url} refused {path}: {e}{self.http.key_hint(e)}") from None
         except H.TimedOut as e:
             if due is not None and due.left() <= 1.0:
-                raise EngineUnreachable(self._too_slow(due, path)) from None
+                raise EngineUnreachable(self.too_slow(due, path)) from None
             raise EngineUnreachable(f"the {self.kind} engine at {self.url} is not reachable ({e}); {self._hint()}") from None
         except H.Unreachable as e:
             raise EngineUnreachable(f"the {self.kind} engine at {self.url} is not reachable ({e}); {self._hint()}") from None
@@ -205,9 +204,10 @@ class Engine:
         return self.start_hint if self.version is None else (  # mid-run: the engine died, hung or restarted
             "the last checkpoint is intact: restart the engine, then continue with --from_resume 1")
 
-    def _too_slow(self, due: D.Deadline, path: str) -> str:
-        """An engine that did not answer before the rank-local block's deadline (a hung or overloaded engine)."""
-        return (f"the {self.kind} engine at {self.url} did not answer {path} within the {due.budget_s:.0f} s the other "
+    def too_slow(self, due: D.Deadline, what: str) -> str:
+        """The one line for an engine that did not answer `what` (a route, or a batch sampled ahead) before `due`, the
+        rank-local deadline the wait kept to: a hung or overloaded engine, which the other ranks wait for no longer."""
+        return (f"the {self.kind} engine at {self.url} did not answer {what} within the {due.budget_s:.0f} s the other "
                 f"ranks can wait for this one ({due.flag}, less a margin): is it hung or overloaded? {self._hint()} "
                 f"(or raise {due.flag.split()[0]})")
 
@@ -215,18 +215,19 @@ class Engine:
         """Raise EngineError unless the server answers its health check."""
         self._request("/health", timeout=min(self.timeout, 30.0))
 
-    # ---- what each server implements
-    def _complete(self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int]) -> list[list[Completion]]:
+    # ---- what each server implements (`deadline`: what the sampling requests keep to, `keeps_to`)
+    def _complete(self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int],
+                  deadline: RequestDeadline = IN_BLOCK) -> list[list[Completion]]:
         raise NotImplementedError
 
     def _load(self, folder: Path, version: int) -> None:
         raise NotImplementedError
 
-    def server_version(self) -> str | None:
+    def server_version(self, deadline: RequestDeadline = IN_BLOCK) -> str | None:
         """The weight version the server reports now (None where it reports none)."""
         return None
 
-    def _versions_after(self) -> list[str | None]:
+    def _versions_after(self, deadline: RequestDeadline = IN_BLOCK) -> list[str | None]:
         """What the server reports after a batch, to check beside the responses' own stamps (vLLM: its version)."""
         return []
 
@@ -295,7 +296,8 @@ class Engine:
     def sample(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
                eos_token_id: int | list[int], pad_token_id: int, temperature: float = 1.0, top_k: int = 0,
                top_p: float = 1.0, greedy: bool = False, suppress_eos: bool = False, num_generations: int = 1,
-               generator: torch.Generator | None = None, oldest_version: int | None = None, **_ignored: Any) -> Samples:
+               generator: torch.Generator | None = None, oldest_version: int | None = None,
+               deadline: RequestDeadline = IN_BLOCK, **_ignored: Any) -> Samples:
         """model.generation.sample's contract, sampled by the engine: `num_generations` responses per prompt row
         (rows i*N .. i*N+N-1), right-padded, on the inputs' device; `logprobs` are the engine's. Each prompt gets
         its own seed, drawn from `generator` (None: torch's default stream) and sent as vLLM's `seed` (its N samples
@@ -303,14 +305,16 @@ class Engine:
         same draws; the replies repeat where the server honours the seeds (vLLM does; SGLang with
         --enable-deterministic-inference). `fast_decode` and the like are the local decoder's and mean nothing here.
         `oldest_version` (--async_rollouts): the version the batch was asked for at; any pushed since is accepted, and
-        the Samples' `weight_version` is the oldest one seen (the request's when no response says)."""
+        the Samples' `weight_version` is the oldest one seen (the request's when no response says). `deadline`: the
+        rank-local deadline its requests keep to (`keeps_to`; a batch sampled ahead: None)."""
+        due = keeps_to(deadline)  # read once, here: the same for every request of the batch, whichever thread sends it
         eos = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
         prompts = [row[m.bool()].tolist() for row, m in zip(input_ids.cpu(), attention_mask.cpu())]
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator,
                               device=generator.device if generator is not None else "cpu").tolist()
         params = SamplingParams(max_new_tokens, 0.0 if greedy else temperature, top_k, top_p,
                                 () if suppress_eos else tuple(eos), suppress_eos)
-        groups = self._complete(prompts, num_generations, params, seeds)
+        groups = self._complete(prompts, num_generations, params, seeds, due)
         done = [c for g in groups for c in g]
         if len(done) != len(prompts) * num_generations or any(len(g) != num_generations for g in groups):
             raise EngineError(f"the {self.kind} engine at {self.url} returned {len(done)} responses for "
@@ -322,7 +326,7 @@ class Engine:
                               f"flight, or aborted them); nothing was trained on them: make sure only this run controls "
                               f"the engine, then continue with --from_resume 1")
         stamps = [c.weight_version for c in done]
-        self.check_version(stamps + self._versions_after(), oldest_version)
+        self.check_version(stamps + self._versions_after(due), oldest_version)
         seen = [int(v) for v in stamps if v is not None and v.isdigit()]
         s = _as_samples(done, input_ids.repeat_interleave(num_generations, dim=0), [] if suppress_eos else eos,
                         pad_token_id, max_new_tokens, self.url)
@@ -387,8 +391,8 @@ class VLLMEngine(Engine):
         self._tag = secrets.token_hex(4)
         self._lora_routes: bool | None = None
 
-    def _models(self) -> None:
-        data = (self._request("/v1/models", timeout=min(self.timeout, 30.0)) or {}).get("data") or []
+    def _models(self, deadline: RequestDeadline = IN_BLOCK) -> None:
+        data = (self._request("/v1/models", timeout=min(self.timeout, 30.0), deadline=deadline) or {}).get("data") or []
         if not data:
             raise EngineError(f"the vllm engine at {self.url} serves no model (GET /v1/models is empty)")
         self._model, self._max_len = data[0]["id"], data[0].get("max_model_len")
@@ -402,13 +406,15 @@ class VLLMEngine(Engine):
         data = (self._request("/v1/models", timeout=min(self.timeout, 30.0)) or {}).get("data") or [{}]
         return data[0].get("root") or data[0].get("id")
 
-    def server_version(self) -> str | None:
-        return (self._request("/weight_info", timeout=min(self.timeout, 30.0)) or {}).get("weight_version")
+    def server_version(self, deadline: RequestDeadline = IN_BLOCK) -> str | None:
+        return (self._request("/weight_info", timeout=min(self.timeout, 30.0), deadline=deadline) or {}).get("weight_version")
 
-    def _complete(self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int]) -> list[list[Completion]]:
+    def _complete(self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int],
+                  deadline: RequestDeadline = IN_BLOCK) -> list[list[Completion]]:
+        due = keeps_to(deadline)  # the asker's, resolved in its thread: the pool's threads below send with it
         if self._model is None:
-            self._models()
-        before = self.server_version()
+            self._models(due)
+        before = self.server_version(due)
 
         def one(prompt: list[int], seed: int) -> list[Completion]:
             body = {"model": self._adapter or self._model, "prompt": prompt, "n": n, "max_tokens": params.max_new_tokens,
@@ -417,7 +423,8 @@ class VLLMEngine(Engine):
                     "ignore_eos": params.ignore_eos, "skip_special_tokens": False}
             # tried again on a dropped connection: with its seed a repeat asks for the same draws (and any answer is
             # still checked against the weight versions), so a repeat costs the engine time, never the data
-            out = self._request("/v1/completions", body, max_bytes=_answer_cap([prompt] * n, params), idempotent=True)
+            out = self._request("/v1/completions", body, max_bytes=_answer_cap([prompt] * n, params), idempotent=True,
+                                deadline=due)
             try:
                 choices = sorted(out["choices"], key=lambda c: c["index"])
                 return [Completion([int(t) for t in c["token_ids"]],
@@ -429,9 +436,7 @@ class VLLMEngine(Engine):
                                   f"OpenAI server?") from None
 
         with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(prompts)))) as pool:
-            # each request in a copy of the asker's context: its deadline is the asker's (`rank_deadline`), not that
-            # of whatever block the trainer's thread is in while a job sampling ahead waits here
-            jobs = [pool.submit(contextvars.copy_context().run, one, prompt, seed) for prompt, seed in zip(prompts, seeds)]
+            jobs = [pool.submit(one, prompt, seed) for prompt, seed in zip(prompts, seeds)]
             return [job.result() for job in jobs]
 
     def _stamp(self, model: object, before: str | None) -> str | None:
@@ -443,8 +448,8 @@ class VLLMEngine(Engine):
         version = self._adapter_versions.get(str(model))
         return str(model) if version is None else str(version)
 
-    def _versions_after(self) -> list[str | None]:
-        return [self.server_version()]  # the server's version did not change under the batch (ahead: to a push of ours)
+    def _versions_after(self, deadline: RequestDeadline = IN_BLOCK) -> list[str | None]:
+        return [self.server_version(deadline)]  # the server's version did not change under the batch (ahead: to a push of ours)
 
     def pause_query(self) -> str:
         """The /pause query that holds new requests and lets those in flight finish first ("": the server has none);
@@ -638,10 +643,10 @@ class SGLangEngine(Engine):
         super().__init__(url, timeout)
         self._info_path: str | None = None  # /model_info, or /get_model_info on a server without it
 
-    def _info(self) -> dict:
+    def _info(self, deadline: RequestDeadline = IN_BLOCK) -> dict:
         if self._info_path is None:
             try:
-                out = self._request("/model_info", timeout=min(self.timeout, 30.0))
+                out = self._request("/model_info", timeout=min(self.timeout, 30.0), deadline=deadline)
                 self._info_path = "/model_info"
                 return out or {}
             except EngineUnreachable:
@@ -650,10 +655,10 @@ class SGLangEngine(Engine):
                 if "HTTP 404" not in str(e):
                     raise
                 self._info_path = "/get_model_info"
-        return self._request(self._info_path, timeout=min(self.timeout, 30.0)) or {}
+        return self._request(self._info_path, timeout=min(self.timeout, 30.0), deadline=deadline) or {}
 
-    def server_version(self) -> str | None:
-        v = self._info().get("weight_version")
+    def server_version(self, deadline: RequestDeadline = IN_BLOCK) -> str | None:
+        v = self._info(deadline).get("weight_version")
         return None if v is None else str(v)
 
     def model_path(self) -> str | None:
@@ -684,7 +689,8 @@ class SGLangEngine(Engine):
     def context_flag(self, need: int) -> str:
         return f"--context-length {need + 1}"
 
-    def _complete(self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int]) -> list[list[Completion]]:
+    def _complete(self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[int],
+                  deadline: RequestDeadline = IN_BLOCK) -> list[list[Completion]]:
         sp = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
               "top_k": params.top_k or -1, "stop_token_ids": list(params.stop_ids), "ignore_eos": params.ignore_eos,
               "skip_special_tokens": False}
@@ -693,7 +699,8 @@ class SGLangEngine(Engine):
         # the N rows of a prompt need N seeds or they would be N copies of one reply.
         sps = [dict(sp, sampling_seed=(seed + j) % (2**31 - 1)) for seed in seeds for j in range(n)]
         out = self._request("/generate", {"input_ids": rows, "sampling_params": sps, "return_logprob": True},
-                            max_bytes=_answer_cap(rows, params), idempotent=True)  # seeded: a repeat is the same ask
+                            max_bytes=_answer_cap(rows, params), idempotent=True,  # seeded: a repeat is the same ask
+                            deadline=deadline)
         out = out if isinstance(out, list) else [out]
         done = []
         try:
@@ -842,6 +849,8 @@ def model_mismatch(served: dict, actor: dict) -> str | None:
 
     if shape(served) == shape(actor):
         return None
-    fmt = lambda s: f"{s[0]}, vocab {s[1]}, {s[2]} layers x {s[3]}"  # noqa: E731
+    def fmt(s: tuple) -> str:
+        return f"{s[0]}, vocab {s[1]}, {s[2]} layers x {s[3]}"
+
     return f"it serves {fmt(shape(served))} but the actor is {fmt(shape(actor))}"
 

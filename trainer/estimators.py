@@ -1,9 +1,11 @@
-"""Advantage estimators, each registered by name with its metadata (trainer/registry.py).
+"""Advantage estimators, each registered by name with its metadata in ADVANTAGE_ESTIMATORS (looked up through
+trainer/registry.py).
 
 Every estimator maps the rollout's outcome scores [B] (one per response, on its last token), the
 per-token KL penalty [B, R] when the KL is in the reward (None when it is in the loss), the critic's
-values [B, R] (GAE only) and the response mask to (advantages, returns) [B, R], before whitening: the
-caller whitens over every rank's tokens as the spec's `whiten` says.
+values [B, R] (GAE only), the response mask, the KL coefficient (the controller's current value) and its own
+settings (`cfg`: trainer/sections.py EstimatorConfig, the run's `cfg.estimator`) to (advantages, returns) [B, R],
+before whitening: the caller whitens over every rank's tokens as the spec's `whiten` says.
 
 References
 - GAE: Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage Estimation",
@@ -23,11 +25,53 @@ across ranks, so they need no collective).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol, TypeVar
+
 import torch
 from torch import Tensor
 
 from trainer.ppo import compute_gae, compute_token_rewards, discounted_returns
-from trainer.registry import register_estimator
+from trainer.sections import EstimatorConfig
+
+
+class EstimatorFn(Protocol):
+    def __call__(self, scores: Tensor, kl: Tensor | None, values: Tensor | None, response_mask: Tensor, kl_coef: float,
+                 cfg: EstimatorConfig, baseline: Tensor | None = None) -> tuple[Tensor, Tensor]: ...
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    name: str
+    fn: EstimatorFn
+    needs_critic: bool  # builds and trains a critic (GAE); the others build none
+    needs_groups: bool  # compares the --num_generations responses to one prompt: needs >= 2
+    whiten: Literal["none", "global", "flag"]  # advantages whitened over every rank's tokens: never, always,
+    #                                            or as --whiten_advantages says
+    kl_placement: Literal["reward", "loss"]  # --kl_placement auto
+    kl_estimator: Literal["k1", "k2", "k3"]  # --kl_estimator auto
+    paper: str
+    needs_baseline_rollout: bool = False  # a greedy response per prompt, rewarded, is its baseline (ReMax)
+
+
+# Every advantage estimator by name: the built-ins below, and any a user's module registers before the command line is read.
+ADVANTAGE_ESTIMATORS: dict[str, EstimatorSpec] = {}
+_Estimator = TypeVar("_Estimator", bound=EstimatorFn)
+
+
+def register_estimator(name: str, *, needs_critic: bool, needs_groups: bool, whiten: Literal["none", "global", "flag"],
+                       kl_placement: Literal["reward", "loss"], kl_estimator: Literal["k1", "k2", "k3"], paper: str,
+                       needs_baseline_rollout: bool = False) -> Callable[[_Estimator], _Estimator]:
+    """Register an advantage estimator under --advantage_estimator `name` with what the run needs to know about it
+    (verl's register_adv_est, with the metadata verl keeps in if-statements)."""
+    def deco(fn: _Estimator) -> _Estimator:
+        if name in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is registered twice")
+        ADVANTAGE_ESTIMATORS[name] = EstimatorSpec(name, fn, needs_critic, needs_groups, whiten, kl_placement, kl_estimator,
+                                                   paper, needs_baseline_rollout)
+        return fn
+    return deco
 
 
 def _groups(scores: Tensor, group_size: int) -> Tensor:
@@ -83,60 +127,70 @@ def outcome_returns(shaped: Tensor, kl: Tensor | None, response_mask: Tensor, kl
 
 @register_estimator("gae", needs_critic=True, needs_groups=False, whiten="flag", kl_placement="reward", kl_estimator="k1",
                     paper="Schulman et al. 2016 (GAE), with Ziegler et al. 2019's per-token KL reward")
-def gae(scores: Tensor, kl: Tensor | None, values: Tensor, response_mask: Tensor, kl_coef: float, cfg,
+def gae(scores: Tensor, kl: Tensor | None, values: Tensor | None, response_mask: Tensor, kl_coef: float, cfg: EstimatorConfig,
         baseline: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    if values is None:
+        raise ValueError("gae needs the critic's values for every response token")
     token_rewards = compute_token_rewards(scores, kl, response_mask, kl_coef)
     return compute_gae(token_rewards, values, response_mask, cfg.gamma, cfg.lam)
 
 
 @register_estimator("grpo", needs_critic=False, needs_groups=True, whiten="none", kl_placement="loss", kl_estimator="k3",
                     paper="Shao et al. 2024, DeepSeekMath, sec. 4.1.2")
-def grpo(scores, kl, values, response_mask, kl_coef, cfg, baseline=None):
+def grpo(scores: Tensor, kl: Tensor | None, values: Tensor | None, response_mask: Tensor, kl_coef: float,
+         cfg: EstimatorConfig, baseline: Tensor | None = None) -> tuple[Tensor, Tensor]:
     normalised = group_normalised(scores, cfg.num_generations, cfg.adv_eps, bool(cfg.adv_std_unbiased))
     return outcome_returns(normalised, kl, response_mask, kl_coef, cfg.gamma)
 
 
 @register_estimator("dr_grpo", needs_critic=False, needs_groups=True, whiten="none", kl_placement="loss", kl_estimator="k3",
                     paper="Liu et al. 2025, Understanding R1-Zero-Like Training, sec. 3.1")
-def dr_grpo(scores, kl, values, response_mask, kl_coef, cfg, baseline=None):
+def dr_grpo(scores: Tensor, kl: Tensor | None, values: Tensor | None, response_mask: Tensor, kl_coef: float,
+            cfg: EstimatorConfig, baseline: Tensor | None = None) -> tuple[Tensor, Tensor]:
     return outcome_returns(group_centred(scores, cfg.num_generations), kl, response_mask, kl_coef, cfg.gamma)
 
 
 @register_estimator("rloo", needs_critic=False, needs_groups=True, whiten="none", kl_placement="reward", kl_estimator="k1",
                     paper="Ahmadian et al. 2024, Back to Basics, eq. (5)")
-def rloo(scores, kl, values, response_mask, kl_coef, cfg, baseline=None):
+def rloo(scores: Tensor, kl: Tensor | None, values: Tensor | None, response_mask: Tensor, kl_coef: float,
+         cfg: EstimatorConfig, baseline: Tensor | None = None) -> tuple[Tensor, Tensor]:
     return outcome_returns(leave_one_out(scores, cfg.num_generations), kl, response_mask, kl_coef, cfg.gamma)
 
 
 @register_estimator("reinforce_pp", needs_critic=False, needs_groups=False, whiten="global", kl_placement="reward",
                     kl_estimator="k1", paper="Hu 2025, REINFORCE++, sec. 3")
-def reinforce_pp(scores, kl, values, response_mask, kl_coef, cfg, baseline=None):
+def reinforce_pp(scores: Tensor, kl: Tensor | None, values: Tensor | None, response_mask: Tensor, kl_coef: float,
+                 cfg: EstimatorConfig, baseline: Tensor | None = None) -> tuple[Tensor, Tensor]:
     return outcome_returns(scores.float(), kl, response_mask, kl_coef, cfg.gamma)
 
 
 @register_estimator("reinforce_pp_baseline", needs_critic=False, needs_groups=True, whiten="global", kl_placement="reward",
                     kl_estimator="k1", paper="Hu 2025, REINFORCE++ (group-mean baseline variant)")
-def reinforce_pp_baseline(scores, kl, values, response_mask, kl_coef, cfg, baseline=None):
+def reinforce_pp_baseline(scores: Tensor, kl: Tensor | None, values: Tensor | None, response_mask: Tensor, kl_coef: float,
+                          cfg: EstimatorConfig, baseline: Tensor | None = None) -> tuple[Tensor, Tensor]:
     return outcome_returns(group_centred(scores, cfg.num_generations), kl, response_mask, kl_coef, cfg.gamma)
 
 
 @register_estimator("opo", needs_critic=False, needs_groups=True, whiten="none", kl_placement="reward", kl_estimator="k1",
                     paper="Hao et al. 2025, On-Policy RL with Optimal Reward Baseline (OPO), sec. 3")
-def opo(scores, kl, values, response_mask, kl_coef, cfg, baseline=None):
+def opo(scores: Tensor, kl: Tensor | None, values: Tensor | None, response_mask: Tensor, kl_coef: float,
+        cfg: EstimatorConfig, baseline: Tensor | None = None) -> tuple[Tensor, Tensor]:
     lengths = response_mask.bool().sum(dim=1)
     return outcome_returns(length_weighted(scores, lengths, cfg.num_generations), kl, response_mask, kl_coef, cfg.gamma)
 
 
 @register_estimator("grpo_passk", needs_critic=False, needs_groups=True, whiten="none", kl_placement="loss", kl_estimator="k3",
                     paper="Pass@k policy optimization, arXiv:2503.19595 (as verl's grpo_passk)")
-def grpo_passk(scores, kl, values, response_mask, kl_coef, cfg, baseline=None):
+def grpo_passk(scores: Tensor, kl: Tensor | None, values: Tensor | None, response_mask: Tensor, kl_coef: float,
+               cfg: EstimatorConfig, baseline: Tensor | None = None) -> tuple[Tensor, Tensor]:
     best = best_of_group(scores, cfg.num_generations, cfg.adv_eps, bool(cfg.adv_std_unbiased))
     return outcome_returns(best, kl, response_mask, kl_coef, cfg.gamma)
 
 
 @register_estimator("remax", needs_critic=False, needs_groups=False, whiten="none", kl_placement="reward", kl_estimator="k1",
                     paper="Li et al. 2024, ReMax, Algorithm 1 (arXiv:2310.10505)", needs_baseline_rollout=True)
-def remax(scores, kl, values, response_mask, kl_coef, cfg, baseline=None):
+def remax(scores: Tensor, kl: Tensor | None, values: Tensor | None, response_mask: Tensor, kl_coef: float,
+          cfg: EstimatorConfig, baseline: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """r_i - r(greedy reply to the same prompt): one extra greedy rollout per prompt, rewarded like the samples."""
     if baseline is None or baseline.shape != scores.shape:
         raise ValueError("remax needs the greedy reply's reward for every response (one per row)")

@@ -23,11 +23,12 @@ from torch import Tensor, nn
 
 from dataset import ifeval
 from dataset.rlaif import PromptRecord, RLAIFDataset, collate_left_pad
+from model.forward import policy_forward
 from trainer import verifier
 from trainer.multiturn import Episode, generate_episodes
 from trainer.reward_model import RewardModelScorer
 from trainer.rewards import answers_match, extract_answer, format_reward, gt_reward
-from trainer.rollout import Rollout, generate_rollout, policy_forward
+from trainer.rollout import Rollout, generate_rollout
 from trainer.tools import ToolRunner
 
 
@@ -100,7 +101,7 @@ def score_replies(
         by_task: dict[str, dict[str, Any]] = {}
         for name in sorted({t for t in tasks if t is not None}):
             rows = [i for i, t in enumerate(tasks) if t == name]
-            graded_rows = [correct[i] for i in rows if correct[i] is not None]
+            graded_rows = [c for i in rows if (c := correct[i]) is not None]
             by_task[name] = {
                 "n": len(rows),
                 "format_rate": _rate([format_ok[i] for i in rows]),

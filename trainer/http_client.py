@@ -11,6 +11,8 @@ servers): one request, bounded, whatever the server does.
   by `token_from_env` (never a config field: the config is written to run.json and the resume files).
 - Redirects are refused, not followed: urllib would carry the Authorization header to wherever one points.
 - Every failure is an HTTPFailure whose message is one line; the callers say which server and what to do.
+- `Client`: one server's base URL, default deadline and token, for the trainer's clients of a server (the engines,
+  the reward servers, the teacher), each of which words the failures for its own flag.
 - Retries, for idempotent requests only (`attempts` > 1: the caller says which are): a connection refused or reset
   (a server restarting, a proxy dropping a connection) and HTTP 502 / 503 / 504 (a proxy or a server that says it is
   busy) are tried again, up to `attempts` tries in all, after an exponential backoff with jitter from this module's
@@ -38,7 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["HTTPFailure", "Refused", "Unreachable", "TimedOut", "BadAnswer", "MAX_BYTES", "RETRY_ATTEMPTS",
-           "request_json", "token_from_env", "server_index", "one_line"]
+           "request_json", "Client", "token_from_env", "server_index", "one_line"]
 
 MAX_BYTES = 32 << 20  # an answer's default cap: far above any control route's or reward batch's answer
 CHUNK = 1 << 16
@@ -272,6 +274,35 @@ def _request_once(url: str, data: bytes | None, method: str, headers: dict[str, 
         if text_ok:
             return bytes(raw).decode("utf-8", errors="replace")
         raise BadAnswer(f"{url} answered with something that is not JSON: {bytes(raw[:80])!r}") from None
+
+
+class Client:
+    """One JSON server: its base URL, its default deadline (`timeout` seconds) and its bearer token, read here from the
+    environment variable `key_env` (the one place a server's key is read: never a config field, run.json and the resume
+    files record those). Raises ValueError, one line naming the variable, for a key a header cannot carry."""
+
+    def __init__(self, url: str, timeout: float, key_env: str) -> None:
+        self.url = url.strip().rstrip("/")
+        self.timeout = float(timeout)
+        self.key_env = key_env
+        self.token = token_from_env(key_env)
+
+    def request(self, path: str, body: Any = None, *, method: str | None = None, timeout: float | None = None,
+                max_bytes: int = MAX_BYTES, idempotent: bool | None = None, text_ok: bool = False) -> Any:
+        """request_json of `body` to the server's `path`, with its token, within `timeout` seconds (default: the
+        client's). An `idempotent` request (default: a GET) is tried again on a dropped connection or HTTP 502 / 503 /
+        504, inside the same deadline; say so only where a repeat does no harm."""
+        if idempotent is None:
+            idempotent = body is None and method in (None, "GET")
+        return request_json(self.url + path, body, method=method, timeout=timeout or self.timeout, token=self.token,
+                            max_bytes=max_bytes, attempts=RETRY_ATTEMPTS if idempotent else 1, text_ok=text_ok)
+
+    def key_hint(self, e: Refused) -> str:
+        """What to do about a refused key (HTTP 401), to append to the failure's line; '' for any other refusal."""
+        if e.status != 401:
+            return ""
+        return (f" (the key in {self.key_env} is not the server's --api-key)" if self.token else
+                f" (it wants a key: set {self.key_env} to its --api-key)")
 
 
 def token_from_env(var: str) -> str | None:

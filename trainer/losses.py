@@ -1,7 +1,8 @@
-"""Policy losses, each registered by name with its metadata (trainer/registry.py).
+"""Policy losses, each registered by name with its metadata in POLICY_LOSSES (looked up through trainer/registry.py).
 
 A loss maps the update's `logprobs`, the sampling policy's `old_logprobs`, the `advantages` and the
-`response_mask` (all [B, R]), the run's config, the collectives `comm` (None in one process) and, for an engine's
+`response_mask` (all [B, R]), its own settings (`cfg`: trainer/sections.py PolicyLossConfig, the run's `cfg.loss`),
+the collectives `comm` (None in one process) and, for an engine's
 samples, the rollout importance weights `is_weights` [B, R] (None otherwise: each token's loss is multiplied by
 its weight before aggregation; a loss defined per response, GMPO, by the response's mean weight) to
 (loss, stats): the loss aggregated by the resolved --loss_agg_mode (the update scales it to the global
@@ -24,11 +25,53 @@ References
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
 import torch
 from torch import Tensor
 
 from trainer.ppo import Comm, aggregate_loss, clipped_surrogate, log_ratio_of, masked_mean, ratio_stats, response_rows
-from trainer.registry import register_policy_loss
+from trainer.sections import PolicyLossConfig
+
+
+class PolicyLossFn(Protocol):
+    def __call__(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor,
+                 cfg: PolicyLossConfig, comm: Comm | None = None,
+                 is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]: ...
+
+
+@dataclass(frozen=True)
+class PolicyLossSpec:
+    name: str
+    fn: PolicyLossFn
+    estimators: tuple[str, ...] | None  # the advantage estimators it pairs with (None = every one)
+    needs_groups: bool
+    paper: str
+    loss_agg: str  # --loss_agg_mode auto: the paper's aggregation
+    agg_fixed: bool  # the loss is defined per sequence: no other --loss_agg_mode
+    seq_advantages: bool = False  # needs one advantage per response (equal on its tokens): no KL in the reward,
+    #                               no discount (validate refuses what would vary it per token)
+
+
+# Every policy loss by name: the built-ins below, and any a user's module registers before the command line is read.
+POLICY_LOSSES: dict[str, PolicyLossSpec] = {}
+_Loss = TypeVar("_Loss", bound=PolicyLossFn)
+
+
+def register_policy_loss(name: str, *, paper: str, estimators: tuple[str, ...] | None = None, needs_groups: bool = False,
+                         loss_agg: str = "token_mean", agg_fixed: bool = False,
+                         seq_advantages: bool = False) -> Callable[[_Loss], _Loss]:
+    """Register a policy loss under --policy_loss `name` with what the run needs to know about it (verl's
+    register_policy_loss, with the metadata verl keeps in if-statements)."""
+    def deco(fn: _Loss) -> _Loss:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is registered twice")
+        POLICY_LOSSES[name] = PolicyLossSpec(name, fn, estimators, needs_groups, paper, loss_agg, agg_fixed, seq_advantages)
+        return fn
+    return deco
+
 
 # The estimators that give one advantage per response compared within its group of --num_generations (with the
 # KL in the loss and --gamma 1: rloo, opo and reinforce_pp_baseline put it in the reward by default, which makes
@@ -36,7 +79,7 @@ from trainer.registry import register_policy_loss
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo", "grpo_passk")
 
 
-def _agg(token_loss: Tensor, mask: Tensor, cfg, is_weights: Tensor | None = None) -> Tensor:
+def _agg(token_loss: Tensor, mask: Tensor, cfg: PolicyLossConfig, is_weights: Tensor | None = None) -> Tensor:
     """The resolved --loss_agg_mode of the per-token losses, each first multiplied by its rollout importance weight
     (an engine's samples: trainer/ppo.py rollout_is_weights; verl multiplies its pg_losses the same way)."""
     if is_weights is not None:
@@ -56,8 +99,8 @@ def _inputs(logprobs: Tensor, advantages: Tensor, response_mask: Tensor) -> tupl
 
 
 @register_policy_loss("vanilla", paper="Schulman et al. 2017, PPO, eq. (7); clip-higher: Yu et al. 2025, DAPO, sec. 3.1")
-def vanilla(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg,
-            comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict]:
+def vanilla(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg: PolicyLossConfig,
+            comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's clipped surrogate: max(-A r, -A clip(r, 1 - eps, 1 + eps_high))."""
     token_loss, stats = clipped_surrogate(logprobs, old_logprobs, advantages, response_mask, cfg.clip_epsilon,
                                           cfg.clip_epsilon_high)
@@ -65,8 +108,8 @@ def vanilla(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response
 
 
 @register_policy_loss("dual_clip", paper="Ye et al. 2020, Mastering Complex Control in MOBA Games, eq. (5)")
-def dual_clip(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg,
-              comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict]:
+def dual_clip(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg: PolicyLossConfig,
+              comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's loss, and for A < 0 at most -A c (c = --clip_ratio_c): a token whose ratio grew far past 1 under a
     negative advantage otherwise pushes an unbounded step."""
     logprobs, adv, m = _inputs(logprobs, advantages, response_mask)
@@ -79,8 +122,8 @@ def dual_clip(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, respon
 
 
 @register_policy_loss("cispo", paper="MiniMax 2025, MiniMax-M1, sec. 3.1 (CISPO)")
-def cispo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg,
-          comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict]:
+def cispo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg: PolicyLossConfig,
+          comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """REINFORCE with a clipped, detached importance weight: -sg(min(r, --cispo_max_weight)) A log pi. No token
     is dropped from the gradient (PPO's clip zeroes it), so rare tokens keep learning; the paper bounds only
     the weight's top."""
@@ -95,8 +138,8 @@ def cispo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_m
 
 @register_policy_loss("gspo", paper="Zheng et al. 2025, GSPO (Qwen), eq. (5)-(7), (13)-(14)", estimators=GROUP_ESTIMATORS,
                       needs_groups=True, loss_agg="seq_mean_token_mean", seq_advantages=True)
-def gspo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg,
-         comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict]:
+def gspo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg: PolicyLossConfig,
+         comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The clip on the sequence's ratio s = (pi(y)/pi_old(y))^(1/|y|) = exp(mean_t log r_t) (the length-normalised
     log-ratio), in the GSPO-token form: s_t = sg(s) pi_t / sg(pi_t), whose value is s and whose gradient is s's when
     every token of the response shares its advantage. Clip range [1 - --gspo_clip_low, 1 + --gspo_clip_high]."""
@@ -116,8 +159,8 @@ def gspo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_ma
 @register_policy_loss("gmpo", paper="Zhao et al. 2025, Geometric-Mean Policy Optimization, eq. (4)",
                       estimators=GROUP_ESTIMATORS, needs_groups=True, loss_agg="seq_mean_token_mean", agg_fixed=True,
                       seq_advantages=True)
-def gmpo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg,
-         comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict]:
+def gmpo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg: PolicyLossConfig,
+         comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The geometric mean of the token ratios instead of their arithmetic mean: per response
     -A exp(mean_t clip_sgn(log r_t)), where each log-ratio is clipped to [-c, c] (c = --gmpo_clip) only on the side
     that would help (PPO's pessimism, in log space); the mean over the responses with a token (a row with none, e.g.
@@ -188,8 +231,8 @@ def _covariance(logprobs: Tensor, advantages: Tensor, m: Tensor, comm: Comm | No
 
 
 @register_policy_loss("clip_cov", paper="Cui et al. 2025, The Entropy Mechanism of RL for Reasoning LMs, sec. 4 (Clip-Cov)")
-def clip_cov(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg,
-             comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict]:
+def clip_cov(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg: PolicyLossConfig,
+             comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's loss, with max(1, --clip_cov_ratio x N) tokens of the N taken out of the gradient, drawn at random among
     those PPO kept whose covariance lies in [--clip_cov_lb, --clip_cov_ub]: the tokens whose update drives the
     entropy down fastest. The draw is over every rank's tokens (each rank draws uniform keys; the global
@@ -209,8 +252,8 @@ def clip_cov(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, respons
 
 
 @register_policy_loss("kl_cov", paper="Cui et al. 2025, The Entropy Mechanism of RL for Reasoning LMs, sec. 4 (KL-Cov)")
-def kl_cov(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg,
-           comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict]:
+def kl_cov(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg: PolicyLossConfig,
+           comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The unclipped surrogate -A r, plus --kl_cov_coef |log r| on the max(1, --kl_cov_ratio x N) tokens of the N
     with the largest covariance (over every rank's tokens): a KL leash only where entropy collapses fastest."""
     logprobs, adv, m = _inputs(logprobs, advantages, response_mask)
@@ -226,8 +269,8 @@ def kl_cov(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_
 
 @register_policy_loss("sapo", paper="Gao et al. 2025, Soft Adaptive Policy Optimization (Qwen), eq. (5)-(7)",
                       loss_agg="seq_mean_token_mean")
-def sapo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg,
-         comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict]:
+def sapo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg: PolicyLossConfig,
+         comm: Comm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """A soft gate instead of the hard clip: -A f(r), f(r) = sigmoid(tau (r - 1)) 4 / tau, whose slope is 1 at r = 1
     and fades smoothly off-policy; tau = --sapo_tau_pos for A > 0, --sapo_tau_neg (steeper: negative updates
     destabilise more) otherwise."""

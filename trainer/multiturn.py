@@ -16,8 +16,9 @@ are hard boundaries, so these are the tokens the whole conversation would have t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -26,6 +27,8 @@ from dataset.rlaif import detect_assistant_prefix
 from trainer.engine import Engine
 from trainer.rollout import Rollout, draw
 from trainer.tools import ToolError, ToolRunner, parse_tool_calls
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,10 @@ def generate_episodes(policy: nn.Module | Engine, tok: Any, runner: ToolRunner, 
     An episode runs at most `runner.max_calls` calls (--max_tool_calls); the policy reads an error for each past it."""
     device = device or batch["input_ids"].device
     engine = isinstance(policy, Engine)
-    rep = lambda xs: [x for x in xs for _ in range(num_generations)]  # noqa: E731
+
+    def rep(xs: Sequence[T]) -> list[T]:  # each prompt's row N times: its episodes are rows i*N .. i*N+N-1
+        return [x for x in xs for _ in range(num_generations)]
+
     prompts = [row[m.bool()].tolist() for row, m in zip(batch["input_ids"].cpu(), batch["attention_mask"].cpu())]
     prompts, messages = rep(prompts), [[dict(m) for m in ms] for ms in rep(batch["messages"])]
     prefixes, thinking, tools = rep(batch["assistant_prefix"]), rep(batch["open_thinking"]), rep(batch["tools"])
@@ -101,7 +107,10 @@ def generate_episodes(policy: nn.Module | Engine, tok: Any, runner: ToolRunner, 
         s = draw(policy, ids.to(device), att.to(device), max_new_tokens=min(max_new_tokens, max(room.values())),
                  eos_token_id=eos_token_id, pad_token_id=pad_token_id, generator=generator, **sampling)
         new = s.sequences[:, width:].cpu()
-        new_lps = s.logprobs.cpu() if engine else None
+        new_lps = None
+        if engine:
+            assert s.logprobs is not None  # an engine's Samples always carry its log-probs of the tokens it drew
+            new_lps = s.logprobs.cpu()
         new_mask, eos = s.response_mask.cpu().bool(), s.has_eos.cpu().tolist()
         still = []
         for r, i in enumerate(active):
@@ -163,7 +172,9 @@ def generate_episodes(policy: nn.Module | Engine, tok: Any, runner: ToolRunner, 
 def episode_components(episodes: list[Episode]) -> dict[str, torch.Tensor]:
     """Per-row tool statistics [B], logged with the reward components: tool_calls, tool_failures, tool_refused
     (calls past --max_tool_calls, not run), turns, and tool_ok (1 when the episode called a tool and every call ran)."""
-    col = lambda xs: torch.tensor(xs, dtype=torch.float32)  # noqa: E731
+    def col(xs: list[float]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.float32)
+
     return {"tool_calls": col([e.calls for e in episodes]), "tool_failures": col([e.failed for e in episodes]),
             "tool_refused": col([e.refused for e in episodes]),
             "tool_ok": col([float(e.calls > 0 and e.failed == 0) for e in episodes]),

@@ -40,17 +40,15 @@ from torch import Tensor
 
 from trainer import dist as D
 from trainer import http_client as H
-from trainer.http_client import server_index
 from trainer.reward_model import conversation_ids
 from trainer.rewards import RewardFnError
 
-__all__ = ["REWARD_KEY_ENV", "RewardServerError", "RemoteRewardModel", "RewardFunctionServer", "server_index",
-           "exits_on_reward_error"]
+__all__ = ["REWARD_KEY_ENV", "RewardServerError", "RemoteRewardModel", "RewardFunctionServer", "exits_on_reward_error"]
 
 # A text the trainer and the server both tokenize at start: a different tokenizer splits it differently.
 PROBE_TEXT = "Hello! 12 + 7 = 19. The sea is blue.\n你好，世界。"
 ROWS_PER_REQUEST = 256  # a step's rows go in requests of at most this many (vLLM batches them itself)
-REWARD_KEY_ENV = "MINIPPO_REWARD_API_KEY"  # both reward servers' bearer token (their --api-key), read by _Client
+REWARD_KEY_ENV = "MINIPPO_REWARD_API_KEY"  # both reward servers' bearer token (their --api-key), read by H.Client
 
 
 class RewardServerError(RuntimeError):
@@ -69,49 +67,37 @@ def exits_on_reward_error() -> Iterator[None]:
         raise SystemExit(f"error: {e}") from None
 
 
-def _one_line(text: str, limit: int = 300) -> str:
-    return H.one_line(text, limit)
-
-
 class _Client:
-    """trainer/http_client.py's requests to one server, failures as RewardServerError. `flag` names the setting in messages,
-    `hint` says how to start the server."""
+    """trainer/http_client.py's Client of one reward server, its failures as RewardServerError: `flag` names the setting
+    in messages, `start_hint` says how to start the server."""
 
-    flag = "--reward_url"
-    hint = "start it first"
-
-    def __init__(self, url: str, timeout: float) -> None:
-        self.url = url.rstrip("/")
-        self.timeout = float(timeout)
-        self.started = False  # True once the start-up check passed: a later failure is mid-run
-        try:  # the one place the reward servers' key is read: never a config field (run.json records those)
-            self._token = H.token_from_env(REWARD_KEY_ENV)
+    def __init__(self, url: str, timeout: float, flag: str, start_hint: str) -> None:
+        try:
+            self.http = H.Client(url, timeout, REWARD_KEY_ENV)
         except ValueError as e:
             raise RewardServerError(str(e)) from None
+        self.flag, self.start_hint = flag, start_hint
+        self.started = False  # True once the start-up check passed: a later failure is mid-run
 
     def request(self, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
-        where, what = f"{self.flag} {self.url}", path or "the batch"
-        wait = timeout or self.timeout
+        where, what = f"{self.flag} {self.http.url}", path or "the batch"
+        wait = timeout or self.http.timeout
         due = D.deadline()  # under torchrun the other ranks wait for this one in a collective, for so long only
         if due is not None and due.left() < wait:
             wait = max(due.left(), 0.001)
         try:  # every reward request is idempotent: tried again on a dropped connection or a busy server
-            return H.request_json(self.url + path, body, timeout=wait, token=self._token, attempts=H.RETRY_ATTEMPTS)
+            return self.http.request(path, body, timeout=wait, idempotent=True)
         except H.Refused as e:
-            hint = ""
-            if e.status == 401:
-                hint = (f" (the key in {REWARD_KEY_ENV} is not the server's)" if self._token else
-                        f" (it wants a key: set {REWARD_KEY_ENV} to it)")
-            raise RewardServerError(f"{where} refused {what}: {e}{hint}") from None
+            raise RewardServerError(f"{where} refused {what}: {e}{self.http.key_hint(e)}") from None
         except H.TimedOut:  # alive but slow (or hung): not a restart's matter
-            bound = "--reward_timeout" if wait == (timeout or self.timeout) or due is None else due.flag + ", less a margin"
+            bound = "--reward_timeout" if wait == (timeout or self.http.timeout) or due is None else due.flag + ", less a margin"
             raise RewardServerError(f"{where} did not answer {what} within {wait:.3g} s ({bound}): is it "
                                     f"overloaded or stuck? Raise --reward_timeout (below --ddp_timeout) or fix the "
                                     f"server, then continue with --from_resume 1") from None
         except H.Unreachable as e:
             hint = ("the last checkpoint is intact: restart the server, then continue with --from_resume 1" if self.started
-                    else self.hint)
-            raise RewardServerError(f"{where} is not reachable ({_one_line(str(e), 120)}); {hint}") from None
+                    else self.start_hint)
+            raise RewardServerError(f"{where} is not reachable ({H.one_line(e, 120)}); {hint}") from None
         except H.BadAnswer as e:
             raise RewardServerError(f"{self.flag}: {e}") from None
 
@@ -136,6 +122,13 @@ def _shape(config: dict) -> tuple:
     return arch, text.get("vocab_size"), text.get("num_hidden_layers"), text.get("hidden_size"), _num_labels(config)
 
 
+def _describe(shape: tuple) -> str:
+    """A model's `_shape` in words (its label count for a classifier)."""
+    arch, vocab, layers, hidden, labels = shape
+    return (f"{arch}, vocab {vocab}, {layers} layers x {hidden}"
+            + (f", {labels} label(s)" if "ForSequenceClassification" in str(arch) else ""))
+
+
 class RemoteRewardModel:
     """The reward model of --reward_model_path scored by a vLLM server (scripts/serve_reward_model.sh): the same
     contract as trainer/reward_model.py RewardModelScorer, `score(conversations) -> clipped fp32 scores`, with the
@@ -146,11 +139,10 @@ class RemoteRewardModel:
 
     def __init__(self, url: str, tokenizer: Any, model_path: str | Path, max_length: int = 512, clip: float = 3.0,
                  timeout: float = 300.0) -> None:
-        self.client = _Client(url, timeout)
-        self.client.flag = "--reward_model_url"
-        self.client.hint = (f"start one with scripts/serve_reward_model.sh {model_path} (docs/reward_servers.md), "
-                            f"or drop --reward_model_url to score in this process")
-        self.url = self.client.url
+        self.client = _Client(url, timeout, "--reward_model_url",
+                              f"start one with scripts/serve_reward_model.sh {model_path} (docs/reward_servers.md), "
+                              f"or drop --reward_model_url to score in this process")
+        self.url = self.client.http.url
         self.tokenizer = tokenizer
         self.model_path = str(model_path)
         self.config = _read_config(model_path)
@@ -163,7 +155,7 @@ class RemoteRewardModel:
 
     def connect(self) -> RemoteRewardModel:
         """The start-up checks (one line each when they fail); returns self."""
-        data = (self.client.request("/v1/models", timeout=min(self.client.timeout, 30.0)) or {}).get("data") or []
+        data = (self.client.request("/v1/models", timeout=min(self.client.http.timeout, 30.0)) or {}).get("data") or []
         if not data:
             raise RewardServerError(f"{self._served()} serves no model (GET /v1/models is empty)")
         card = data[0]
@@ -176,10 +168,8 @@ class RemoteRewardModel:
         served = _read_config(root) if root else {}
         local = _shape(self.config)
         if served and _shape(served) != local:
-            fmt = lambda s: (f"{s[0]}, vocab {s[1]}, {s[2]} layers x {s[3]}"  # noqa: E731
-                             + (f", {s[4]} label(s)" if "ForSequenceClassification" in str(s[0]) else ""))
-            raise RewardServerError(f"{self._served()} serves another model ({root}: {fmt(_shape(served))}) than "
-                                    f"--reward_model_path {self.model_path} ({fmt(local)}): start it on that directory")
+            raise RewardServerError(f"{self._served()} serves another model ({root}: {_describe(_shape(served))}) than "
+                                    f"--reward_model_path {self.model_path} ({_describe(local)}): start it on that directory")
         mine = list(self.tokenizer(PROBE_TEXT, add_special_tokens=False, verbose=False)["input_ids"])
         try:
             theirs = (self.client.request("/tokenize", {"model": self.model_name, "prompt": PROBE_TEXT,
@@ -196,7 +186,7 @@ class RemoteRewardModel:
             _, labels = self._classify([mine])
         except RewardServerError as e:
             if "HTTP 404" in str(e) or "not support" in str(e).lower():
-                raise RewardServerError(f"{self._served()} serves no classification model ({_one_line(str(e), 160)}): "
+                raise RewardServerError(f"{self._served()} serves no classification model ({H.one_line(str(e), 160)}): "
                                         f"start the reward model with scripts/serve_reward_model.sh "
                                         f"{self.model_path}") from None
             raise
@@ -218,7 +208,7 @@ class RemoteRewardModel:
             return [float(d["probs"][0]) for d in items], [len(d["probs"]) for d in items]
         except (KeyError, IndexError, TypeError, ValueError):
             raise RewardServerError(f"{self._served()} answered /classify without a score per row "
-                                    f"({_one_line(repr(items[:1]), 80)}): is it vLLM's pooling server?") from None
+                                    f"({H.one_line(repr(items[:1]), 80)}): is it vLLM's pooling server?") from None
 
     @torch.no_grad()
     def score(self, conversations: list[list[dict]]) -> Tensor:
@@ -237,9 +227,9 @@ class RewardFunctionServer:
     one float per row; `check()` posts an empty batch at start (the server must answer {"rewards": []})."""
 
     def __init__(self, url: str, timeout: float = 300.0) -> None:
-        self.client = _Client(url, timeout)
-        self.client.hint = "start the reward server first (docs/reward_servers.md), or drop --reward_url"
-        self.url = self.client.url
+        self.client = _Client(url, timeout, "--reward_url",
+                              "start the reward server first (docs/reward_servers.md), or drop --reward_url")
+        self.url = self.client.http.url
 
     def check(self) -> RewardFunctionServer:
         self([], [], [])
@@ -251,12 +241,12 @@ class RewardFunctionServer:
         where = f"--reward_url {self.url}"
         rewards = out.get("rewards") if isinstance(out, dict) else None
         if not isinstance(rewards, list):
-            raise RewardServerError(f"{where} answered {_one_line(repr(out), 80)}; it must answer {{\"rewards\": [one "
+            raise RewardServerError(f"{where} answered {H.one_line(repr(out), 80)}; it must answer {{\"rewards\": [one "
                                     f"number per reply]}} (docs/reward_servers.md)")
         if len(rewards) != len(replies):
             raise RewardServerError(f"{where} answered {len(rewards)} rewards for {len(replies)} replies")
         bad = next((i for i, r in enumerate(rewards) if isinstance(r, bool) or not isinstance(r, (int, float))), None)
         if bad is not None:
-            raise RewardServerError(f"{where} answered {_one_line(repr(rewards[bad]), 40)} for row {bad} (prompt: "
-                                    f"{_one_line(prompts[bad], 60)!r}); every reward must be a number")
+            raise RewardServerError(f"{where} answered {H.one_line(repr(rewards[bad]), 40)} for row {bad} (prompt: "
+                                    f"{H.one_line(prompts[bad], 60)!r}); every reward must be a number")
         return [float(r) for r in rewards]

@@ -341,7 +341,7 @@ def compute_rewards(
     if constraints is not None and any(cs is not None for cs in constraints):  # instruction following (dataset/ifeval.py)
         met = [ifeval.results(cs or [], r) for cs, r in zip(constraints, replies)]
         components["ifeval"] = col([ifeval.share_met(m) if m else math.nan for m in met])
-        components["ifeval_partial"] = col([ifeval.partial_credit(cs, r, m) if m else math.nan
+        components["ifeval_partial"] = col([ifeval.partial_credit(cs or [], r, m) if m else math.nan
                                             for cs, r, m in zip(constraints, replies, met)])
         # Every type, NaN where a row does not ask for it: the same keys on every rank whatever rows it drew.
         for kind in ifeval.CHECKS:  # logged per type, weight 0

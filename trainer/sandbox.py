@@ -84,7 +84,7 @@ class Outcome:
 def time_left(timeout: float) -> tuple[float, str]:
     """The seconds a call may take: `timeout`, or what is left before the rank's deadline when that is sooner (then
     with the flag that sets it, for messages; "" otherwise)."""
-    from trainer import dist  # noqa: PLC0415 - torch: the parent's side only (workers import this module too)
+    from trainer import dist  # here, not at the top: torch is the parent's side only (workers import this module too)
 
     d = dist.deadline()
     if d is None or d.left() >= timeout:

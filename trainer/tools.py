@@ -71,7 +71,7 @@ class ToolCall:
 def load_tools(path: str | Path) -> Toolbox:
     """The module's tools with their schemas. Refuses (ToolError, one line) a missing file, a module that does not
     import, one without tools, and a tool without type hints or a docstring (the schema the model reads)."""
-    from transformers.utils import get_json_schema  # noqa: PLC0415 - transformers is heavy; only tool runs need it
+    from transformers.utils import get_json_schema  # here: transformers is heavy; only tool runs need it
 
     path = Path(path)
     if not path.is_file():

@@ -7,8 +7,8 @@ worker process (trainer/verifier_worker.py, bounded by trainer/sandbox.py) with 
     verifier.timeouts()                        # replies that ran over so far (scored 0): reward/verifier_timeouts
 
 A reply that runs over its time (or past the rank's deadline, --ddp_timeout) scores 0 and is counted; the worker is
-killed with everything it started and a fresh one, which imports reasoning-gym again (about 1-3 s, not counted in
-any reply's time), scores the next reply. A reply that takes the worker down otherwise (a crash, a reply over the
+killed with everything it started and a fresh one, which imports reasoning-gym again (not counted in any reply's
+time; docs/reasoning_gym.md says how long), scores the next reply. A reply that takes the worker down otherwise (a crash, a reply over the
 size cap) scores 0 and counts in `failures()`. Only a worker that never starts is the run's error (VerifierError,
 one line): every reward would be 0.
 
@@ -43,7 +43,7 @@ class Verifier:
     def __init__(self, timeout: float = DEFAULT_TIMEOUT, limits: Limits | None = None) -> None:
         self.timeout = float(timeout)
         self.worker = Worker(_WORKER_MODULE, timeout=self.timeout, noun="verifier process",
-                             start_timeout=max(60.0, self.timeout), limits=limits)  # reasoning-gym imports in 1-3 s
+                             start_timeout=max(60.0, self.timeout), limits=limits)  # room for reasoning-gym's import
         self.timeouts = 0
         self.failures = 0
         self._started = False  # a reply ever came back

@@ -22,7 +22,7 @@ import shutil
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -52,6 +52,13 @@ IGNORED_FLAGS = ("from_resume",)
 # a saved auto value there is not a change.
 UNRESOLVED_BEFORE_CONFIG = {"parallel_update": -1, "frozen_low_precision": -1, "train_attn_implementation": "auto",
                             "save_merged": -1, "device": "auto"}
+
+
+class Stateful(Protocol):
+    """What a resume file keeps of a KL controller, reward normaliser, scheduler, GradScaler or model."""
+
+    def state_dict(self) -> Any: ...
+    def load_state_dict(self, state: Any, /) -> Any: ...
 
 
 class ResumeError(RuntimeError):
@@ -130,7 +137,7 @@ def check_free_space(checkpoint_dir: str | Path, prefix: str, state: dict) -> No
         raise OSError(errno.ENOSPC, f"{free / 2**20:.0f} MB free, a resume file needs {need / 2**20:.0f} MB")
 
 
-def _tensor_bytes(obj) -> int:
+def _tensor_bytes(obj: object) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
@@ -170,7 +177,7 @@ def read_resume(path: str | Path, verify: bool = True) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except ResumeError:
         raise
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - a damaged file fails in whichever reader trips first (EOFError, KeyError, RuntimeError...)
         text = str(e)
         # With the CRCs verified the pickle is intact, so a weights_only failure is its content.
         if isinstance(e, pickle.UnpicklingError) or "weights only load failed" in text.lower():
@@ -237,7 +244,8 @@ def find_resume(checkpoint_dir: str | Path, save_weight: str, prefix: str, flags
     return state, path, check_compatible(state["args"], flags, source=str(path))
 
 
-def training_state(*, actor, critic, optims: dict, scheds: dict, kl_ctl, old_actor, scaler, reward_norm=None,
+def training_state(*, actor: torch.nn.Module, critic: torch.nn.Module | None, optims: dict, scheds: dict, kl_ctl: Stateful,
+                   old_actor: torch.nn.Module | None, scaler: Stateful | None, reward_norm: Stateful | None = None,
                    shards: str | None = None) -> dict:
     """Everything trainable or stateful, in full precision (the caller adds step, RNG, flags...). `shards`: the
     DCP folder (a name beside the file) that holds the models and optimizers of a sharded run instead."""
@@ -257,8 +265,9 @@ def training_state(*, actor, critic, optims: dict, scheds: dict, kl_ctl, old_act
     }
 
 
-def load_training_state(state: dict, *, actor, critic, optims: dict, scheds: dict, kl_ctl, old_actor, scaler,
-                        reward_norm=None) -> None:
+def load_training_state(state: dict, *, actor: torch.nn.Module, critic: torch.nn.Module | None, optims: dict, scheds: dict,
+                        kl_ctl: Stateful, old_actor: torch.nn.Module | None, scaler: Stateful | None,
+                        reward_norm: Stateful | None = None) -> None:
     """Inverse of `training_state` (a sharded run's models and optimizers come from its DCP folder: `load_shards`)."""
     if not state.get("shards"):
         try:

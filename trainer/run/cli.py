@@ -20,6 +20,7 @@ import re
 import runpy
 import sys
 import textwrap
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
@@ -29,7 +30,7 @@ import torch
 from dataset import rgym
 from dataset.rlaif import TOOLS_PLACEHOLDER
 from trainer.config import GAE_ONLY_FLAGS, GROUPS, Config
-from trainer.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, estimator_spec, policy_loss_spec
+from trainer.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, EstimatorSpec, PolicyLossSpec, estimator_spec, policy_loss_spec
 from trainer.run.hardware import layer_matmul_params, model_config, resolve_precision, use_parallel_update
 from trainer.runtime import DistInfo
 
@@ -216,12 +217,13 @@ def load_preset(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
 
 def _preset_value(where: str, name: str, v: Any, a: argparse.Action) -> Any:
     """A preset value as the flag's type (YAML booleans for 0/1 flags), in its choices; a list for a repeatable flag."""
+    typ = a.type if callable(a.type) else None  # the parser's types are callables (int, float, str)
     if isinstance(a, argparse._AppendAction):
-        return [_coerce(where, name, x, a.type, None) for x in (v if isinstance(v, list) else [v])]
-    return None if v is None else _coerce(where, name, v, a.type, a.choices)
+        return [_coerce(where, name, x, typ, None) for x in (v if isinstance(v, list) else [v])]
+    return None if v is None else _coerce(where, name, v, typ, None if a.choices is None else list(a.choices))
 
 
-def _coerce(where: str, name: str, v: Any, typ: type | None, choices: list | None) -> Any:
+def _coerce(where: str, name: str, v: Any, typ: Callable[[Any], Any] | None, choices: list | None) -> Any:
     if isinstance(v, bool):
         v = int(v)
     try:
@@ -303,7 +305,7 @@ def resolve(raw: Config, info: DistInfo, mc: object | None = _UNREAD) -> Config:
         dtype=dtype, frozen_low_precision=int(frozen != torch.float32),
         kl_placement=est.kl_placement if raw.kl_placement == "auto" else raw.kl_placement,
         kl_estimator=est.kl_estimator if raw.kl_estimator == "auto" else raw.kl_estimator,
-        clip_epsilon_high=raw.clip_epsilon if raw.clip_epsilon_high is None else raw.clip_epsilon_high,
+        clip_epsilon_high=raw.loss.clip_epsilon_high,  # --clip_epsilon where not given
         loss_agg_mode=policy_loss_spec(raw.policy_loss).loss_agg if raw.loss_agg_mode == "auto" else raw.loss_agg_mode,
         mini_batch_size=raw.minibatch_rows,
         eval_data_path=eval_data_path(raw), reasoning_gym=reasoning_gym(raw), train_attn_implementation=attn,
@@ -319,7 +321,7 @@ def resolve(raw: Config, info: DistInfo, mc: object | None = _UNREAD) -> Config:
 DEVICE_FLAG = re.compile(r"cpu|cuda(:\+?\d+)?|")  # --ref_device / --critic_device / --reward_device
 
 
-def seq_advantage_checks(cfg: Config, est, loss) -> list[tuple[bool, str]]:
+def seq_advantage_checks(cfg: Config, est: EstimatorSpec | None, loss: PolicyLossSpec | None) -> list[tuple[bool, str]]:
     """A loss that needs one advantage per response (gspo, gmpo: the registry's seq_advantages) against what would
     make the estimator's advantage vary per token: the KL in the reward (the KL to go differs per token) or a
     discount (the score discounted back from the last token). GMPO would average it silently."""
@@ -535,7 +537,7 @@ def validate(cfg: Config) -> None:
         (cfg.num_generations >= 2 or loss is None or not loss.needs_groups,
          f"--policy_loss {cfg.policy_loss} compares the --num_generations responses to each prompt: give --num_generations >= 2"),
         (loss is None or loss.estimators is None or cfg.advantage_estimator in loss.estimators,
-         f"--policy_loss {cfg.policy_loss} pairs with --advantage_estimator {' / '.join(loss.estimators or ())} only "
+         f"--policy_loss {cfg.policy_loss} pairs with --advantage_estimator {' / '.join((loss and loss.estimators) or ())} only "
          f"(it needs one advantage per response, compared within its group)"),
         *seq_advantage_checks(cfg, est, loss),
         (loss is None or not loss.agg_fixed or cfg.loss_agg_mode in ("auto", loss.loss_agg),

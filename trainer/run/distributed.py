@@ -17,7 +17,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -229,14 +229,15 @@ def on_main(fn: Callable[[], T], info: D.DistInfo) -> T:
     reaches every rank."""
     if not info.enabled:
         return fn()
-    result, error = None, None
+    result: T | None = None  # on the other ranks, the slot rank 0's result is broadcast into
+    error = None
     if info.is_main:
         try:
             result = fn()
-        except (Exception, SystemExit) as e:
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever fn() raises, every rank stops with its one line
             error = one_line(e)
-    stop_all(error, info)
-    return D.broadcast_object(result, info)
+    stop_all(error, info)  # past it, rank 0's fn() returned: what every rank receives is a T
+    return cast(T, D.broadcast_object(result, info))
 
 
 def shard_batches(n: int, seed: int, epoch: int, start: int, rank: int, world: int, batch: int) -> list[list[int]]:

@@ -1,6 +1,7 @@
 """A rollout engine's part of the run (--rollout_engine vllm / sglang; trainer/engine.py speaks to the servers):
 connect every rank to its engine at start, push the policy's weights before the first rollout (the start or the
-resumed weights) and after every --engine_sync_interval updates, and check once that the engine samples the policy.
+resumed weights: `start_engine`) and whenever the run's rollout source says (`push_weights`; its schedule, every
+--engine_sync_interval updates, is trainer/run/rollout_source.py's), and check once that the engine samples the policy.
 
 Who talks to whom: the ranks split into n contiguous blocks over the n engines of --engine_url, block i sampling from
 engine i (one engine per node, listed in node order: each rank uses its node's; one engine may serve every rank: it
@@ -27,10 +28,12 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from model.config import MiniMindConfig, stock_hf_config
+from model.forward import policy_forward
 from model.loader import DEFAULT_TOKENIZER_DIR, load_tokenizer
 from model.lora import adapter_export, base_of, is_lora, merged_state_dict
 from trainer import dist as D
@@ -46,7 +49,7 @@ from trainer.engine import (
     write_adapter,
     write_weights,
 )
-from trainer.rollout import draw, policy_forward
+from trainer.rollout import draw
 from trainer.run.cli import engine_shared_path
 from trainer.run.distributed import failing_together, main_writes, on_main
 from trainer.run.sharding import full_state_dict, is_sharded
@@ -55,9 +58,9 @@ from trainer.runtime import Models, Runtime
 _CLIENTS: dict[str, Engine] = {}  # rank 0's clients of the other engines it pushes to
 _DEFAULT_FOLDERS: set[Path] = set()  # the default push folders rank 0 checked as its own (removed at the end)
 
-# Mean |log-prob gap| per token on the start-up probe above which the engine is not sampling the policy (a bf16
-# engine measures ~0.04-0.05 against bf16 autocast, an fp32 one ~1e-6: docs/engines.md), and above which, when the
-# gap at T = 1 is less than half of it, the engine's log-probs are before temperature.
+# Mean |log-prob gap| per token on the start-up probe above which the engine is not sampling the policy (far above
+# what a bf16 or fp32 engine that samples it measures: docs/engines.md), and above which, when the gap at T = 1 is
+# less than half of it, the engine's log-probs are before temperature.
 PROBE_LIMIT = 0.5
 RAW_LIMIT = 0.01
 
@@ -116,7 +119,7 @@ def _extra_files(cfg: Config) -> list[Path]:
                                                      "merges.txt") or f.suffix in (".jinja", ".tiktoken")))
 
 
-def check_tokenizer(cfg: Config, tok) -> None:
+def check_tokenizer(cfg: Config, tok: Any) -> None:
     """--sglang_model_path given: its tokenizer must be the actor's (MiniMind stops the engine at its EOS and decodes
     with it; here the actor's tokenizer encodes the prompts and its EOS ids stop the engine)."""
     if not cfg.sglang_model_path:

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainer.runtime import DTYPES
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
     from trainer.config import Config
 
 # --dtype auto / --frozen_low_precision -1 on a CPU: bf16 from this many matmul weights in the transformer
@@ -36,10 +38,11 @@ def cpu_native_bf16(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> bool:
     return any(bool(c()) for c in checks if c is not None)
 
 
-def layer_matmul_params(cfg: object) -> int:
+def layer_matmul_params(cfg: Any) -> int:
     """Matmul weights of the transformer layers (q/k/v/o and the MLP; active experts only for MoE):
     what sets a step's bf16 gain. Embeddings and the LM head are left out (the head runs only at
-    response positions and the embedding is a lookup)."""
+    response positions and the embedding is a lookup). `cfg`: a transformers config of any family
+    (or anything with its shape fields), read by field name, the optional ones with defaults."""
     cfg = getattr(cfg, "text_config", None) or cfg
     H, L = cfg.hidden_size, cfg.num_hidden_layers
     heads = cfg.num_attention_heads
@@ -50,7 +53,7 @@ def layer_matmul_params(cfg: object) -> int:
     return L * (2 * H * heads * hd + 2 * H * kv * hd + 3 * H * inter)
 
 
-def model_config(cfg: Config) -> object | None:
+def model_config(cfg: Config) -> PreTrainedConfig | None:
     """The actor's transformers config from the settings alone (nothing loaded): --actor_path's config.json,
     or a MiniMind config from the shape flags. None when it cannot be read (loading reports that later)."""
     try:
@@ -110,7 +113,7 @@ def resolve_precision(cfg: Config, device: torch.device, layer_params: int | Non
 def use_parallel_update(flag: int, device: torch.device, distributed: bool, cpu_bf16: bool,
                         reuse_values: bool = False, threads: int | None = None) -> bool:
     """`--parallel_update`: 1/0 as given; -1 (auto) = on for single-process CPU runs under bf16 autocast with
-    >= 2 torch threads, where the benchmark shows it pays, unless the update reuses the critic's scoring
+    >= 2 torch threads, where the benchmark shows it pays (docs/speed-and-memory.md), unless the update reuses the critic's scoring
     forward (then the critic's share is a backward alone and the actor's core does most of the work).
     DDP stays sequential: its gradient hooks would issue collectives from two threads in an order no other
     rank shares, so 1 is refused there."""

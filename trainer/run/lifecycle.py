@@ -1,11 +1,16 @@
 """A run's lifecycle around the PPO loop: resume, run.json, the logger, the position in the data,
 saving, and one way out (finished, stopped, or failed), on every rank.
 
-    with Run(cfg, built) as run:           # resumes (--from_resume 1), opens run.json and the logger
-        for batch in run.batches():        # this rank's prompts, from where the run left off
+    with Run(cfg, built, source) as run:   # resumes (--from_resume 1), opens run.json and the logger
+        for batch in source.batches(run):  # this rank's prompts, from where the run left off
             ...                            # one PPO step
             run.end_step(metrics, samples) # count, log, stop on non-finite steps, save
         run.finish()
+
+The run's rollout source (trainer/run/rollout_source.py) draws its batches from the run's prompt stream
+(`next_batch`, `batches`) and says what a save keeps of it: a source that samples ahead (--async_rollouts)
+has drawn batches past the one trained, so a save records its data position after the last trained batch
+and the samples of its batches in flight (this rank's), and a resumed run hands them back to it.
 
 A run owns its folders: a lock on --checkpoint_dir and --run_dir keeps a second run out, a run id
 (run.json, every resume file) names it, a fresh run refuses a folder holding another run's resume
@@ -24,7 +29,8 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from types import TracebackType
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -40,6 +46,7 @@ from trainer.run import distributed, seeding, sharding
 from trainer.run.engine_sync import remove_push_folders
 from trainer.run.lock import LOCK_NAME, FolderBusy, FolderLock
 from trainer.run.provenance import append_resume_record, mark_run_end, read_run_json, rehash_inputs, write_run_json
+from trainer.run.rollout_source import RolloutSource
 from trainer.run.run_logger import RunLogger
 from trainer.run.setup import Setup, actor_weights_path
 from trainer.run.signals import StopRequest
@@ -56,8 +63,8 @@ class Position:
 
 
 class Run:
-    def __init__(self, cfg: Config, built: Setup) -> None:
-        self.cfg, self.built, self.rt = cfg, built, built.runtime
+    def __init__(self, cfg: Config, built: Setup, rollouts: RolloutSource) -> None:
+        self.cfg, self.built, self.rt, self.rollouts = cfg, built, built.runtime, rollouts
         info, flags = self.rt.info, cfg.flat()
         use_moe = bool(cfg.use_moe)
         self.prefix = ckpt.resume_prefix(cfg.save_weight, self.cfg.hidden_size, use_moe)
@@ -71,20 +78,13 @@ class Run:
         self.stopped_by: str | None = None  # the signal that stopped the run (every rank agrees on it)
         self.saved_at = -1  # the step of the last save (-1: none in this process)
         self.evaluated_at = -1  # the step of the last held-out evaluation (-1: none in this process)
-        # --async_rollouts (trainer/run/async_rollouts.py) draws batches ahead of the step: a save records the data
-        # position after the last trained batch (`trained_pos`; None: `pos`) and the samples of the batches in flight
-        # that are done (`sampled_ahead()`, this rank's, waited for briefly at a stop signal); a resumed run gets its
-        # rank's back (`resumed_ahead`) and samples the others again.
-        self.trained_pos: tuple[int, int] | None = None
-        self.sampled_ahead: Callable[[], list[dict]] | None = None
-        self.resumed_ahead: list[dict] | None = None
         try:
             distributed.on_main(self._claim_folders, info)
             resumed = self._resume() if cfg.from_resume else None
             self.run_id = distributed.on_main(lambda: (resumed and resumed.run_id) or uuid.uuid4().hex[:12], info)
             self.pos = (Position(resumed.step, resumed.epoch, resumed.consumed, resumed.nonfinite_run)
                         if resumed else Position())
-            self.resumed_ahead = resumed.ahead if resumed else None
+            rollouts.restore(resumed.ahead if resumed else None)  # this rank's batches in flight at the save
             self.started_at = self.pos.step
             with distributed.failing_together(info):  # rank 0's start-up writes: a failure there must not strand the others
                 self.logger = RunLogger(
@@ -149,7 +149,10 @@ class Run:
         outputs += ([adapter_dir(self.out_path)] if lora else []) + ([self.out_path] if not lora or cfg.save_merged else [])
         found = [p for p in outputs if p.exists()]
         args = read_run_json(self.run_dir).get("args") or {}
-        same = lambda flag: args.get(flag) is not None and Path(args[flag]).resolve() == Path(getattr(cfg, flag)).resolve()  # noqa: E731
+
+        def same(flag: str) -> bool:
+            return args.get(flag) is not None and Path(args[flag]).resolve() == Path(getattr(cfg, flag)).resolve()
+
         own = (same("checkpoint_dir") and same("save_dir") and self.prefix == ckpt.resume_prefix(
             str(args.get("save_weight")), args.get("hidden_size", -1), bool(args.get("use_moe"))))
         return [] if own else found
@@ -197,6 +200,12 @@ class Run:
     @property
     def step(self) -> int:
         return self.pos.step
+
+    @property
+    def data_position(self) -> tuple[int, int]:
+        """(epoch, consumed) after the batches drawn so far: what a save records unless the rollout source has
+        drawn past the last trained batch."""
+        return self.pos.epoch, self.pos.consumed
 
     def batches(self) -> Iterator[dict]:
         """This rank's prompt batches, epoch after epoch, from the saved position, until the last step
@@ -278,7 +287,8 @@ class Run:
             raise SystemExit(f"error: the weights are not finite after step {self.pos.step}: nothing was saved; the last good "
                              f"checkpoint in {cfg.checkpoint_dir}/ is intact. Lower --learning_rate or --grad_clip.")
         rngs = D.all_gather_objects(seeding.capture_rng_state(info.device), info)  # a collective: every rank takes part
-        ahead = None if self.sampled_ahead is None else D.all_gather_objects(self.sampled_ahead(), info)
+        kept = self.rollouts.state(self.pos.step, stopping=self.stopped_by is not None)  # waits briefly at a stop signal
+        ahead = None if kept.in_flight is None else D.all_gather_objects(kept.in_flight, info)
         full, shards = None, None
         if cfg.strategy == "fsdp2":  # collectives: the whole policy to rank 0, every rank's shards to the DCP folder
             full = sharding.full_state_dict(m.actor)
@@ -289,18 +299,20 @@ class Run:
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises on every rank when any rank's write failed
                 raise SystemExit(f"error: saving step {self.pos.step}'s shards to {shards}: {distributed.one_line(e)}; the previous "
                                  f"checkpoint is intact") from None
-        distributed.main_writes(lambda: self._write(rngs, full, shards, ahead), info)  # the others wait outside --ddp_timeout
+        position = kept.position or self.data_position
+        distributed.main_writes(lambda: self._write(rngs, position, full, shards, ahead), info)  # the others wait outside --ddp_timeout
         self.saved_at = self.pos.step
 
-    def _write(self, rngs: list[dict], full: dict | None = None, shards: Path | None = None,
+    def _write(self, rngs: list[dict], position: tuple[int, int], full: dict | None = None, shards: Path | None = None,
                ahead: list[list[dict]] | None = None) -> None:
         """Rank 0's part of a save: the policy (`full`: its whole weights under --strategy fsdp2) and the resume
-        file (naming `shards`, the DCP folder of a sharded run, which is written by then)."""
+        file (the data position after the last trained batch; naming `shards`, the DCP folder of a sharded run,
+        which is written by then; `ahead`: each rank's batches in flight that its rollout source keeps)."""
         cfg, m, o = self.cfg, self.built.models, self.built.optim
         state = ckpt.training_state(actor=m.actor, critic=m.critic, optims=o.optims, scheds=o.scheds, kl_ctl=self.built.kl_ctl,
                                     old_actor=m.old_actor, scaler=o.scaler, reward_norm=self.built.reward_norm,
                                     shards=None if shards is None else shards.name)
-        epoch, consumed = self.trained_pos or (self.pos.epoch, self.pos.consumed)
+        epoch, consumed = position
         if ahead is not None:
             state["ahead"] = ahead  # per rank: the samples of the batches in flight (--async_rollouts)
         state.update(step=self.pos.step, epoch=epoch, consumed=consumed, nonfinite_run=self.pos.nonfinite_run,
@@ -359,8 +371,8 @@ class Run:
     def __enter__(self) -> Run:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None or self._closed:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if exc_type is None or exc is None or self._closed:  # (a `with` passes both or neither)
             return
         what = distributed.one_line(exc)
         if issubclass(exc_type, KeyboardInterrupt):
@@ -378,7 +390,7 @@ def adapter_dir(out_path: Path) -> Path:
     return out_path.with_name(f"{stem}_lora")
 
 
-def export_policy(cfg: Config, actor: torch.nn.Module, tok, out_path: Path, full: dict | None = None) -> None:
+def export_policy(cfg: Config, actor: torch.nn.Module, tok: Any, out_path: Path, full: dict | None = None) -> None:
     """The policy where the run's users look for it (`full`: its whole weights under --strategy fsdp2): a
     LoRA run's outputs, an --actor_path run's save_pretrained folder, or a native .pth. Each is replaced
     whole (a temporary sibling renamed into place), so a kill at any moment leaves the previous export or
@@ -403,7 +415,7 @@ def _link_tree(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst, copy_function=link)
 
 
-def save_lora_outputs(cfg: Config, actor: torch.nn.Module, tok, out_path: Path) -> None:
+def save_lora_outputs(cfg: Config, actor: torch.nn.Module, tok: Any, out_path: Path) -> None:
     """A LoRA run's policy: the adapter directory (AutoPeftModelForCausalLM loads it: its base is the
     --actor_path directory, or for native weights the start weights exported once into <adapters>/base)
     and, with --save_merged (default for native weights), the merged weights where a full run writes them.

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -115,7 +117,7 @@ def _auto_alpha(n: int) -> float:
     return 2.0 / (span + 1.0)
 
 
-def figure_specs(keys: set[str] | list[str]) -> list[tuple[str, str, list[tuple[str, Panel]]]]:
+def figure_specs(keys: Iterable[str]) -> list[tuple[str, str, list[tuple[str, Panel]]]]:
     """Figures that have data for these keys: (file stem, title, [(key drawn, panel)])."""
     keys = set(keys)
     reward_keys = sorted(k for k in keys if k.startswith("reward/"))  # eval/reward/* are drawn with the evaluation
@@ -141,7 +143,7 @@ def figure_specs(keys: set[str] | list[str]) -> list[tuple[str, str, list[tuple[
     return specs
 
 
-def _draw_panel(ax, key: str, panel: Panel, series: Series, color: str) -> None:
+def _draw_panel(ax: Axes, key: str, panel: Panel, series: Series, color: str) -> None:
     steps, values = series
     smooth = panel.smooth and len(values) >= 3
     if smooth:
@@ -163,7 +165,7 @@ def _save_grid(path: Path, title: str, panels: list[tuple[str, Panel]], series: 
     n = len(panels)
     ncols = min(n, ncols_max)
     nrows = math.ceil(n / ncols)
-    # Fixed margins instead of constrained layout: as readable here, and several times faster.
+    # Fixed margins instead of constrained layout: as readable here, and cheaper to draw (timings: docs/observability.md).
     fig = Figure(figsize=(5.0 * ncols, 3.6 * nrows + 0.5), dpi=100)
     FigureCanvasAgg(fig)
     fig.subplots_adjust(left=0.45 / ncols, right=1 - 0.1 / ncols, bottom=0.5 / (3.6 * nrows + 0.5),

@@ -34,7 +34,8 @@ import sys
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, TextIO
 
 from tqdm import tqdm
 
@@ -170,7 +171,7 @@ def _swanlab_has_api_key() -> bool:
 
     try:
         return bool(swanlab.Settings().api_key)
-    except Exception:  # a malformed settings file: let swanlab.init report it
+    except Exception:  # noqa: BLE001 - a malformed settings file fails in swanlab's validation: let swanlab.init report it
         return False
 
 
@@ -189,7 +190,7 @@ class RunLogger:
         self._console = console and enabled
         self._run: Any = None  # the live swanlab Run, None when not logging to swanlab
         self._bar: tqdm | None = None
-        self._metrics_file = None
+        self._metrics_file: TextIO | None = None  # metrics.jsonl, open from here to finish() on rank 0
         self._samples_path = self.run_dir / "samples.jsonl"
         self._warned: set[str] = set()
         self._finished = False
@@ -257,9 +258,10 @@ class RunLogger:
                 reinit=True,  # a run left open in this process (e.g. after an exception) is closed
                 **init_kw,
             )
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - swanlab's own and its HTTP client's errors: outside cloud mode only the dashboard is lost
             if cloud:
-                self._metrics_file.close()
+                if self._metrics_file is not None:
+                    self._metrics_file.close()
                 raise SystemExit(f"swanlab cloud init failed ({type(e).__name__}: {e}); "
                                  "check `swanlab login` / the network, or use --swanlab_mode local") from None
             self._warn(f"swanlab {self.swanlab_mode} init failed ({type(e).__name__}: {e}); "
@@ -289,7 +291,7 @@ class RunLogger:
             return
         try:
             self._run.log(data, step=step)
-        except Exception as e:  # the dashboard is optional; the jsonl keeps the numbers
+        except Exception as e:  # noqa: BLE001 - the dashboard is optional; the jsonl keeps the numbers
             self._warn(f"swanlab.log failed ({type(e).__name__}: {e}); continuing with metrics.jsonl only")
             self._run = None
 
@@ -312,7 +314,7 @@ class RunLogger:
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Record one step: a flushed line in metrics.jsonl, swanlab scalars, the bar's position/postfix."""
-        if not self.enabled or self._finished:
+        if not self.enabled or self._finished or self._metrics_file is None:
             return
         values = {str(k): _as_float(str(k), v) for k, v in metrics.items()}
         record = {"step": int(step), "time": time.time(), **values}
@@ -344,7 +346,7 @@ class RunLogger:
         if self.swanlab_mode != "local":  # the local dashboard has no echarts (see module docstring)
             try:
                 data["samples/table"] = _samples_table(swanlab, safe_rows)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - the table is optional; the samples are logged as text
                 self._warn(f"swanlab table of samples failed ({type(e).__name__}: {e}); logging them as text only")
         self._swanlab_log(data, int(step))
 
@@ -369,7 +371,7 @@ class RunLogger:
         if self._run is not None:
             try:
                 self._run.finish(state=state, error=error)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - the dashboard is optional; the jsonl is closed already
                 self._warn(f"swanlab finish failed ({type(e).__name__}: {e})")
             self._run = None
         if plots:
@@ -380,14 +382,14 @@ class RunLogger:
                 self.info(f"plots: {len(paths)} PNGs in {self.run_dir / 'plots'}")
             except ValueError as e:  # nothing logged yet
                 self.info(f"plots: skipped ({e})")
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - plotting never fails a finished run; the message says how to retry
                 self._warn(f"plotting {self.run_dir} failed ({type(e).__name__}: {e}); "
                            f"retry with: python scripts/plot_run.py {self.run_dir}")
 
     def __enter__(self) -> RunLogger:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if exc_type is None:
             self.finish()
         else:

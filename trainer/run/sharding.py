@@ -220,7 +220,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     (module, name) pairs of `_METADATA_GLOBALS`: DCP's record classes, torch dtypes / Size / layout, paths and
     plain containers."""
 
-    def find_class(self, module: str, name: str):  # noqa: ANN201 - pickle's signature
+    def find_class(self, module: str, name: str) -> Any:  # a class or function, as pickle's own
         if (module, name) in _METADATA_GLOBALS:
             return super().find_class(module, name)
         raise UnsafeShardsError(f"{module}.{name}")
@@ -259,7 +259,7 @@ class SafeReader(dcp.FileSystemReader):
     """DCP's file reader with its metadata read by `_MetadataUnpickler` and its bytes entries by `_SafeBytes` (the
     tensors themselves DCP reads with torch.load(weights_only=True))."""
 
-    def read_metadata(self, *args, **kwargs) -> Metadata:
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             try:

@@ -14,9 +14,14 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 GRACE_S = 1.0  # a repeat within this many seconds of the first signal is the same request delivered twice
+# What signal.signal installs and returns: a function, SIG_DFL / SIG_IGN, or None (a handler set outside Python).
+Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
 class StopRequest:
@@ -24,7 +29,7 @@ class StopRequest:
         self.signal: str | None = None  # name of the first signal received
         self.grace_s = grace_s
         self._first_at = 0.0
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Handler] = {}
 
     def install(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():  # signal.signal works only there
@@ -32,7 +37,7 @@ class StopRequest:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def _handle(self, signum: int, frame) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         now = time.monotonic()
         if self.signal is None:
