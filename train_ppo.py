@@ -16,9 +16,11 @@ For each batch of prompts (a rollout source gives the batches and their samples:
                  critic-free group / batch baseline), with the KL in the reward or in the loss
   5. update      epochs x minibatches of the registered policy loss + clipped value loss (+ KL, entropy)
   6. log, evaluate on held-out prompts, checkpoint
-Where things live: settings in trainer/config.py; the math in trainer/ppo.py, trainer/estimators.py and trainer/losses.py (registered by
-name, trainer/registry.py); sampling and scoring forwards in trainer/rollout.py; reward components in trainer/rewards.py; the whole update
-in trainer/update.py; how a run is built, resumed, saved, logged and spread over ranks, and where its rollouts come from, in trainer/run/.
+Where things live: settings in trainer/config.py (each component's section in trainer/sections.py); the math in
+trainer/ppo.py, trainer/estimators.py and trainer/losses.py (registered by name, trainer/registry.py); the Rollout in
+trainer/rollout.py, its scoring forwards in model/forward.py; reward components in trainer/rewards.py; the whole update
+in trainer/update.py; how a run is built, resumed, saved, logged and spread over ranks, and where its rollouts come from
+(trainer/run/rollout_source.py), in trainer/run/.
 """
 
 from __future__ import annotations

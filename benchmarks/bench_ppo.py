@@ -292,7 +292,7 @@ class StepShape:
     update_actor_passes: int = 3  # forward multiples: forward + backward (~2x), 2 with LoRA (no weight grads of the base)
     update_critic_passes: int = 0  # 3, 2 when its forward ran in scoring (--reuse_values), 0 without a critic
     update_iters: int = 1  # --ppo_update_iters: epochs over the rows
-    shared_prompts: bool = False  # scoring and update run a group's prompt once (padding-free, trainer.rollout.shares_prompts)
+    shared_prompts: bool = False  # scoring and update run a group's prompt once (padding-free, model.forward.shares_prompts)
     use_moe: bool = False
     num_experts_per_tok: int = 1
 

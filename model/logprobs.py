@@ -359,12 +359,12 @@ def scoring_head(head: nn.Linear, targets: torch.Tensor, temperature: float, chu
         out = torch.stack(cols, dim=-1)
         return out.view(*targets.shape, out.shape[-1])
 
-    head.forward = forward  # type: ignore[method-assign]
+    head.forward = forward  # type: ignore[method-assign]  # on this instance only, put back below
     try:
         yield
     finally:
         if had:
-            head.forward = before  # type: ignore[method-assign]
+            head.forward = before  # type: ignore[method-assign]  # the instance's own forward, as it was
         else:
             del head.forward
 

@@ -175,10 +175,11 @@ class AdapterSnapshot(nn.Module):
     def get_output_embeddings(self) -> nn.Module | None:  # the actor's LM head: model/forward.py output_head
         return base_of(self._actor[0]).get_output_embeddings()
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]  # the snapshot alone
         return dict(self.snapshot)
 
-    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True,  # type: ignore[override]  # snapshot only
+                        assign: bool = False) -> Any:
         missing = [n for n in self.snapshot if n not in state]
         if missing:
             raise ValueError(f"old-actor snapshot: {len(missing)} adapter tensors missing (e.g. {missing[0]})")

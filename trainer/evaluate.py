@@ -7,7 +7,7 @@
 A "reply" is what the reward functions see during PPO: the assistant prefix the chat template
 forced (e.g. "<think>\\n") plus the generated tokens decoded with special tokens skipped, so the
 figures here are the same quantities the trainer optimises. Replies are sampled and scored through
-training's own functions (trainer/rollout.py generate_rollout and policy_forward; trainer/multiturn.py with
+training's own functions (trainer/rollout.py generate_rollout, model/forward.py policy_forward; trainer/multiturn.py with
 tools).
 """
 

@@ -130,6 +130,7 @@ def _armed(http_class: Callable[..., http.client.HTTPConnection], deadline: _Dea
     handshake or a proxy tunnel): http.client opens it through the connection's `_create_connection`."""
     def make(host: str, **kw: Any) -> http.client.HTTPConnection:
         conn = http_class(host, **kw)
+        # http.client's own hook, absent from typeshed's stub of HTTPConnection
         create = conn._create_connection  # type: ignore[attr-defined]
         conn._create_connection = lambda *a, **k: deadline.arm(create(*a, **k))  # type: ignore[attr-defined]
         return conn
@@ -141,7 +142,7 @@ class _HTTPHandler(urllib.request.HTTPHandler):
         super().__init__()
         self.deadline = deadline
 
-    def do_open(self, http_class: Any, req: Any, **kw: Any) -> Any:  # type: ignore[override]
+    def do_open(self, http_class: Any, req: Any, **kw: Any) -> Any:  # type: ignore[override]  # typeshed narrows http_class
         return super().do_open(_armed(http_class, self.deadline), req, **kw)
 
 
@@ -150,7 +151,7 @@ class _HTTPSHandler(urllib.request.HTTPSHandler):
         super().__init__()
         self.deadline = deadline
 
-    def do_open(self, http_class: Any, req: Any, **kw: Any) -> Any:  # type: ignore[override]
+    def do_open(self, http_class: Any, req: Any, **kw: Any) -> Any:  # type: ignore[override]  # typeshed narrows http_class
         return super().do_open(_armed(http_class, self.deadline), req, **kw)
 
 

@@ -213,8 +213,9 @@ class Worker:
                 proc.kill()
             proc.wait()
             for f in (proc.stdin, proc.stdout):
-                with contextlib.suppress(OSError):
-                    f.close()  # type: ignore[union-attr]
+                if f is not None:
+                    with contextlib.suppress(OSError):
+                        f.close()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
