@@ -159,21 +159,21 @@ class RolloutSource(abc.ABC):
         actor or the rollout engine: single turns, or with --tools multi-turn episodes, whose old log-probs are then
         scored by a forward (tool replies sit between the sampled tokens). A batch sampled ahead gives its seeds'
         `generator`, the weight version it was asked for at and the rank-local deadline its requests keep to (none)."""
-        cfg, m = self.cfg, self.m
-        n = 1 if greedy else cfg.num_generations
-        sampling: dict[str, Any] = {"cuda_graphs": bool(cfg.cuda_graphs), **(
+        s, m = self.cfg.sampling, self.m
+        n = 1 if greedy else s.num_generations
+        sampling: dict[str, Any] = {"cuda_graphs": bool(s.cuda_graphs), **(
             dict(temperature=1.0, top_k=0, top_p=1.0, greedy=True) if greedy else
-            dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, greedy=bool(cfg.greedy),
-                 suppress_eos=bool(cfg.suppress_eos)))}
+            dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, greedy=bool(s.greedy),
+                 suppress_eos=bool(s.suppress_eos)))}
         eos, policy = m.eos_ids or m.tok.eos_token_id, m.engine or m.actor
         if self.tools is not None:
-            return generate_episodes(policy, m.tok, self.tools, batch, max_turns=cfg.max_turns, max_total_len=cfg.max_total_len,
-                                     max_new_tokens=cfg.max_gen_len, eos_token_id=eos, pad_token_id=m.tok.pad_token_id,
-                                     num_generations=n, device=self.rt.device, fast_decode=bool(cfg.fast_decode), **sampling)
+            return generate_episodes(policy, m.tok, self.tools, batch, max_turns=s.max_turns, max_total_len=s.max_total_len,
+                                     max_new_tokens=s.max_gen_len, eos_token_id=eos, pad_token_id=m.tok.pad_token_id,
+                                     num_generations=n, device=self.rt.device, fast_decode=bool(s.fast_decode), **sampling)
         ro = generate_rollout(
             policy, batch["input_ids"].to(self.rt.device), batch["attention_mask"].to(self.rt.device),
-            max_new_tokens=cfg.max_gen_len, eos_token_id=eos, pad_token_id=m.tok.pad_token_id, num_generations=n,
-            fast_decode=bool(cfg.fast_decode), return_logprobs=bool(cfg.rollout_logprobs) and m.old_actor is None and not greedy,
+            max_new_tokens=s.max_gen_len, eos_token_id=eos, pad_token_id=m.tok.pad_token_id, num_generations=n,
+            fast_decode=bool(s.fast_decode), return_logprobs=bool(s.rollout_logprobs) and m.old_actor is None and not greedy,
             generator=generator, oldest_version=oldest_version, deadline=deadline, **sampling)
         return ro, None
 
