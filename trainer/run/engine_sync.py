@@ -27,6 +27,7 @@ import contextlib
 import json
 import shutil
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +199,29 @@ def adapter_pushes(cfg: Config, m: Models, rt: Runtime) -> bool:
     return engine.adapter_pushes
 
 
+@contextlib.contextmanager
+def _written(cfg: Config, what: str, write: Callable[[Path, bool], Path]) -> Iterator[Path]:
+    """Rank 0's push: `write(folder, private)` the `what` into the push folder (checked as the trainer's own first)
+    and yield where they are for the engines to load; the default folder is emptied afterwards, whatever happened
+    (the engines hold the files by then: the memory is freed at once). A write that fails is one line."""
+    folder, default = push_folder(cfg)
+    mine = False  # the folder passed own_folder's checks: only then may it be emptied
+    try:
+        try:
+            own_folder(folder, default)
+            mine = True
+            if default:
+                _DEFAULT_FOLDERS.add(folder)
+            path = write(folder, default)
+        except OSError as e:
+            raise SystemExit(f"error: writing the {what} for the engine to {folder} failed: "
+                             f"{e.strerror or e}; give --engine_shared_path a folder of yours with room") from None
+        yield path
+    finally:
+        if default and mine:
+            _empty(folder)
+
+
 def push_weights(cfg: Config, m: Models, rt: Runtime, version: int, base: bool = False) -> None:
     """Make every engine serve the actor's current weights as weight version `version` (the number of updates in
     them). Every rank calls this at the same point; a failure on rank 0 (a full disk, an engine that refuses the
@@ -215,26 +239,13 @@ def push_weights(cfg: Config, m: Models, rt: Runtime, version: int, base: bool =
         state = merged_state_dict(m.actor, adapters=not base) if is_lora(m.actor) else base_of(m.actor).state_dict()
     else:
         state = {}
-    folder, default = push_folder(cfg)
-
     def write_and_reload() -> None:
-        mine = False  # the folder passed own_folder's checks: only then may it be removed
-        with exits_on_engine_error():
-            try:
-                try:
-                    own_folder(folder, default)
-                    mine = True
-                    if default:
-                        _DEFAULT_FOLDERS.add(folder)
-                    write_weights(state, _config_json(m.actor), folder, _extra_files(cfg), private=default)
-                except OSError as e:
-                    raise SystemExit(f"error: writing the weights for the engine to {folder} failed: "
-                                     f"{e.strerror or e}; give --engine_shared_path a folder of yours with room") from None
-                for url in _urls(cfg):
-                    _client(cfg, url, engine).load_weights(folder, version)
-            finally:
-                if default and mine:  # the engines hold the weights now: the memory is freed at once
-                    _empty(folder)
+        def write(folder: Path, private: bool) -> Path:
+            return write_weights(state, _config_json(m.actor), folder, _extra_files(cfg), private=private)
+
+        with exits_on_engine_error(), _written(cfg, "weights", write) as folder:
+            for url in _urls(cfg):
+                _client(cfg, url, engine).load_weights(folder, version)
 
     main_writes(write_and_reload, rt.info)
     engine.version = version  # every rank expects its engine to sample version `version` from now on
@@ -246,29 +257,18 @@ def _push_adapter(cfg: Config, m: Models, rt: Runtime, version: int) -> None:
     the files (the default folder); every rank's client names its engine's adapter in its requests from now on."""
     engine = m.engine
     assert engine is not None
-    folder, default = push_folder(cfg)
     names: dict[str, str] = {}
 
     def write_and_load() -> None:
         tensors, config = adapter_export(m.actor)
-        mine = False
-        with exits_on_engine_error():
-            try:
-                try:
-                    own_folder(folder, default)
-                    mine = True
-                    if default:
-                        _DEFAULT_FOLDERS.add(folder)
-                    path = write_adapter(tensors, config, folder, private=default)
-                except OSError as e:
-                    raise SystemExit(f"error: writing the adapters for the engine to {folder} failed: "
-                                     f"{e.strerror or e}; give --engine_shared_path a folder of yours with room") from None
-                for url in _urls(cfg):
-                    client = _client(cfg, url, engine)
-                    names[client.url] = client.load_adapter(path, version)
-            finally:
-                if default and mine:  # the engines hold the adapters now
-                    _empty(folder)
+
+        def write(folder: Path, private: bool) -> Path:
+            return write_adapter(tensors, config, folder, private=private)
+
+        with exits_on_engine_error(), _written(cfg, "adapters", write) as path:
+            for url in _urls(cfg):
+                client = _client(cfg, url, engine)
+                names[client.url] = client.load_adapter(path, version)
 
     main_writes(write_and_load, rt.info)
     names = D.broadcast_object(names, rt.info)
