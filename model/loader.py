@@ -75,7 +75,7 @@ def _refuse_pickled_code(d: Path, flag: str) -> Iterator[None]:
         # out for a trusted file is to rewrite its tensors as model.safetensors (preferred over .bin).
         convert = (
             " or, only if you trust the file, convert it once: python -c \"import sys, torch, safetensors.torch as st; "
-            "sd = {}; [sd.update(torch.load(f, weights_only=False)) for f in sys.argv[2:]]; "  # printed for the user, for a file they trust
+            "sd = {}; [sd.update(torch.load(f, weights_only=False)) for f in sys.argv[2:]]; "  # noqa: S301 - printed for the user, for a file they trust
             "st.save_file({k: v.contiguous().clone() for k, v in sd.items() if torch.is_tensor(v)}, sys.argv[1], "
             "metadata={'format': 'pt'})\" " + " ".join(shlex.quote(str(f)) for f in [d / "model.safetensors", *files])
         ) if files else ""
