@@ -141,14 +141,13 @@ class TeacherServer:
     MINIPPO_TEACHER_API_KEY."""
 
     def __init__(self, url: str, timeout: float) -> None:
-        self.url = url.strip().rstrip("/")
-        self.timeout = float(timeout)
-        self.model: str | None = None
-        self.started = False
-        try:  # read here only: never a config field (run.json records those)
-            self._token = H.token_from_env(TEACHER_KEY_ENV)
+        try:  # the one place the teacher's key is read (http_client.Client): never a config field
+            self.http = H.Client(url, timeout, TEACHER_KEY_ENV)
         except ValueError as e:
             raise TeacherError(str(e)) from None
+        self.url, self.timeout = self.http.url, self.http.timeout
+        self.model: str | None = None
+        self.started = False
 
     def _request(self, path: str, body: Any = None, *, max_bytes: int = H.MAX_BYTES) -> Any:
         where, wait = f"--teacher_url {self.url}", self.timeout
@@ -156,14 +155,10 @@ class TeacherServer:
         if due is not None and due.left() < wait:
             wait = max(due.left(), 0.001)
         try:
-            return H.request_json(self.url + path, body, timeout=wait, token=self._token, max_bytes=max_bytes,
-                                  attempts=H.RETRY_ATTEMPTS)  # a teacher's log-probs depend on the request alone
+            return self.http.request(path, body, timeout=wait, max_bytes=max_bytes,
+                                     idempotent=True)  # a teacher's log-probs depend on the request alone
         except H.Refused as e:
-            hint = ""
-            if e.status == 401:
-                hint = (f" (the key in {TEACHER_KEY_ENV} is not the server's)" if self._token else
-                        f" (it wants a key: set {TEACHER_KEY_ENV} to it)")
-            raise TeacherError(f"{where} refused {path}: {e}{hint}") from None
+            raise TeacherError(f"{where} refused {path}: {e}{self.http.key_hint(e)}") from None
         except H.TimedOut:
             raise TeacherError(f"{where} did not answer {path} within {wait:.3g} s (--reward_timeout, or the other ranks' "
                                f"wait): is it overloaded or stuck?") from None
