@@ -48,6 +48,8 @@ ERROR_BYTES = 1 << 16  # of an error answer's body, only its message is wanted
 RETRY_ATTEMPTS = 5  # tries in all of an idempotent request (OpenRLHF tries a remote reward call 5 times)
 RETRY_BASE_S = 0.5  # the wait before the first retry, doubled before each next one ...
 RETRY_CAP_S = 8.0  # ... up to this; each wait is drawn from [w/2, w] (jitter: ranks that failed together spread out)
+RETRY_MIN_TRY_S = 0.25  # a retry starts only if this much of the deadline is left after its wait: a try with less
+# would time out on any server and hide the failure that caused it
 RETRY_STATUSES = frozenset({502, 503, 504})  # a gateway without its upstream, a server busy or not ready yet
 _JITTER = random.Random()  # the backoff's own stream (seeded from os.urandom): no draw from the run's generators
 
@@ -198,7 +200,7 @@ def request_json(url: str, body: Any = None, *, method: str | None = None, timeo
                 raise _tried(e, attempt) from None
             wait = min(RETRY_CAP_S, RETRY_BASE_S * 2 ** (attempt - 1))
             wait *= 0.5 + 0.5 * _JITTER.random()
-            if time.monotonic() + wait >= end:  # no time left for another try: the deadline holds
+            if time.monotonic() + wait + RETRY_MIN_TRY_S >= end:  # no time left for another try: the deadline holds
                 raise _tried(e, attempt) from None
             rank = os.environ.get("RANK", "0")
             print(f"warning: rank {rank}: {verb} {url}: {one_line(e, 160)}; retry {attempt} of {attempts - 1} in "
