@@ -8,8 +8,10 @@ and, for Google's checker, the same as IFEval's instruction ids and kwargs.
 - ifeval_train.jsonl (2,000 rows) and ifeval_eval.jsonl (300 held-out rows): every type we train, equally often,
   each constraint worded either as IFEval words it (its build_description for the row's arguments) or in one of
   our own phrasings (about half each).
-- ifeval_eval_ifeval_wording.jsonl (220 held-out rows): IFEval's 22 instructions that we train, in IFEval's
-  wording only (start_phrase, which has none, is not in it).
+- ifeval_eval_seen_wording.jsonl (220 held-out rows): IFEval's 22 instructions that we train, in IFEval's
+  description sentence only (start_phrase, which has none, is not in it). In-distribution: the round-3 training
+  files use that very sentence (51% of these prompts equal a training prompt once the topic is masked), so a gain
+  here is a gain on seen wording, not on IFEval's test prompts (named ifeval_eval_ifeval_wording.jsonl until #72).
 - ifeval_eval_heldout_wording.jsonl (300 held-out rows): every type, each constraint worded only in the held-out
   family of WORDINGS (below), sentences that no training row uses (tests/test_ifeval_wordings.py compares the
   templates with their slot values stripped): what a gain is worth on instructions a user words in their own way.
@@ -678,7 +680,7 @@ def main(argv: list[str] | None = None) -> None:
     ifeval_kinds = [k for k in KINDS if k != "start_phrase"]
     files = [("ifeval_train.jsonl", lambda: make_rows(TRAIN_TOPICS, a.n_train, rng)),
              ("ifeval_eval.jsonl", lambda: make_rows(EVAL_TOPICS, a.n_eval, rng)),
-             ("ifeval_eval_ifeval_wording.jsonl", lambda: make_rows(EVAL_TOPICS, a.n_eval_ifeval_wording, rng,
+             ("ifeval_eval_seen_wording.jsonl", lambda: make_rows(EVAL_TOPICS, a.n_eval_ifeval_wording, rng,
                                                                     kinds=ifeval_kinds, wording="ifeval")),
              ("ifeval_eval_other_types.jsonl", lambda: make_other_rows(EVAL_TOPICS, a.n_eval_other_types, rng)),
              # its own streams (make_worded_rows): the four files above are what they were before it was added

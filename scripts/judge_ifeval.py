@@ -2,7 +2,7 @@
 loose accuracy, prompt-level and instruction-level, overall, per type and per wording. Runs in the reference venv
 (no torch; docs/smollm2_ifeval.md says how to make it):
 
-    python scripts/eval_policy.py --hf_path out/smollm2_ifeval_hf --data_path dataset/ifeval_eval_ifeval_wording.jsonl \\
+    python scripts/eval_policy.py --hf_path out/smollm2_ifeval_hf --data_path dataset/ifeval_eval_seen_wording.jsonl \\
         --max_new_tokens 96 --thinking_ratio 0 --reward_model_path none --replies_out out/ifeval_replies.jsonl
     .venv-ifeval/bin/python scripts/judge_ifeval.py out/ifeval_replies.jsonl --json out/ifeval_judge.json
 

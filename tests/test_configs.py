@@ -34,7 +34,7 @@ def _recipe_flags(tmp: Path, actor: Path, preset: str = "smollm2_ifeval.yaml", *
     return ["--config", str(ROOT / "configs" / preset), *(x for k, v in flags.items() for x in (f"--{k}", str(v)))]
 
 
-PRESET_EVAL = "dataset/ifeval_eval_heldout_wording.jsonl"  # the preset's eval_data_path: its eval is re-scored from it
+PRESET_EVAL = "dataset/ifeval_eval_others.jsonl"  # the preset's eval_data_path: its eval is re-scored from it
 
 
 @pytest.mark.slow

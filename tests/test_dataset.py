@@ -539,7 +539,7 @@ def test_the_shipped_ifeval_files_are_what_the_script_writes(tmp_path):
     root = Path(__file__).resolve().parent.parent
     subprocess.run([sys.executable, "builders/make_ifeval_data.py", "--out_dir", str(tmp_path)], cwd=root, check=True,
                    capture_output=True)
-    names = ("ifeval_train.jsonl", "ifeval_eval.jsonl", "ifeval_eval_ifeval_wording.jsonl", "ifeval_eval_other_types.jsonl")
+    names = ("ifeval_train.jsonl", "ifeval_eval.jsonl", "ifeval_eval_seen_wording.jsonl", "ifeval_eval_other_types.jsonl")
     for name in (*names, "ifeval_eval_heldout_wording.jsonl"):  # (its wordings and topics: tests/test_ifeval_wordings.py)
         assert (tmp_path / name).read_bytes() == (root / "dataset" / name).read_bytes(), name
     train, held, wording, other = (read_rlaif_jsonl(root / "dataset" / name)[0] for name in names)

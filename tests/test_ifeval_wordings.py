@@ -190,13 +190,13 @@ def test_train_wordings_per_type_writes_the_curves_training_files(tmp_path):
 
 
 def test_the_presets_training_files_are_what_the_builder_writes(tmp_path):
-    """configs/smollm2_ifeval.yaml trains on the 10-wordings file with IFEval's sentence at 80% (docs/smollm2_ifeval.md:
+    """configs/smollm2_ifeval_round3.yaml (the round-3 preset) trains on the 10-wordings file with IFEval's sentence at 80% (docs/smollm2_ifeval.md:
     the curve chose ten wordings, the 3-seed runs at 40 / 60 / 80% the share); the even 10-wordings file stays for the curve."""
     B.main(["--out_dir", str(tmp_path), "--train_wordings_per_type", "10"])
     B.main(["--out_dir", str(tmp_path), "--train_wordings_per_type", "10", "--ifeval_share", "0.8"])
     for name in ("ifeval_train_w10.jsonl", "ifeval_train_w10_ifeval80.jsonl"):
         assert (tmp_path / name).read_bytes() == (ROOT / "dataset" / name).read_bytes(), name
-    preset = (ROOT / "configs" / "smollm2_ifeval.yaml").read_text()
+    preset = (ROOT / "configs" / "smollm2_ifeval_round3.yaml").read_text()
     assert "data_path: dataset/ifeval_train_w10_ifeval80.jsonl" in preset
 
 

@@ -95,7 +95,7 @@ def test_the_shipped_rows_name_the_same_checks_for_google_as_for_us():
 
     rng = random.Random(0)
     rows = []
-    for name in ("ifeval_eval.jsonl", "ifeval_eval_ifeval_wording.jsonl", "ifeval_eval_heldout_wording.jsonl"):
+    for name in ("ifeval_eval.jsonl", "ifeval_eval_seen_wording.jsonl", "ifeval_eval_heldout_wording.jsonl"):
         for line in (ROOT / "dataset" / name).read_text(encoding="utf-8").splitlines():
             row = json.loads(line)
             c = row["constraints"][rng.randrange(len(row["constraints"]))]  # a reply aimed at one of its constraints
