@@ -302,7 +302,8 @@ def wording_mismatches() -> list[str]:
 
 
 SHIPPED = ("ifeval_train.jsonl", "ifeval_train_w10.jsonl", "ifeval_train_w10_ifeval80.jsonl", "ifeval_eval.jsonl",
-           "ifeval_eval_seen_wording.jsonl", "ifeval_eval_heldout_wording.jsonl", "ifeval_eval_other_types.jsonl")
+           "ifeval_eval_seen_wording.jsonl", "ifeval_eval_heldout_wording.jsonl", "ifeval_eval_other_types.jsonl",
+           "ifeval_pool_train.jsonl", "ifeval_eval_others.jsonl")
 
 
 def kwargs_drawn_at_random() -> list[str]:
