@@ -432,7 +432,8 @@ def _build(raw: Config, info: DistInfo) -> Setup:
     if cfg.ifeval_weight and not ds.has_constraints and not _rewards_beside(cfg, custom_fns, "ifeval"):
         raise SystemExit(f"error: {cfg.data_path} has no row with \"constraints\", and the ifeval reward is the only one on "
                          f"(--ifeval_weight): every reward would be 0. Use a prompt file written by "
-                         f"builders/make_ifeval_data.py (docs/models.md), or turn on another reward.")
+                         f"builders/make_ifeval_data.py or builders/make_ifeval_pool.py (docs/models.md), or turn on "
+                         f"another reward.")
     if cfg.ifeval_partial_weight and not ds.has_constraints:
         raise SystemExit(f"error: --ifeval_partial_weight {cfg.ifeval_partial_weight:g} scores a row's \"constraints\", and "
                          f"{cfg.data_path} has none: it would add nothing. Use a prompt file written by "
