@@ -190,7 +190,8 @@ def test_train_wordings_per_type_writes_the_curves_training_files(tmp_path):
 
 
 def test_the_presets_training_files_are_what_the_builder_writes(tmp_path):
-    """configs/smollm2_ifeval_round3.yaml (the round-3 preset) trains on the 10-wordings file with IFEval's sentence at 80% (docs/smollm2_ifeval.md:
+    """configs/smollm2_ifeval_round3.yaml (round 3's preset) trains on the 10-wordings file with IFEval's sentence at
+    80% (docs/smollm2_ifeval.md:
     the curve chose ten wordings, the 3-seed runs at 40 / 60 / 80% the share); the even 10-wordings file stays for the curve."""
     B.main(["--out_dir", str(tmp_path), "--train_wordings_per_type", "10"])
     B.main(["--out_dir", str(tmp_path), "--train_wordings_per_type", "10", "--ifeval_share", "0.8"])
