@@ -31,6 +31,7 @@ The same seed writes the same files.
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import gzip
 import hashlib
@@ -45,7 +46,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from builders.make_ifeval_data import KEYWORDS, KINDS, _clash, _row, compatible, compose, family, sample_constraint, worded
+from builders.make_ifeval_data import (
+    _ORDINAL,
+    KEYWORDS,
+    KINDS,
+    _clash,
+    _row,
+    _write,
+    compatible,
+    compose,
+    family,
+    in_words,
+    sample_constraint,
+    worded,
+)
 from dataset.ifeval import IFEVAL, ifeval_instructions, validate
 
 POOL = "alpaca-eval==0.6.6"
@@ -211,7 +225,6 @@ _CUES = {
 _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
 _REQUEST = re.compile(r"\?|\b(write|compose|create|generate|story|poem|essay|article|blog|email|rap|song|resume|"
                       r"itinerary|summary|summarize|advertisement|pitch|tweet|slogan|riddle|joke|limerick|haiku)\b", re.I)
-_NUMBER_WORDS = "zero one two three four five six seven eight nine ten eleven twelve".split()
 
 
 def from_ifeval(iid: str, kw: dict) -> dict:
@@ -246,9 +259,8 @@ def _arguments_in(text: str, c: dict) -> bool:
     for key in ("num", "nth"):
         if key in c:
             n = c[key]
-            spelled = _NUMBER_WORDS[n] if n < len(_NUMBER_WORDS) else None
-            ordinal = {1: "first", 2: "second", 3: "third", 4: "fourth", 5: "fifth"}.get(n)
-            if not (re.search(rf"\b{n}(st|nd|rd|th)?\b", low) or (spelled and re.search(rf"\b{spelled}\b", low))
+            ordinal = _ORDINAL.get(n)
+            if not (re.search(rf"\b{n}(st|nd|rd|th)?\b", low) or re.search(rf"\b{in_words(n)}\b", low)
                     or (key == "nth" and ordinal and ordinal in low)):
                 return False
     for key in ("phrase", "word", "keyword", "letter", "splitter", "marker"):
@@ -309,7 +321,7 @@ def make_others_rows(requests: list[dict], sentences: list[dict], n: int, seed: 
                 if not _clash(first, second["constraint"]):
                     picks.append(second)
         picks.sort(key=lambda s: s["constraint"]["type"] == "repeat_prompt")
-        cs = [json.loads(json.dumps(s["constraint"])) for s in picks]
+        cs = [copy.deepcopy(s["constraint"]) for s in picks]
         parts = [req["instruction"]]
         for s, c in zip(picks, cs):
             if c["type"] == "repeat_prompt":
@@ -346,11 +358,6 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     _write(out / "ifeval_pool_train.jsonl", make_train_rows(train_requests, a.n_train, a.seed, banned, a.max_words))
     _write(out / "ifeval_eval_others.jsonl", make_others_rows(heldout_requests, sentences, a.n_others, a.seed))
-
-
-def _write(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    print(f"wrote {len(rows)} rows to {path}")
 
 
 if __name__ == "__main__":

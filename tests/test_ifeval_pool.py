@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from builders import make_ifeval_pool as P
+from builders.make_ifeval_data import sample_constraint, worded
 from dataset.ifeval import IFEVAL, ifeval_instructions, validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +52,7 @@ def test_no_training_prompt_shares_an_8_word_run_with_ifeval_or_ifbench_test_pro
 def test_a_wording_that_would_copy_a_test_prompt_is_drawn_again():
     """IFEval's own lowercase sentence is word for word in its test prompts: rows that drew it are worded again."""
     c = {"type": "lowercase"}
-    text, _ = __import__("builders.make_ifeval_data", fromlist=["worded"]).worded("lowercase", "ifeval", c)
+    text, _ = worded("lowercase", "ifeval", c)
     assert P.ngrams(text) & P.banned_ngrams()
     req = {"instruction": "Write a letter to my landlord about the broken heater.", "dataset": "koala"}
     for seed in range(20):
@@ -103,8 +104,6 @@ def test_the_held_out_family_is_in_the_raters_own_words_with_their_arguments():
 
 @pytest.mark.parametrize("kind", sorted(k for k in IFEVAL if k != "start_phrase"))
 def test_from_ifeval_reads_the_map_backwards(kind):
-    from builders.make_ifeval_data import sample_constraint
-
     rng = random.Random(kind)
     for _ in range(5):
         c = sample_constraint(kind, "the sea", rng)
