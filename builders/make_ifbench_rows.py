@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dataset.ifbench_checker import load
+from dataset.jsonl import jsonl_lines
 
 
 def to_row(item: dict, where: str) -> dict:
@@ -44,7 +45,7 @@ def to_row(item: dict, where: str) -> dict:
 
 def read_items(path: Path) -> list[dict]:
     items = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(jsonl_lines(path), 1):
         if line.strip():
             try:
                 items.append(to_row(json.loads(line), f"{path}:{lineno}"))

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from transformers import LlamaForSequenceClassification, Qwen3Config, Qwen3ForSequenceClassification
 
 from builders.train_sft import adamw, add_dtype_flag, lr_at, resolve_dtype
+from dataset.jsonl import jsonl_lines
 from model.loader import load_policy, load_reward_model, load_tokenizer
 from model.weights import WeightsError, read_state_dict
 from trainer.reward_model import RewardModelScorer, pad_ids
@@ -349,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     # Held-out accuracy through the exact PPO path: reload from disk, score with RewardModelScorer.
     rm, rm_tok = load_reward_model(save)
     scorer = RewardModelScorer(rm, rm_tok, max_length=args.max_length, batch_size=256, clip=float("inf"))
-    ev_rows = [json.loads(line) for line in Path(args.eval_data_path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    ev_rows = [json.loads(line) for line in jsonl_lines(args.eval_data_path) if line.strip()]
     s_chosen, s_rejected = score_pairs(scorer, ev_rows)
     ev_kinds = [str(r.get("kind", "all")) for r in ev_rows]
     acc = pair_accuracy(s_chosen - s_rejected, ev_kinds)

@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:
 import torch
 
 from dataset import rgym
+from dataset.jsonl import jsonl_lines
 from dataset.rlaif import TOOLS_PLACEHOLDER, TOOLS_UNSEEN, DataError, read_rlaif_jsonl, template_renders_tools
 from model.loader import load_policy, load_reward_model
 from model.weights import WeightsError
@@ -47,7 +48,7 @@ DEFAULT_RM = "out/demo_rm"
 
 def source_rows(path: str | Path, records: list) -> list[dict]:
     """Each record's source line as read (records remember "path:lineno")."""
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    lines = jsonl_lines(path)
     return [json.loads(lines[int(rec.where.rsplit(":", 1)[1]) - 1]) for rec in records]
 
 

@@ -29,12 +29,13 @@ if str(ROOT) not in sys.path:
 
 from dataset import ifeval
 from dataset.ifeval_google import NEEDS_PUNKT, Google, load, punkt_available
+from dataset.jsonl import jsonl_lines
 
 
 def read_rows(path: str | Path, known: dict[str, Any]) -> list[dict]:
     """The rows of a replies file, or SystemExit("path:line: what is wrong")."""
     rows = []
-    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(jsonl_lines(path), 1):
         if not line.strip():
             continue
         where = f"{path}:{lineno}"

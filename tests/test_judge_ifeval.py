@@ -138,6 +138,16 @@ BAD = [
 ]
 
 
+def test_a_reply_with_unicode_line_separators_is_one_row():
+    # JSON keeps U+2028, U+2029 and U+0085 raw inside a string; a policy wrote them (2026-12-06) and the judge cut the
+    # row in two ("malformed JSON") when it split lines with str.splitlines().
+    row = HAND[0][0]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _write([{**row, "reply": row["reply"] + "\u2028\u2029\x85"}, row], Path(tmp))
+        report = J.main([str(path)])
+    assert report["n_prompts"] == 2
+
+
 def test_bad_input_is_one_line_naming_the_row():
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "replies.jsonl"
@@ -153,7 +163,8 @@ def test_bad_input_is_one_line_naming_the_row():
 
 
 TESTS = [test_the_judge_on_a_hand_file, test_the_shipped_rows_name_the_same_checks_for_google_as_for_us,
-         test_if_verifiables_own_harness_strips_the_reply_first, test_bad_input_is_one_line_naming_the_row]
+         test_if_verifiables_own_harness_strips_the_reply_first, test_a_reply_with_unicode_line_separators_is_one_row,
+         test_bad_input_is_one_line_naming_the_row]
 
 try:
     import pytest
