@@ -155,6 +155,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "uses), heldout (the templates training never uses, in turn over the rows; the table gives the "
                         "accuracy per template), or one of those")
     p.add_argument("--n", type=int, default=0, help="evaluate the first n prompts (0 = all)")
+    p.add_argument("--samples_per_prompt", type=int, default=1,
+                   help="replies drawn per prompt (needs --temperature > 0): each prompt's rows follow one another in "
+                        "--replies_out, and every figure is over replies, so a type's rate is the chance one sample meets it")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top_p", type=float, default=1.0)
     p.add_argument("--max_new_tokens", type=int, default=64)
@@ -232,8 +235,12 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"--rg_template {args.rg_template} asks --reasoning_gym's rows: give --reasoning_gym SPEC")
     except (WeightsError, DataError, ToolError, rgym.ReasoningGymError) as e:
         raise SystemExit(str(e)) from None
+    if args.samples_per_prompt < 1 or (args.samples_per_prompt > 1 and args.temperature == 0):
+        raise SystemExit(f"--samples_per_prompt {args.samples_per_prompt}: give 1, or more than 1 with --temperature > 0 "
+                         "(greedy replies to one prompt are all the same)")
     if args.n > 0:
         records = records[: args.n]
+    records = [r for r in records for _ in range(args.samples_per_prompt)]
     if args.reasoning_gym:
         # Per task, and with held-out templates per task and template ("basic_arithmetic/what_is").
         held = args.rg_template != rgym.TRAIN
@@ -272,7 +279,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     result = {
         "source": source, "data_path": data, "temperature": args.temperature, "top_p": args.top_p,
-        "max_new_tokens": args.max_new_tokens, "seed": args.seed, "reward_model_path": rm_path,
+        "max_new_tokens": args.max_new_tokens, "samples_per_prompt": args.samples_per_prompt, "seed": args.seed,
+        "reward_model_path": rm_path,
         "ref_weights": args.ref_weights or args.ref_hf_path, "seconds": round(elapsed, 1), **metrics,
         "examples": rows[: args.examples],
     }

@@ -116,6 +116,25 @@ def test_eval_policy_writes_every_reply_beside_its_data_row(tmp_path, tiny_smoll
     assert len(kls) == 3 and sum(kls) / 3 == pytest.approx(m["kl_ref"]) and max(map(abs, kls)) < 1e-4
 
 
+def test_eval_policy_draws_several_replies_per_prompt(tmp_path, tiny_smollm):
+    """--samples_per_prompt K: K sampled replies per prompt, each beside its prompt's row, in the data file's order;
+    greedy with K > 1 is one line naming the flag."""
+    from scripts import eval_policy
+
+    data, out = ROOT / "dataset" / "ifeval_eval.jsonl", tmp_path / "replies.jsonl"
+    flags = ["--hf_path", str(tiny_smollm), "--data_path", str(data), "--n", "2", "--max_new_tokens", "12",
+             "--thinking_ratio", "0", "--reward_model_path", "none", "--json", "", "--num_threads", "1",
+             "--samples_per_prompt", "3"]
+    m = eval_policy.main([*flags, "--temperature", "1.0", "--replies_out", str(out)])
+    got = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    sources = [json.loads(line) for line in data.read_text(encoding="utf-8").splitlines()[:2]]
+    assert [{k: v for k, v in g.items() if k != "reply"} for g in got] == [s for s in sources for _ in range(3)]
+    assert m["n"] == 6 and m["samples_per_prompt"] == 3
+    assert len({g["reply"] for g in got[:3]}) > 1  # independent samples, not one reply copied
+    with pytest.raises(SystemExit, match="--samples_per_prompt 3"):
+        eval_policy.main(flags)
+
+
 @pytest.mark.slow
 def test_the_smollm2_tools_recipe_runs_on_a_tiny_stand_in_and_gives_a_usable_model(tmp_path, tiny_smollm):
     from transformers import AutoModelForCausalLM
