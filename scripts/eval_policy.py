@@ -191,6 +191,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if (args.weights is None) == (args.hf_path is None):
         raise SystemExit("give exactly one of --weights PATH (native .pth) or --hf_path DIR")
+    if args.samples_per_prompt < 1 or (args.samples_per_prompt > 1 and args.temperature == 0):
+        raise SystemExit(f"--samples_per_prompt {args.samples_per_prompt}: give 1, or more than 1 with --temperature > 0 "
+                         "(greedy replies to one prompt are all the same)")
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
     t0 = time.time()
@@ -235,9 +238,6 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"--rg_template {args.rg_template} asks --reasoning_gym's rows: give --reasoning_gym SPEC")
     except (WeightsError, DataError, ToolError, rgym.ReasoningGymError) as e:
         raise SystemExit(str(e)) from None
-    if args.samples_per_prompt < 1 or (args.samples_per_prompt > 1 and args.temperature == 0):
-        raise SystemExit(f"--samples_per_prompt {args.samples_per_prompt}: give 1, or more than 1 with --temperature > 0 "
-                         "(greedy replies to one prompt are all the same)")
     if args.n > 0:
         records = records[: args.n]
     records = [r for r in records for _ in range(args.samples_per_prompt)]
