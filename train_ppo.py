@@ -41,6 +41,7 @@ from model.forward import attention_implementation, forward_in_row_chunks, polic
 from trainer import dist as D
 from trainer.config import Config
 from trainer.distill import reward_penalty, teacher_scored
+from trainer.estimators import eos_guard
 from trainer.evaluate import EvalSettings, evaluate_policy, training_metrics
 from trainer.multiturn import Episode, episode_components
 from trainer.ppo import RewardNormalizer, masked_whiten, rollout_is_weights
@@ -192,9 +193,9 @@ def score_responses(cfg: Config, batch: dict, ro: Rollout, m: Models, custom_fns
         tokens, seen = ro.sequences[:, ro.prompt_len:].tolist(), ro.attention_mask[:, ro.prompt_len:].bool().tolist()
         responses = [m.tok.decode([t for t, keep in zip(row, k) if keep]) for row, k in zip(tokens, seen)]
         replies = [e.final_reply for e in episodes]
-    weights = {"format": cfg.format_weight, "tags": cfg.tag_weight, "rm": cfg.rm_weight,
-               "accuracy": cfg.accuracy_weight, "eos": cfg.eos_penalty, "ifeval": cfg.ifeval_weight,
-               "ifeval_partial": cfg.ifeval_partial_weight, "url": cfg.reward_url_weight}
+    eos = cfg.eos_penalty if cfg.eos_placement == "reward" else 0.0  # "advantage": compute_advantages adds it
+    weights = {"format": cfg.format_weight, "tags": cfg.tag_weight, "rm": cfg.rm_weight, "accuracy": cfg.accuracy_weight,
+               "eos": eos, "ifeval": cfg.ifeval_weight, "ifeval_partial": cfg.ifeval_partial_weight, "url": cfg.reward_url_weight}
     with exits_on_reward_error():  # the user's function or reward server, the user's to fix: one line, not a traceback
         rewards, comps = compute_rewards(
             prompts=expand(batch["prompt"]), messages=expand(batch["messages"]), replies=replies,
@@ -272,6 +273,9 @@ def compute_advantages(cfg: Config, ro: Rollout, kl_coef: float, rt: Runtime, sc
     advantages, returns = spec.fn(scores, kl, ro.values, ro.response_mask, kl_coef, cfg.estimator, baseline=baseline)
     if spec.whiten == "global" or (spec.whiten == "flag" and cfg.whiten_advantages):
         advantages = masked_whiten(advantages, ro.response_mask, reduce=D.rank_sum(rt.info))
+    if cfg.eos_placement == "advantage" and cfg.eos_penalty:  # beside the normalised task advantage, not scaled with it
+        guard = eos_guard(ro.has_eos, cfg.eos_penalty, cfg.num_generations).to(advantages)
+        advantages = advantages + guard[:, None] * ro.response_mask
     return advantages, returns
 
 

@@ -58,7 +58,7 @@ def test_new_settings_default_to_the_previous_behaviour():
                      "reasoning_gym", "reasoning_gym_size", "cuda_graphs", "padding_free",
                      "reward_model_url", "reward_url", "reward_url_weight", "reward_timeout",
                      "max_tool_calls", "reward_max_abs", "verifier_timeout", "logprob_chunk_size",
-                     "teacher_model_path", "teacher_url", "distill_coef"}
+                     "teacher_model_path", "teacher_url", "distill_coef", "eos_placement"}
     cfg = C.resolve(C.parse_args([]), DistInfo())
     assert cfg.policy_loss == "vanilla" and cfg.reuse_values == 0 and cfg.loss_agg_mode == "token_mean"
     assert (cfg.mask_truncated, cfg.adv_std_unbiased, cfg.adv_eps, cfg.reward_norm, cfg.reward_clip) == (0, 1, 1e-6, "none", 0.0)
@@ -75,6 +75,7 @@ def test_new_settings_default_to_the_previous_behaviour():
     # Bounds on what others send (docs/security.md): rewards within 1e4 pass unchanged, as before; the call cap and the
     # verifier's time limit only matter with --tools / --reasoning_gym.
     assert (cfg.reward_max_abs, cfg.max_tool_calls, cfg.verifier_timeout) == (1e4, 8, 10.0)
+    assert cfg.eos_placement == "reward"  # the EOS penalty is a term of the reward, as before
 
 
 def test_yaml_preset_is_overridden_by_flags(tmp_path):
@@ -206,6 +207,13 @@ def test_bad_tool_settings_are_one_line(argv, says):
     assert str(e.value).startswith("error: ") and says in str(e.value) and "\n" not in str(e.value)
     C.validate(C.parse_args(["--tools", "dataset/demo_tools.py", "--tools_system_prompt", "Tools: {tools}",
                              "--tool_ok_weight", "0.5", "--max_total_len", "2048"]))
+
+
+def test_eos_placement_advantage_needs_a_group_estimator():
+    with pytest.raises(SystemExit) as e:
+        C.validate(C.parse_args(["--eos_placement", "advantage", "--advantage_estimator", "gae"]))
+    assert str(e.value).startswith("error: --eos_placement advantage") and "\n" not in str(e.value)
+    C.validate(C.parse_args(["--eos_placement", "advantage", "--advantage_estimator", "grpo", "--num_generations", "4"]))
 
 
 def test_fsdp2_turns_the_side_by_side_update_off():

@@ -31,6 +31,14 @@ def test_group_baselines_by_hand():
     assert torch.allclose(E.leave_one_out(r, 3), torch.tensor([-1.5, 0.0, 1.5, -1.5, -1.5, 3.0]))
 
 
+def test_eos_guard_is_the_group_centred_cut_indicator_unscaled():
+    # Group 1: two of four cut (-1 each, mean -0.5); group 2: none cut. Each cut reply gets -penalty/2, each that
+    # ended +penalty/2, whatever the spread of the group's rewards; a group with no cut reply gets nothing.
+    has_eos = torch.tensor([True, False, True, False, True, True, True, True])
+    assert torch.allclose(E.eos_guard(has_eos, 0.15, 4), torch.tensor([0.075, -0.075, 0.075, -0.075, 0, 0, 0, 0]))
+    assert torch.equal(E.eos_guard(torch.zeros(4, dtype=torch.bool), 0.15, 4), torch.zeros(4))
+
+
 def test_an_all_equal_group_has_zero_finite_advantages():
     r = torch.tensor([0.5, 0.5, 0.5, 0.5])
     for fn in (E.group_normalised, E.group_centred, E.leave_one_out):

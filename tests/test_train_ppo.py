@@ -1039,6 +1039,36 @@ def test_mask_truncated_leaves_responses_without_eos_out_of_the_update():
     assert moved["1"] == 0 and moved["0"] > 0.1 * LR
 
 
+def test_eos_placement_advantage_takes_the_penalty_out_of_what_grpo_normalises():
+    """--eos_placement advantage: the rewards leave the EOS penalty out, and each advantage gains the penalty x its
+    group-centred cut indicator, unscaled: a group whose replies differ only in where they stop gets +-0.075, where
+    the penalty inside GRPO's normalised reward makes the same 0.15 difference +-0.87."""
+    import train_ppo as T
+    from trainer.estimators import group_normalised
+
+    flags = ("--advantage_estimator", "grpo", "--num_generations", "4", "--batch_size", "4", "--mini_batch_size", "16",
+             "--eos_penalty", "0.15", "--kl_coef", "0")
+    in_reward = _world(*flags)
+    ro_r, _ = run_experience(in_reward)
+    beside = _world(*flags, "--eos_placement", "advantage")
+    ro_a, metrics = run_experience(beside)
+    assert torch.equal(ro_a.sequences, ro_r.sequences) and not ro_a.has_eos.any(), "the test needs the same cut rollout"
+    torch.testing.assert_close(ro_a.rewards, ro_r.rewards + 0.15)  # every reply was cut: the reward no longer pays -0.15
+    assert metrics["reward/eos"] == -1.0  # still logged
+
+    task = torch.tensor([0.5, 0.5, 0.5, 0.5, 0.0, 1.0, 0.0, 1.0] * 2)  # groups 1 and 3 differ only in where replies stop
+    has_eos = torch.tensor([True, False, True, False, True, True, False, False] * 2)
+    m = ro_a.response_mask
+    adv, _ = T.compute_advantages(beside.cfg, dataclasses.replace(ro_a, rewards=task, has_eos=has_eos), 0.0, beside.runtime)
+    guard = torch.tensor([0.075, -0.075, 0.075, -0.075, 0.075, 0.075, -0.075, -0.075] * 2)
+    want = group_normalised(task, 4, beside.cfg.adv_eps, bool(beside.cfg.adv_std_unbiased)) + guard
+    torch.testing.assert_close(adv, want[:, None] * m)
+    penalised = task - 0.15 * (~has_eos).float()  # the default placement: the penalty is in the reward GRPO normalises
+    adv_r, _ = T.compute_advantages(in_reward.cfg, dataclasses.replace(ro_r, rewards=penalised, has_eos=has_eos), 0.0,
+                                    in_reward.runtime)
+    assert adv_r[0, 0].item() == pytest.approx(0.866, abs=1e-3) and adv[0, 0].item() == pytest.approx(0.075)
+
+
 def test_reward_norm_and_clip_shape_the_scores_the_estimator_sees():
     world = _world("--advantage_estimator", "reinforce_pp", "--reward_norm", "batch", "--reward_clip", "0.5", "--kl_coef", "0")
     import train_ppo as T

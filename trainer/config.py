@@ -211,6 +211,10 @@ class RewardArgs:
     task's own score_answer of the <answer> content)."""
     eos_penalty: float = 0.5
     """Subtracted when a response never emits EOS."""
+    eos_placement: Literal["reward", "advantage"] = "reward"
+    """Where --eos_penalty acts: reward = a term of the reward the estimator normalises (with GRPO a group that differs
+    only in which replies were cut learns to stop as hard as from a met constraint); advantage = added to each
+    response's advantage after the estimator, centred in its group and not scaled (a group estimator only)."""
     ifeval_weight: float = 1.0
     """Weight of the instruction-following reward: the share of a prompt row's "constraints" (dataset/ifeval.py) the
     reply meets, logged per constraint type; rows without constraints get none."""

@@ -87,6 +87,13 @@ def group_centred(scores: Tensor, group_size: int) -> Tensor:
     return (g - g.mean(dim=1, keepdim=True)).reshape(-1)
 
 
+def eos_guard(has_eos: Tensor, penalty: float, group_size: int) -> Tensor:
+    """[B] advantage shift for --eos_placement advantage: -penalty for a response cut without EOS, centred within its
+    group and not scaled by the group's spread, so a group that differs only in where its replies stop gets a
+    nudge of at most `penalty`, not the +-1 that GRPO's std scaling would make of it."""
+    return penalty * group_centred(-(~has_eos.bool()).float(), group_size)
+
+
 def group_normalised(scores: Tensor, group_size: int, eps: float = 1e-6, unbiased: bool = True) -> Tensor:
     """(r_i - mean) / (std + eps), std unbiased as in TRL and verl (MiniMind: the population std, eps 1e-4)."""
     g = _groups(scores, group_size)

@@ -534,6 +534,9 @@ def validate(cfg: Config) -> None:
         (cfg.num_generations >= 2 or est is None or not est.needs_groups,
          f"--advantage_estimator {cfg.advantage_estimator} compares the --num_generations responses to each prompt: "
          f"give --num_generations >= 2 (e.g. 4)"),
+        (cfg.eos_placement == "reward" or est is None or est.needs_groups,
+         f"--eos_placement advantage centres the EOS penalty within each group of responses: --advantage_estimator "
+         f"{cfg.advantage_estimator} has none; use a group estimator (e.g. grpo) or --eos_placement reward"),
         (cfg.num_generations >= 2 or loss is None or not loss.needs_groups,
          f"--policy_loss {cfg.policy_loss} compares the --num_generations responses to each prompt: give --num_generations >= 2"),
         (loss is None or loss.estimators is None or cfg.advantage_estimator in loss.estimators,
