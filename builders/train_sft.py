@@ -45,7 +45,7 @@ from dataset.rlaif import render_prompt
 from model.loader import build_minimind, load_tokenizer
 from model.weights import WeightsError, load_native_weights, native_weight_path, save_native_weights
 from trainer.multiturn import observation
-from trainer.run.hardware import cpu_native_bf16
+from trainer.run.hardware import cpu_bf16_faster
 from trainer.tools import ToolError, load_tools
 
 IGNORE_INDEX = -100
@@ -201,13 +201,13 @@ def sft_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tens
 
 def add_dtype_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
-                   help="autocast dtype on CPU; auto = bfloat16 where the CPU computes it natively (AVX512-BF16/AMX), "
-                        "else float32, which is then many times faster")
+                   help="autocast dtype on CPU; auto = bfloat16 where this CPU's bf16 matmul measures faster than its "
+                        "fp32 (AMX; AMD's AVX512-BF16), else float32")
 
 
 def resolve_dtype(flag: str) -> str:
-    """--dtype auto -> bfloat16 on a CPU with native bf16, else float32."""
-    return flag if flag != "auto" else ("bfloat16" if cpu_native_bf16() else "float32")
+    """--dtype auto -> bfloat16 where this CPU's bf16 matmul measures faster than its fp32, else float32."""
+    return flag if flag != "auto" else ("bfloat16" if cpu_bf16_faster() else "float32")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -38,13 +38,48 @@ def test_cpu_native_bf16_reads_the_cpu_flags(tmp_path, monkeypatch):
         assert H.cpu_native_bf16(tmp_path / "missing") is (avx512_bf16 or amx)
 
 
+def test_bf16_on_a_cpu_needs_native_flags_and_a_measured_gain(monkeypatch):
+    """Native bf16 in the flags is not enough: a Xeon with AVX512-BF16 and no AMX multiplies bf16 at about half its
+    fp32 rate. Without the flags nothing is measured (emulated bf16 is always the slower)."""
+    measured = []
+
+    def speedup(threads, value):
+        measured.append(threads)
+        return value
+
+    for native, ratio, want in ((True, 0.55, False), (True, 1.19, False), (True, 1.2, True), (True, 5.0, True),
+                                (False, 5.0, False)):
+        measured.clear()
+        monkeypatch.setattr(H, "cpu_native_bf16", lambda native=native: native)
+        monkeypatch.setattr(H, "cpu_bf16_speedup", lambda threads, ratio=ratio: speedup(threads, ratio))
+        assert H.cpu_bf16_faster(3) is want, (native, ratio)
+        assert measured == ([3] if native else [])  # at the run's thread count; never without the flags
+    # --dtype auto asks at the run's --num_threads, and only for a model large enough to gain
+    monkeypatch.setattr(H, "cpu_native_bf16", lambda: True)
+    monkeypatch.setattr(H, "cpu_bf16_speedup", lambda threads: speedup(threads, 2.0))
+    measured.clear()
+    big = H.policy_layer_params(_args("--hidden_size", "768", "--num_hidden_layers", "16"))
+    assert H.resolve_precision(_args("--num_threads", "1"), torch.device("cpu"), big) == ("bfloat16", torch.bfloat16)
+    assert H.resolve_precision(_args(), torch.device("cpu"), H.BF16_CPU_MIN_LAYER_PARAMS - 1)[0] == "float32"
+    assert measured == [1]
+
+
+def test_cpu_bf16_speedup_measures_this_cpu_once():
+    threads = torch.get_num_threads()
+    H.cpu_bf16_speedup.cache_clear()
+    ratio = H.cpu_bf16_speedup(1)
+    assert 0 < ratio < 1000 and ratio == ratio  # a real timing ratio, finite
+    assert torch.get_num_threads() == threads  # the probe's thread count does not leak into the run
+    assert H.cpu_bf16_speedup(1) == ratio and H.cpu_bf16_speedup.cache_info().hits == 1
+
+
 @fake_cuda(1, capability=(8, 0))
-def test_auto_precision_picks_bf16_on_a_cpu_only_for_large_models_with_native_bf16(monkeypatch):
+def test_auto_precision_picks_bf16_on_a_cpu_only_for_large_models_where_bf16_is_faster(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     demo, big = H.policy_layer_params(T.parse_args([])), H.policy_layer_params(_args("--hidden_size", "768", "--num_hidden_layers", "16"))
     assert demo < H.BF16_CPU_MIN_LAYER_PARAMS <= big
     for native in (True, False):
-        monkeypatch.setattr(H, "cpu_native_bf16", lambda native=native: native)
+        monkeypatch.setattr(H, "cpu_bf16_faster", lambda threads=None, native=native: native)
         # The demo's 128x4 model keeps fp32 everywhere: its output stays byte-identical.
         assert H.resolve_precision(_args(), cpu, demo) == ("float32", torch.float32)
         want = ("bfloat16", torch.bfloat16) if native else ("float32", torch.float32)
@@ -67,7 +102,7 @@ def test_auto_precision_sizes_the_model_from_its_config(tmp_path, monkeypatch):
     assert H.policy_layer_params(_args("--actor_path", str(tmp_path / "nowhere"))) is None
     # 512x8 MiniMind: 8 x (q,o 512x512; k,v 256x512; gate/up/down 1664x512)
     assert H.policy_layer_params(_args("--hidden_size", "512", "--num_hidden_layers", "8")) == 8 * 512 * (2 * 512 + 2 * 256 + 3 * 1664)
-    monkeypatch.setattr(H, "cpu_native_bf16", lambda: True)
+    monkeypatch.setattr(H, "cpu_bf16_faster", lambda threads=None: True)
     monkeypatch.setattr(H, "BF16_CPU_MIN_LAYER_PARAMS", n)  # the tiny model counts as large
     world = build_update_world(["--actor_path", str(tmp_path / "hf"), "--dtype", "auto"])
     cfg = world.cfg

@@ -384,8 +384,9 @@ class SystemArgs:
     """auto | cpu | cuda | cuda:N (under torchrun each rank takes its own GPU)."""
     dtype: str = opt("auto", choices=lambda: ["auto", *DTYPES])
     """Autocast dtype (log-probs stay fp32). auto = bf16 on GPUs with native bf16 (A100, H100, RTX 30xx on), fp16
-    with loss scaling on V100/T4, fp32 on older GPUs; on a CPU bf16 only for models from 5M layer weights with
-    native bf16 (AMX or AVX512-BF16), else fp32."""
+    with loss scaling on V100/T4, fp32 on older GPUs; on a CPU bf16 only for models from 5M layer weights where a
+    bf16 matmul measures >= 1.2x the fp32 rate at start (AMX, AMD's AVX512-BF16; not Intel's AVX512-BF16 alone),
+    else fp32."""
     ref_device: str = ""
     """Device of the frozen reference: cpu, cuda:N, or cuda:+K = K GPUs after the rank's own (4 ranks per node on
     cuda:0-3 with cuda:+4 put each reference on cuda:4-7); default: the actor's."""

@@ -1,11 +1,14 @@
 """The hardware rules: what "auto" means on this machine. --dtype auto (bf16 on GPUs that compute it natively,
-on CPUs with native bf16 for models large enough to gain), the frozen models' precision, and whether the actor
-and critic update side by side (--parallel_update auto). trainer/run/cli.py's resolve() applies them.
+on CPUs whose bf16 matmul measures faster than their fp32 for models large enough to gain), the frozen models'
+precision, and whether the actor and critic update side by side (--parallel_update auto). trainer/run/cli.py's
+resolve() applies them.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +24,12 @@ if TYPE_CHECKING:
 # --dtype auto / --frozen_low_precision -1 on a CPU: bf16 from this many matmul weights in the transformer
 # layers (embeddings and LM head not counted) on a CPU with native bf16 (crossover: docs/speed-and-memory.md).
 BF16_CPU_MIN_LAYER_PARAMS = 5_000_000
+# ... and only where this CPU's bf16 matmul measures at least this many times its fp32 rate. The flags alone do not
+# say: AVX512-BF16's dot product does as many multiply-adds a cycle as fp32 FMA on Intel cores, so a Xeon with
+# AVX512-BF16 and no AMX multiplies bf16 at 0.55x its fp32 rate (the casts cost the rest), while AMX, and AMD's
+# AVX512-BF16, are faster in bf16 (docs/speed-and-memory.md#bf16-on-a-cpu-measured-not-read-from-the-flags). The
+# margin keeps a noisy measurement from flipping the choice: the CPUs measured sit far from 1 on either side.
+BF16_CPU_MIN_SPEEDUP = 1.2
 
 
 def cpu_native_bf16(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> bool:
@@ -36,6 +45,36 @@ def cpu_native_bf16(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> bool:
         return bool(flags & {"amx_bf16", "avx512_bf16"})
     checks = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
     return any(bool(c()) for c in checks if c is not None)
+
+
+@functools.cache
+def cpu_bf16_speedup(threads: int) -> float:
+    """This CPU's bf16 matmul rate over its fp32 rate at `threads` torch threads: best of 3 alternated timings of a
+    [256, 1024] x [1024, 2048] linear (a 0.5B model's layer matmul at a short sequence) in each dtype, ~0.1 s in
+    all. Measured once per process."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x, w = torch.randn(256, 1024, generator=gen), torch.randn(2048, 1024, generator=gen)
+        pairs = {dt: (x.to(dt), w.to(dt)) for dt in (torch.float32, torch.bfloat16)}
+        best = dict.fromkeys(pairs, float("inf"))
+        for round_ in range(4):  # the first round warms oneDNN's kernels up and is not counted
+            for dt, (a, b) in pairs.items():
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    torch.nn.functional.linear(a, b)
+                if round_:
+                    best[dt] = min(best[dt], time.perf_counter() - t0)
+        return best[torch.float32] / best[torch.bfloat16]
+    finally:
+        torch.set_num_threads(before)
+
+
+def cpu_bf16_faster(threads: int | None = None) -> bool:
+    """True where bf16 pays on this CPU: native bf16 in its flags and a bf16 matmul measured at least
+    BF16_CPU_MIN_SPEEDUP times its fp32 rate (`threads`: the run's torch threads, None = torch's current)."""
+    return cpu_native_bf16() and cpu_bf16_speedup(threads or torch.get_num_threads()) >= BF16_CPU_MIN_SPEEDUP
 
 
 def layer_matmul_params(cfg: Any) -> int:
@@ -87,13 +126,14 @@ def cuda_auto_dtype(device: torch.device) -> str:
     return "float16" if major >= 7 else "float32"
 
 
-def auto_dtype(device: torch.device, layer_params: int | None) -> str:
-    """The auto rule. CUDA: `cuda_auto_dtype`. CPU: bf16 only with native bf16 and a model large enough
-    that its matmuls gain more than the casts and elementwise work lose; else fp32."""
+def auto_dtype(device: torch.device, layer_params: int | None, threads: int | None = None) -> str:
+    """The auto rule. CUDA: `cuda_auto_dtype`. CPU: bf16 only where its bf16 matmul is measured faster
+    (`cpu_bf16_faster` at `threads`) and the model is large enough that its matmuls gain more than the casts
+    and elementwise work lose; else fp32."""
     if device.type == "cuda":
         return cuda_auto_dtype(device)
     big = layer_params is not None and layer_params >= BF16_CPU_MIN_LAYER_PARAMS
-    return "bfloat16" if device.type == "cpu" and big and cpu_native_bf16() else "float32"
+    return "bfloat16" if device.type == "cpu" and big and cpu_bf16_faster(threads) else "float32"
 
 
 def resolve_precision(cfg: Config, device: torch.device, layer_params: int | None = None) -> tuple[str, torch.dtype]:
@@ -102,7 +142,7 @@ def resolve_precision(cfg: Config, device: torch.device, layer_params: int | Non
     auto and --frozen_low_precision -1 follow `auto_dtype`. An explicit low-precision --dtype where auto
     would pick fp32 keeps the frozen models in fp32 unless --frozen_low_precision 1. On a CPU (a --ref_device
     cpu beside a GPU actor) fp16 becomes fp32: CPUs have no fast fp16 and no loss scaler runs there."""
-    auto = auto_dtype(device, layer_params)
+    auto = auto_dtype(device, layer_params, cfg.num_threads or None)
     name = cfg.dtype if cfg.dtype != "auto" else auto
     if device.type == "cpu" and name == "float16":
         name = "float32"
