@@ -46,9 +46,10 @@ from trainer.evaluate import EvalSettings, evaluate_policy, training_metrics
 from trainer.multiturn import Episode, episode_components
 from trainer.ppo import RewardNormalizer, masked_whiten, rollout_is_weights
 from trainer.registry import estimator_spec
+from trainer.repair import with_repairs
 from trainer.reward_server import exits_on_reward_error
 from trainer.rewards import clip_to_range, compute_rewards, overlong_penalty
-from trainer.rollout import Rollout, Sampled, critic_values, group_has_signal, rollout_metrics, select_groups
+from trainer.rollout import Rollout, Sampled, critic_values, decoded, group_has_signal, rollout_metrics, select_groups
 from trainer.run import distributed
 from trainer.run.cli import parse_args
 from trainer.run.engine_sync import start_engine
@@ -126,7 +127,14 @@ def make_experience(cfg: Config, batch: dict, m: Models, rt: Runtime, kl_coef: f
 def sample_and_reward(cfg: Config, batch: dict, m: Models, custom_fns: dict, phase: Phase, source: RolloutSource) -> Sampled:
     """1. rollout: [B*N, P+R] sequences, N = --num_generations (with --tools, multi-turn episodes), from `source`;
     2. reward. Rank-local: a failure on some ranks only (reward function, reward model, OOM) stops every rank with its line."""
-    return rewarded(cfg, batch, source.rollout(batch, phase), m, custom_fns, phase)
+    ro, episodes = source.rollout(batch, phase)
+    repaired = None
+    if cfg.ifeval_repairs:  # rewrites in place of samples where none met a rare constraint (trainer/repair.py)
+        ro, repaired = with_repairs(cfg, batch, ro, m, phase)
+    sampled = rewarded(cfg, batch, (ro, episodes), m, custom_fns, phase)
+    if repaired is not None:
+        sampled.comps["repaired"] = repaired
+    return sampled
 
 
 def rewarded(cfg: Config, batch: dict, sampling: Sampling, m: Models, custom_fns: dict, phase: Phase,
@@ -186,8 +194,7 @@ def score_responses(cfg: Config, batch: dict, ro: Rollout, m: Models, custom_fns
         return [x for x in xs for _ in range(n)]
 
     if episodes is None:
-        tokens, mask = ro.sequences[:, -ro.response_len:].tolist(), ro.response_mask.bool().tolist()  # one copy, not two per row
-        responses = [m.tok.decode([t for t, keep in zip(row, k) if keep], skip_special_tokens=True) for row, k in zip(tokens, mask)]
+        responses = decoded(ro, m.tok)
         replies = [p + r for p, r in zip(expand(batch["assistant_prefix"]), responses)]
     else:  # the whole episode for the sample table (tool replies included); the last turn is the answer
         tokens, seen = ro.sequences[:, ro.prompt_len:].tolist(), ro.attention_mask[:, ro.prompt_len:].bool().tolist()

@@ -463,3 +463,71 @@ DESCRIPTIONS: dict[str, Callable[[dict], str]] = {
 def describe(c: dict) -> str:
     """The sentence that asks for constraint `c` in a prompt, as IFEval words it (start_phrase: ours)."""
     return DESCRIPTIONS[c["type"]](c)
+
+
+# Rewrites that make a reply meet one constraint (--ifeval_repairs: a group where no sample met a type gets one
+# rewritten sample, so GRPO sees a success to move towards). Each takes the reply and the constraint, and a sibling
+# reply (two_responses: the second answer); None where it cannot. Uppercase is left out: the imported SmolLM2 puts
+# 50-185 nats per reply on a capitalised reply (docs/smollm2_ifeval.md), past the whole KL budget.
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def _regroup(reply: str, num: int) -> list[str] | None:
+    """`reply` as exactly `num` non-blank paragraphs: its own blank-line paragraphs with the surplus joined onto the
+    last, or, where it has fewer, its sentences dealt into `num` runs; None with fewer sentences than that."""
+    paras = [p.strip() for p in re.split(r"\n\s*\n", reply) if p.strip()]
+    if len(paras) >= num:
+        return paras[:num - 1] + [" ".join(paras[num - 1:])]
+    sentences = [s for s in _SENTENCE_END.split(" ".join(paras)) if s.strip()]
+    if len(sentences) < num:
+        return None
+    cuts = [round(k * len(sentences) / num) for k in range(num + 1)]
+    return [" ".join(sentences[a:b]) for a, b in zip(cuts, cuts[1:])]
+
+
+def _with_first_word(paras: list[str] | None, c: dict) -> str | None:
+    if paras is None:
+        return None
+    k, word = int(c["nth"]) - 1, c["word"].strip()
+    if k >= len(paras) or not word:
+        return None
+    rest = paras[k][:1].lower() + paras[k][1:] if paras[k][1:2].islower() else paras[k]  # "The sea" -> "Word the sea"
+    paras[k] = f"{word[:1].upper()}{word[1:]} {rest}"
+    return "\n\n".join(paras)
+
+
+def _as_bullets(reply: str, c: dict) -> str | None:
+    runs = _regroup(reply.replace("\n", " "), int(c["num"]))
+    return None if runs is None else "\n".join(f"* {r.lstrip('*- ').strip()}" for r in runs)
+
+
+def _two(reply: str, sibling: str | None) -> str | None:
+    a, b = reply.strip(), (sibling or "").strip()
+    return None if not b or a == b or "******" in a + b else f"{a}\n******\n{b}"
+
+
+REPAIRS: dict[str, Callable[[str, dict, str | None], str | None]] = {  # in the order they compose
+    "lowercase": lambda r, c, s: r.lower(),
+    "number_paragraphs": lambda r, c, s: (lambda p: None if p is None else "\n\n***\n\n".join(p))(_regroup(r, int(c["num"]))),
+    "paragraph_first_word": lambda r, c, s: _with_first_word(_regroup(r, int(c["num"])), c),
+    "number_bullets": lambda r, c, s: _as_bullets(r, c),
+    "two_responses": lambda r, c, s: _two(r, s),
+    "repeat_prompt": lambda r, c, s: f"{c['request'].strip()}\n\n{r.lstrip()}",
+    "quotation": lambda r, c, s: f'"{r.strip()}"',
+}
+
+
+def repair(constraints: list[dict], reply: str, unmet: set[str], sibling: str | None = None) -> str | None:
+    """`reply` rewritten by REPAIRS for each constraint of `constraints` whose type is in `unmet`, in REPAIRS' order;
+    None where no rewrite applies, one fails, or the result does not meet more of `constraints` than `reply` does
+    (so a rewrite never trades one met constraint for another)."""
+    todo = sorted((c for c in constraints if c["type"] in unmet and c["type"] in REPAIRS), key=lambda c: list(REPAIRS).index(c["type"]))
+    if not todo:
+        return None
+    text = reply
+    for c in todo:
+        step = REPAIRS[c["type"]](text, c, sibling)
+        if step is None or not step.strip():
+            return None
+        text = step
+    return text if reward(constraints, text) > reward(constraints, reply) else None

@@ -58,7 +58,7 @@ def test_new_settings_default_to_the_previous_behaviour():
                      "reasoning_gym", "reasoning_gym_size", "cuda_graphs", "padding_free",
                      "reward_model_url", "reward_url", "reward_url_weight", "reward_timeout",
                      "max_tool_calls", "reward_max_abs", "verifier_timeout", "logprob_chunk_size",
-                     "teacher_model_path", "teacher_url", "distill_coef", "eos_placement"}
+                     "teacher_model_path", "teacher_url", "distill_coef", "eos_placement", "ifeval_repairs"}
     cfg = C.resolve(C.parse_args([]), DistInfo())
     assert cfg.policy_loss == "vanilla" and cfg.reuse_values == 0 and cfg.loss_agg_mode == "token_mean"
     assert (cfg.mask_truncated, cfg.adv_std_unbiased, cfg.adv_eps, cfg.reward_norm, cfg.reward_clip) == (0, 1, 1e-6, "none", 0.0)

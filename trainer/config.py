@@ -215,6 +215,11 @@ class RewardArgs:
     """Where --eos_penalty acts: reward = a term of the reward the estimator normalises (with GRPO a group that differs
     only in which replies were cut learns to stop as hard as from a met constraint); advantage = added to each
     response's advantage after the estimator, centred in its group and not scaled (a group estimator only)."""
+    ifeval_repairs: int = 0
+    """Off-policy guidance (trainer/repair.py): in a group where no sample meets a constraint of a type a small model
+    almost never meets by chance (lowercase, quotation, repeat_prompt, two_responses, paragraphs, bullets), up to this
+    many samples are replaced by the group's best ended reply rewritten to meet it (dataset/ifeval.py REPAIRS), then
+    rewarded like any other; their old log-probs are the policy's now (0 = off; logged as reward/repaired)."""
     ifeval_weight: float = 1.0
     """Weight of the instruction-following reward: the share of a prompt row's "constraints" (dataset/ifeval.py) the
     reply meets, logged per constraint type; rows without constraints get none."""

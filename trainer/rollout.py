@@ -54,6 +54,12 @@ class Rollout:
         return Rollout(**{k: v[idx] if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()})
 
 
+def decoded(ro: Rollout, tok: Any) -> list[str]:
+    """Each row's response as text: its tokens up to and including EOS, special tokens dropped."""
+    tokens, mask = ro.sequences[:, -ro.response_len:].tolist(), ro.response_mask.bool().tolist()  # one copy, not two per row
+    return [tok.decode([t for t, keep in zip(row, k) if keep], skip_special_tokens=True) for row, k in zip(tokens, mask)]
+
+
 def group_has_signal(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """[B] rewards -> [B/G] bool: the group's rewards are not all equal (DAPO's dynamic sampling keeps
     these: an all-equal group has zero group-relative advantage). NaN counts as different (kept), so a

@@ -534,6 +534,11 @@ def validate(cfg: Config) -> None:
         (cfg.num_generations >= 2 or est is None or not est.needs_groups,
          f"--advantage_estimator {cfg.advantage_estimator} compares the --num_generations responses to each prompt: "
          f"give --num_generations >= 2 (e.g. 4)"),
+        (cfg.ifeval_repairs >= 0, f"--ifeval_repairs {cfg.ifeval_repairs} must be >= 0 (rewritten samples per group; 0 = off)"),
+        (not cfg.ifeval_repairs or cfg.ifeval_repairs < cfg.num_generations,
+         f"--ifeval_repairs {cfg.ifeval_repairs} replaces samples of a group of --num_generations {cfg.num_generations} by "
+         f"rewrites of its others: give --num_generations above it (e.g. 8)"),
+        (not (cfg.ifeval_repairs and cfg.tools), "--ifeval_repairs rewrites single replies; --tools episodes are several turns: drop one"),
         (cfg.eos_placement == "reward" or est is None or est.needs_groups,
          f"--eos_placement advantage centres the EOS penalty within each group of responses: --advantage_estimator "
          f"{cfg.advantage_estimator} has none; use a group estimator (e.g. grpo) or --eos_placement reward"),

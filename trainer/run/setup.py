@@ -438,6 +438,10 @@ def _build(raw: Config, info: DistInfo) -> Setup:
         raise SystemExit(f"error: --ifeval_partial_weight {cfg.ifeval_partial_weight:g} scores a row's \"constraints\", and "
                          f"{cfg.data_path} has none: it would add nothing. Use a prompt file written by "
                          f"builders/make_ifeval_data.py, or leave it at 0.")
+    if cfg.ifeval_repairs and not ds.has_constraints:
+        raise SystemExit(f"error: --ifeval_repairs {cfg.ifeval_repairs} rewrites replies to meet a row's \"constraints\", and "
+                         f"{cfg.data_path} has none: it would do nothing. Use a prompt file written by "
+                         f"builders/make_ifeval_pool.py, or leave it at 0.")
     if (cfg.accuracy_weight and not any(r.reference is not None or r.gt or r.rg for r in records)
             and not _rewards_beside(cfg, custom_fns, "accuracy")
             and not ((cfg.ifeval_weight or cfg.ifeval_partial_weight) and ds.has_constraints)):
